@@ -1,0 +1,1 @@
+"""The control plane: node registry, heartbeat API, Prometheus collector, history."""

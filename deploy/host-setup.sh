@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# `make setup`: install what this host lacks to run and test nodesampler, and
+# nothing when nothing is missing. Debian/Ubuntu, as root for the apt part.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+arch=$(dpkg --print-architecture)
+# python3-bpfcc: bcc has no PyPI release, so the virtualenv sees the system's.
+# linux-headers-$arch: bcc compiles programs at run time against kernel headers.
+packages="python3-venv python3-pip python3-bpfcc linux-headers-$arch"
+missing=""
+for p in $packages; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+    if [ "$(id -u)" != 0 ]; then
+        echo "setup: missing Debian packages:$missing (run as root, or install them)" >&2
+        exit 1
+    fi
+    echo "setup: installing$missing"
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
+fi
+
+# A kernel without headers of its own (a VM kernel built elsewhere) gets the
+# distribution's: bcc looks in /lib/modules/$(uname -r)/{build,source}, and
+# Debian splits the headers in two packages, so both links are needed.
+mod=/lib/modules/$(uname -r)
+if [ ! -e "$mod/build" ] && [ "$(id -u)" = 0 ]; then
+    hdr=$(ls -d /usr/src/linux-headers-*-"$arch" 2>/dev/null | sort -V | tail -n 1 || true)
+    if [ -n "$hdr" ] && [ -d "${hdr%-$arch}-common" ]; then
+        echo "setup: linking $mod/{build,source} to $hdr (the running kernel ships no headers)"
+        mkdir -p "$mod"
+        ln -sfn "$hdr" "$mod/build"
+        ln -sfn "${hdr%-$arch}-common" "$mod/source"
+    fi
+fi
+
+# The virtualenv comes from the system Python, which is the one bcc is built for.
+if [ ! -x .venv/bin/python ]; then
+    /usr/bin/python3 -m venv --system-site-packages .venv
+fi
+stamp=".venv/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -e "$stamp" ]; then
+    .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+    rm -f .venv/.installed-*
+    touch "$stamp"
+fi

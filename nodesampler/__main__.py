@@ -1,0 +1,5 @@
+import sys
+
+from nodesampler.cli import main
+
+sys.exit(main())

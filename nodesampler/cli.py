@@ -1,0 +1,145 @@
+"""The `nodesampler` command.
+
+Every misuse is one line on stderr and exit code 2; a backend that was asked
+for and cannot run is exit code 3 with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from nodesampler import __version__
+
+EXIT_USAGE = 2
+EXIT_BACKEND = 3
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not argparse's usage block: scripts and operators read the reason.
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _positive(limit: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(v) or v <= 0 or v > limit:
+            raise argparse.ArgumentTypeError(f"must be above 0 and at most {limit:g}: {text!r}")
+        return v
+
+    return parse
+
+
+def _group(text: str) -> tuple[str, str]:
+    from sampler.selectors import GroupSelector
+
+    name, sep, selector = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=SELECTOR: {text!r}")
+    if not name.isprintable() or len(name) > 128:
+        raise argparse.ArgumentTypeError(f"group name must be printable text of at most 128 characters: {name!r}")
+    try:
+        GroupSelector.parse(selector)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name, selector
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="nodesampler", description="How busy this machine is, and which engine makes it so.")
+    p.add_argument("--version", action="version", version=f"nodesampler {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("sample", help="sample one window of this machine and print its summary")
+    s.add_argument("--backend", choices=("auto", "bpf", "proc"), default="auto")
+    s.add_argument("--group", action="append", type=_group, default=[], metavar="NAME=SELECTOR",
+                   help="a process group to report: pgid:N, pid:N, cmdline:REGEX or cgroup:PATH (repeatable)")
+    s.add_argument("--hz", type=_positive(1000), default=10.0, help="samples a second (default 10)")
+    s.add_argument("--duration", type=_positive(3600), default=5.0, help="the window, seconds (default 5)")
+    s.add_argument("--json", action="store_true", help="print the heartbeat summary as JSON")
+    s.add_argument("--proc-root", type=Path, default=Path("/proc"), help="the procfs to read (default /proc)")
+
+    u = sub.add_parser("up", help="a live view of this machine, window after window")
+    u.add_argument("--hz", type=_positive(1000), default=10.0, help="samples a second (default 10)")
+    u.add_argument("--interval", type=_positive(3600), default=5.0, help="the window, seconds (default 5)")
+    return p
+
+
+def _fail(code: int, message: str) -> NoReturn:
+    print(f"nodesampler: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def _make_sampler(backend: str, groups: list[tuple[str, str]], hz: float, proc: Path):  # type: ignore[no-untyped-def]
+    from sampler.backend import BackendUnavailable, choose_backend
+    from sampler.selectors import GroupSelector, GroupWatch
+    from sampler.window_sampler import WindowSampler
+
+    if not proc.is_dir():
+        _fail(EXIT_USAGE, f"--proc-root {proc}: not a directory")
+    names = [n for n, _ in groups]
+    if len(set(names)) != len(names):
+        _fail(EXIT_USAGE, "--group: each NAME may be given once")
+    try:
+        choice = choose_backend(backend)
+    except BackendUnavailable as e:
+        _fail(EXIT_BACKEND, f"backend {backend} unavailable: {e}")
+    watches = [GroupWatch(name, GroupSelector.parse(sel)) for name, sel in groups] or None
+    return WindowSampler(proc, choice, watches, hz=hz)
+
+
+def _stop_on_sigterm() -> None:
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from sampler.summary_text import render
+
+    sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root)
+    sampler.prime(min(1.0, args.duration))
+    summary = sampler.run_window(args.duration)
+    print(json.dumps(summary, indent=2) if args.json else render(summary))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from sampler.summary_text import render
+
+    sampler = _make_sampler("auto", [], args.hz, Path("/proc"))
+    _stop_on_sigterm()
+    print(f"nodesampler {__version__}: sampling this machine at {args.hz:g} Hz, a summary every {args.interval:g} s "
+          "(Ctrl-C stops)", flush=True)
+    sampler.prime(min(1.0, args.interval))
+    try:
+        while True:
+            print(render(sampler.run_window(args.interval)) + "\n", flush=True)
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="nodesampler: %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    commands = {"sample": cmd_sample, "up": cmd_up}
+    try:
+        return commands[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The node agent: /proc (and, later, kernel) backends, window summaries."""

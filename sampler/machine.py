@@ -1,0 +1,156 @@
+"""The machine as a whole, from /proc: CPU utilisation, CPU count, load,
+memory, disks and CPU pressure.
+
+CPU utilisation is a rate, read at every sample; the rest are gauges, read once
+per window (their last value is what a window reports). Anything that cannot
+be read is absent from the result, never 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from sampler import procfs
+
+log = logging.getLogger(__name__)
+
+
+class _LogOnce:
+    """One log line per distinct problem, not one per sample."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def __call__(self, level: int, msg: str) -> None:
+        if msg not in self._seen:
+            self._seen.add(msg)
+            log.log(level, msg)
+
+
+class MachineCpuSampler:
+    """CPU utilisation across all cores between two readings of /proc/stat.
+
+    The first reading has nothing to compare with and yields None; so does a
+    reading where any counter went backwards (CPU hot-unplug, a virtualised
+    /proc), rather than a negative or a made-up value.
+    """
+
+    def __init__(self, proc: Path) -> None:
+        self._path = proc / "stat"
+        self._prev: procfs.CpuTimes | None = None
+        self._log = _LogOnce()
+
+    def sample(self) -> float | None:
+        try:
+            cur = procfs.parse_cpu_times(procfs.read_bytes(self._path))
+        except (OSError, procfs.ProcParseError) as e:
+            self._log(logging.WARNING, f"machine CPU not measured: {e}")
+            self._prev = None
+            return None
+        prev, self._prev = self._prev, cur
+        if prev is None:
+            return None
+        if len(cur.fields) != len(prev.fields) or any(c < p for c, p in zip(cur.fields, prev.fields, strict=True)):
+            log.debug("/proc/stat counters went backwards; no CPU value for this sample")
+            return None
+        d_total = cur.total - prev.total
+        if d_total <= 0:
+            return None  # no tick elapsed: nothing measured, not 0% busy
+        return 100.0 * (cur.busy - prev.busy) / d_total
+
+
+class MachineGaugeReader:
+    """Load, memory, CPU count and disks: each read on its own, each absent
+    when its file is missing or malformed."""
+
+    def __init__(self, proc: Path) -> None:
+        self._proc = proc
+        self._log = _LogOnce()
+
+    def _read(self, name: str) -> bytes | None:
+        try:
+            return procfs.read_bytes(self._proc / name)
+        except OSError as e:
+            self._log(logging.INFO, f"{self._proc / name} unreadable, left out: {e.strerror}")
+            return None
+
+    def read(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        stat = self._read("stat")
+        if stat is not None and (n := procfs.count_cpus(stat)) > 0:
+            out["cpus"] = n
+        if (data := self._read("loadavg")) is not None:
+            try:
+                l1, l5, l15 = procfs.parse_loadavg(data)
+                out["load"] = {"1m": l1, "5m": l5, "15m": l15}
+            except procfs.ProcParseError as e:
+                self._log(logging.WARNING, str(e))
+        if (data := self._read("meminfo")) is not None:
+            mem = procfs.parse_meminfo(data)
+            # MemAvailable: Linux 3.14. Without it "used" would be a guess.
+            if "MemTotal" in mem:
+                out["memory_bytes"] = mem["MemTotal"]
+                if "MemAvailable" in mem:
+                    out["memory_available_bytes"] = mem["MemAvailable"]
+                    out["memory_used_bytes"] = mem["MemTotal"] - mem["MemAvailable"]
+            else:
+                self._log(logging.WARNING, f"{self._proc / 'meminfo'}: no MemTotal, memory left out")
+        disks = self.read_disks()
+        if disks is not None:
+            out["disks"] = disks
+        return out
+
+    def read_disks(self) -> list[dict[str, Any]] | None:
+        info = self._read("self/mountinfo")
+        fs = self._read("filesystems")
+        if info is None or fs is None:
+            return None
+        try:
+            mounts = procfs.real_mounts(procfs.parse_mountinfo(info), procfs.parse_nodev_filesystems(fs))
+        except procfs.ProcParseError as e:
+            self._log(logging.WARNING, str(e))
+            return None
+        disks = []
+        for m in mounts:
+            try:
+                st = os.statvfs(m.mount_point)
+            except OSError as e:
+                self._log(logging.INFO, f"disk {m.mount_point} left out: {e.strerror}")
+                continue
+            total = st.f_blocks * st.f_frsize
+            if total == 0:
+                continue
+            # used as df counts it: blocks not free, reserved blocks included.
+            used = (st.f_blocks - st.f_bfree) * st.f_frsize
+            disks.append({"mount": m.mount_point, "bytes": total, "used_bytes": used})
+        return disks
+
+
+class PressureReader:
+    """Share of a window in which some (or all) runnable tasks waited for a CPU,
+    from the PSI stall totals (microseconds) at the window's start and end."""
+
+    def __init__(self, proc: Path) -> None:
+        self._path = proc / "pressure" / "cpu"
+        self._log = _LogOnce()
+
+    def read(self) -> dict[str, int] | None:
+        try:
+            return procfs.parse_pressure(procfs.read_bytes(self._path))
+        except (OSError, procfs.ProcParseError) as e:
+            # No PSI: CONFIG_PSI unset, psi=0 on the command line, or a kernel before 4.20.
+            self._log(logging.INFO, f"CPU pressure not measured: {e}")
+            return None
+
+    @staticmethod
+    def share(start: dict[str, int] | None, end: dict[str, int] | None, seconds: float) -> dict[str, float] | None:
+        if start is None or end is None or seconds <= 0:
+            return None
+        out: dict[str, float] = {}
+        for key in ("some", "full"):
+            if key in start and key in end and end[key] >= start[key]:
+                out[key] = round(min(1.0, (end[key] - start[key]) / 1e6 / seconds), 4)
+        return out or None

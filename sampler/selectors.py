@@ -1,0 +1,146 @@
+"""Which processes make up an engine: group selectors and the process table
+they are resolved against.
+
+A selector names processes the way an operator knows an engine:
+- `pgid:N`       the process group N;
+- `pid:N`        the process group that process N belongs to;
+- `cmdline:RE`   every process group whose leader's command line matches RE
+                 (`re.search`, so a fragment of the command line is enough);
+- `cgroup:PATH`  every process in the cgroup PATH or below it (v2 path, or the
+                 path in any v1 hierarchy), e.g. a pod's or a systemd unit's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sampler import procfs
+
+KINDS = ("pgid", "pid", "cmdline", "cgroup")
+
+
+@dataclass(frozen=True)
+class GroupSelector:
+    kind: str
+    value: str
+    pattern: re.Pattern[str] | None = field(default=None, compare=False)
+
+    @classmethod
+    def parse(cls, text: str) -> GroupSelector:
+        kind, sep, value = text.partition(":")
+        if not sep or kind not in KINDS:
+            raise ValueError(f"selector {text!r}: expected one of {', '.join(k + ':...' for k in KINDS)}")
+        if kind in ("pgid", "pid"):
+            if not value.isdigit() or int(value) <= 0:
+                raise ValueError(f"selector {text!r}: {kind} must be a positive integer")
+            return cls(kind, str(int(value)))
+        if kind == "cmdline":
+            try:
+                return cls(kind, value, re.compile(value))
+            except re.error as e:
+                raise ValueError(f"selector {text!r}: bad regular expression: {e}") from None
+        if not value.startswith("/"):
+            raise ValueError(f"selector {text!r}: cgroup path must start with '/'")
+        return cls(kind, value.rstrip("/") or "/")
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.value}"
+
+
+@dataclass(frozen=True)
+class GroupWatch:
+    """One engine to report: a shard of the heartbeat."""
+
+    id: str
+    selector: GroupSelector
+    model: str | None = None
+    replica: str | None = None
+
+
+class ProcessTable:
+    """One full walk of /proc: every process's stat, and (read only when a
+    selector needs them) leaders' command lines and processes' cgroups.
+
+    This walk is what makes /proc expensive: about 40 us a process from Python.
+    It runs at most once per window; the samples in between read only the
+    members it found.
+    """
+
+    def __init__(self, proc: Path, stats: dict[int, procfs.PidStat]) -> None:
+        self.proc = proc
+        self.stats = stats
+        self.by_group: dict[int, list[int]] = {}
+        for pid, st in stats.items():
+            self.by_group.setdefault(st.pgrp, []).append(pid)
+        self._cmdlines: dict[int, str | None] = {}
+        self._cgroups: dict[int, list[str] | None] = {}
+
+    @classmethod
+    def walk(cls, proc: Path) -> ProcessTable:
+        stats = {}
+        for pid in procfs.list_pids(proc):
+            try:
+                stats[pid] = procfs.read_pid_stat(proc, pid)
+            except (procfs.ProcessGone, procfs.ProcParseError):
+                # Gone between listing and reading, or half-written: not a member this time.
+                continue
+        return cls(proc, stats)
+
+    def cmdline(self, pid: int) -> str | None:
+        if pid not in self._cmdlines:
+            try:
+                self._cmdlines[pid] = procfs.parse_cmdline(procfs.read_pid_file(self.proc, pid, "cmdline"))
+            except (procfs.ProcessGone, OSError):
+                self._cmdlines[pid] = None
+        return self._cmdlines[pid]
+
+    def cgroups(self, pid: int) -> list[str] | None:
+        if pid not in self._cgroups:
+            try:
+                self._cgroups[pid] = procfs.parse_cgroup_paths(procfs.read_pid_file(self.proc, pid, "cgroup"))
+            except (procfs.ProcessGone, OSError):
+                self._cgroups[pid] = None
+        return self._cgroups[pid]
+
+    def resolve(self, sel: GroupSelector) -> list[int]:
+        """The pids the selector names now."""
+        if sel.kind == "pgid":
+            return list(self.by_group.get(int(sel.value), ()))
+        if sel.kind == "pid":
+            st = self.stats.get(int(sel.value))
+            return [] if st is None or st.pgrp <= 0 else list(self.by_group.get(st.pgrp, ()))
+        if sel.kind == "cmdline":
+            assert sel.pattern is not None
+            out = []
+            for pgid, pids in self.by_group.items():
+                # Only a live leader speaks for its group; pgid 0 is the kernel's threads.
+                if pgid > 0 and pgid in self.stats:
+                    line = self.cmdline(pgid)
+                    if line and sel.pattern.search(line):
+                        out.extend(pids)
+            return out
+        prefix = "" if sel.value == "/" else sel.value
+        return [
+            pid
+            for pid in self.stats
+            if any(p == sel.value or p.startswith(prefix + "/") for p in (self.cgroups(pid) or ()))
+        ]
+
+    def group_ticks(self) -> dict[int, int]:
+        """CPU ticks used so far by each process group's live processes,
+        their reaped children included. Kernel threads (group 0) left out."""
+        out: dict[int, int] = {}
+        for st in self.stats.values():
+            if st.pgrp > 0:
+                out[st.pgrp] = out.get(st.pgrp, 0) + st.self_ticks + st.child_ticks
+        return out
+
+
+def busiest_groups(before: dict[int, int], after: dict[int, int], n: int, exclude: set[int]) -> list[int]:
+    """The n groups that used the most CPU between two walks (and used some)."""
+    used = [(after[g] - before.get(g, 0), g) for g in after if g not in exclude]
+    used = [(u, g) for u, g in used if u > 0]
+    used.sort(reverse=True)
+    return [g for _, g in used[:n]]

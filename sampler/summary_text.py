@@ -1,0 +1,66 @@
+"""A window summary as text for a terminal: what `sample` and `up` print.
+A value that was not measured prints as a dash, never as 0."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DASH = "—"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return DASH
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError
+
+
+def _stats(s: dict[str, float] | None, fmt: str) -> str:
+    if s is None:
+        return f"{DASH} mean  {DASH} p95  {DASH} max"
+    return f"{s['mean']:{fmt}} mean  {s['p95']:{fmt}} p95  {s['max']:{fmt}} max"
+
+
+def render(summary: dict[str, Any]) -> str:
+    m = summary.get("machine", {})
+    w = summary["window"]
+    backend = summary["backend"]
+    if summary.get("backend_reason"):
+        backend += f" ({summary['backend_reason']})"
+    lines = [
+        f"node {summary['node']}  backend {backend}  window {w['end'] - w['start']:.1f} s, {w['samples']} samples",
+        f"cpu      {_stats(m.get('cpu_percent'), '6.1f')}  (%, {m.get('cpus', DASH)} CPUs)",
+    ]
+    load = m.get("load")
+    lines.append("load     " + (f"{load['1m']:.2f} {load['5m']:.2f} {load['15m']:.2f}" if load else DASH))
+    lines.append(
+        f"memory   {_bytes(m.get('memory_used_bytes'))} used of {_bytes(m.get('memory_bytes'))}"
+        f" ({_bytes(m.get('memory_available_bytes'))} available)"
+    )
+    cpu_pressure = m.get("pressure", {}).get("cpu")
+    if cpu_pressure:
+        parts = [f"{k} {v * 100:.1f}%" for k, v in cpu_pressure.items()]
+        lines.append("pressure cpu " + ", ".join(parts) + " of the window")
+    disks = m.get("disks")
+    if disks is None:
+        lines.append(f"disk     {DASH}")
+    for d in disks or ():
+        lines.append(f"disk     {d['mount']}  {_bytes(d['used_bytes'])} used of {_bytes(d['bytes'])}")
+    shards = summary.get("shards", [])
+    lines.append("")
+    if not shards:
+        lines.append("engines  none found")
+        return "\n".join(lines)
+    lines.append(f"{'ENGINE':<20} {'PGID':>8} {'COMMAND':<16} {'CORES':>6} {'p95':>6} {'max':>6} {'MEMORY':>10}")
+    for s in shards:
+        cores = s.get("cpu_cores")
+        c = [f"{cores[k]:6.2f}" for k in ("mean", "p95", "max")] if cores else [f"{DASH:>6}"] * 3
+        pgids = s.get("pgids") or []
+        pgid = str(pgids[0]) if len(pgids) == 1 else (f"{len(pgids)} grps" if pgids else DASH)
+        name = s["id"] if len(s["id"]) <= 20 else s["id"][:19] + "…"
+        command = (s.get("command") or DASH)[:16]
+        lines.append(f"{name:<20} {pgid:>8} {command:<16} {' '.join(c)} {_bytes(s.get('memory_bytes')):>10}")
+    return "\n".join(lines)

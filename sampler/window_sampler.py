@@ -1,0 +1,131 @@
+"""Sampling a machine window after window: the loop `sample` and the agent run.
+
+Each window starts with one walk of /proc (membership of the watched groups,
+and the busiest groups when none are configured), then samples at `hz` until
+the window ends, then summarises. The walk never runs between samples.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sampler.backend import BackendChoice
+from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
+from sampler.proc_groups import ProcGroupSampler
+from sampler.selectors import GroupSelector, GroupWatch, ProcessTable, busiest_groups
+from sampler.window import RateSeries
+
+BUSIEST_GROUPS = 5
+
+
+class WindowSampler:
+    def __init__(
+        self,
+        proc: Path,
+        backend: BackendChoice,
+        watches: list[GroupWatch] | None = None,
+        hz: float = 10.0,
+        node: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if hz <= 0:
+            raise ValueError("hz must be positive")
+        self.proc = proc
+        self.backend = backend
+        self.watches = watches  # None: the busiest groups
+        self.hz = hz
+        self.node = node or socket.gethostname()
+        self._clock, self._wall, self._sleep = clock, wall_clock, sleep
+        self.cpu = MachineCpuSampler(proc)
+        self.gauges = MachineGaugeReader(proc)
+        self.pressure = PressureReader(proc)
+        self.groups = ProcGroupSampler(proc, clock)
+        self._group_ticks: dict[int, int] | None = None
+        self._last_sample_at: float | None = None
+        self._seq = 0
+
+    def prime(self, seconds: float) -> None:
+        """Take the first readings, so that the first window has something to
+        compare with; with no configured groups, also learn which groups are
+        busy (a walk at each end of `seconds`)."""
+        self._discover()
+        self.cpu.sample()
+        self.groups.sample()
+        self._last_sample_at = self._clock()
+        if self.watches is None and seconds > 0:
+            self._sleep(seconds)
+
+    def _discover(self) -> None:
+        table = ProcessTable.walk(self.proc)
+        watches = self.watches
+        if watches is None:
+            ticks = table.group_ticks()
+            top = [] if self._group_ticks is None else busiest_groups(self._group_ticks, ticks, BUSIEST_GROUPS, set())
+            self._group_ticks = ticks
+            watches = [GroupWatch(f"pgid:{g}", GroupSelector("pgid", str(g))) for g in top]
+        self.groups.discover(watches, table)
+
+    def run_window(self, seconds: float) -> dict[str, Any]:
+        start_wall = self._wall()
+        start = self._clock()
+        self._discover()
+        pressure_start, pressure_at = self.pressure.read(), self._clock()
+        n = max(1, round(seconds * self.hz))
+        machine = RateSeries(n)
+        shards = {w.id: RateSeries(n) for w in self.groups.watches}
+        memory: dict[str, int | None] = {w.id: None for w in self.groups.watches}
+        # A sample covers the time since the one before it, which may have been
+        # the previous window's last: its weight must say so.
+        last = start if self._last_sample_at is None else self._last_sample_at
+        for k in range(1, n + 1):
+            delay = start + k / self.hz - self._clock()
+            if delay > 0:
+                self._sleep(delay)
+            now = self._clock()
+            cpu = self.cpu.sample()
+            readings = self.groups.sample()
+            for wid, r in readings.items():
+                shards[wid].add(r.cores, now - last)
+                if r.memory_bytes is not None:
+                    memory[wid] = r.memory_bytes
+            machine.add(cpu, now - last)
+            last = now
+        self._last_sample_at = last
+        self._seq += 1
+        summary: dict[str, Any] = {
+            "node": self.node,
+            "seq": self._seq,
+            "backend": self.backend.name,
+            "backend_reason": self.backend.reason,
+            "window": {"start": start_wall, "end": self._wall(), "samples": n},
+        }
+        m: dict[str, Any] = self.gauges.read()
+        m["cpu_percent"] = machine.summary()
+        pressure = PressureReader.share(pressure_start, self.pressure.read(), self._clock() - pressure_at)
+        if pressure is not None:
+            m["pressure"] = {"cpu": pressure}
+        summary["machine"] = m
+        summary["shards"] = [self._shard(w, shards[w.id], memory[w.id]) for w in self.groups.watches]
+        return summary
+
+    def _shard(self, w: GroupWatch, cores: RateSeries, memory: int | None) -> dict[str, Any]:
+        pgids, command = self.groups.describe(w.id)
+        out: dict[str, Any] = {"id": w.id, "selector": str(w.selector)}
+        if w.model is not None:
+            out["model"] = w.model
+        if w.replica is not None:
+            out["replica"] = w.replica
+        if len(pgids) == 1:
+            out["pgid"] = pgids[0]
+        out["pgids"] = pgids
+        if command is not None:
+            out["command"] = command
+        out["cpu_cores"] = cores.summary()
+        out["memory_bytes"] = memory
+        return out

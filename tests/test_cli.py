@@ -1,0 +1,100 @@
+"""The command line, run as an operator runs it: a subprocess, its exit code,
+its stdout and its stderr."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fakeproc import FakeProc
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "nodesampler", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        ([], "required"),
+        (["frobnicate"], "invalid choice"),
+        (["sample", "--hz", "0"], "--hz"),
+        (["sample", "--hz", "fast"], "--hz"),
+        (["sample", "--hz", "nan"], "--hz"),
+        (["sample", "--duration", "-1"], "--duration"),
+        (["sample", "--duration", "1e9"], "--duration"),
+        (["sample", "--group", "noequals"], "NAME=SELECTOR"),
+        (["sample", "--group", "=pgid:1"], "NAME=SELECTOR"),
+        (["sample", "--group", "a=pgid:x"], "positive integer"),
+        (["sample", "--group", "a=cmdline:("], "regular expression"),
+        (["sample", "--group", "a=cgroup:rel"], "must start with"),
+        (["sample", "--group", "a=host:1"], "expected one of"),
+        (["sample", "--group", "a\x1b[31m=pgid:1"], "printable"),
+        (["sample", "--group", "a=pgid:1", "--group", "a=pgid:2"], "once"),
+        (["sample", "--backend", "ebpf"], "invalid choice"),
+        (["sample", "--proc-root", "/nonexistent/proc"], "not a directory"),
+        (["sample", "--bogus"], "unrecognized"),
+    ],
+)
+def test_misuse_is_one_line_and_exit_2(args: list[str], reason: str) -> None:
+    r = run(*args)
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert reason in lines[0]
+
+
+def test_backend_asked_for_and_unavailable_is_exit_3() -> None:
+    r = run("sample", "--backend", "bpf", "--duration", "0.1")
+    assert r.returncode == 3
+    assert r.stdout == ""
+    [line] = r.stderr.splitlines()
+    assert "backend bpf unavailable" in line and "kernel backend" in line
+
+
+def fake_tree(tmp_path: Path) -> FakeProc:
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(100, comm="vllm", cmdline="vllm serve llama", rss=10)
+    return proc
+
+
+def test_sample_json_on_a_fake_tree(tmp_path: Path) -> None:
+    fake_tree(tmp_path)
+    r = run("sample", "--json", "--duration", "0.2", "--hz", "20", "--proc-root", str(tmp_path / "proc"),
+            "--group", "engine=cmdline:vllm serve", "--group", "none=pgid:4242")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["backend"] == "proc"
+    assert "kernel backend" in summary["backend_reason"]
+    assert summary["window"]["samples"] == 4
+    # The fake machine's counters do not move: no tick elapsed, nothing measured.
+    assert summary["machine"]["cpu_percent"] is None
+    assert summary["machine"]["cpus"] == 2
+    engine, none = summary["shards"]
+    assert (engine["id"], engine["pgid"], engine["command"]) == ("engine", 100, "vllm")
+    assert engine["cpu_cores"] == {"mean": 0.0, "p95": 0.0, "max": 0.0}
+    assert none["cpu_cores"] is None and none["memory_bytes"] is None
+
+
+def test_sample_text_shows_absent_as_a_dash(tmp_path: Path) -> None:
+    proc = fake_tree(tmp_path)
+    (proc.root / "loadavg").unlink()
+    r = run("sample", "--duration", "0.1", "--proc-root", str(proc.root), "--group", "gone=pgid:4242")
+    assert r.returncode == 0, r.stderr
+    assert "load     —" in r.stdout
+    assert re.search(r"^cpu\s+— mean", r.stdout, re.M)
+    gone = [line for line in r.stdout.splitlines() if line.startswith("gone")]
+    assert gone and "0.00" not in gone[0] and "—" in gone[0]
+
+
+def test_sample_of_an_empty_proc_reports_nothing_and_does_not_fail(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    r = run("sample", "--json", "--duration", "0.1", "--proc-root", str(tmp_path / "empty"))
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["machine"] == {"cpu_percent": None}
+    assert summary["shards"] == []

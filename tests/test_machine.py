@@ -1,0 +1,92 @@
+from pathlib import Path
+
+import pytest
+
+from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
+from tests.fakeproc import FakeProc
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> FakeProc:
+    return FakeProc(tmp_path / "proc")
+
+
+def test_first_sample_reports_nothing_then_utilisation(proc: FakeProc) -> None:
+    s = MachineCpuSampler(proc.root)
+    proc.set_cpu(user=1000, idle=1000)
+    assert s.sample() is None
+    proc.set_cpu(user=1030, idle=1070, system=10, iowait=40, guest=20)  # guest is inside user
+    # busy 40, idle 70 + iowait 40: 40 / 150
+    assert s.sample() == pytest.approx(100 * 40 / 150)
+
+
+def test_counter_going_backwards_reports_nothing_for_that_sample(proc: FakeProc) -> None:
+    s = MachineCpuSampler(proc.root)
+    proc.set_cpu(user=1000, idle=1000)
+    s.sample()
+    proc.set_cpu(user=900, idle=1200)  # a CPU went away: its ticks left the sum
+    assert s.sample() is None
+    proc.set_cpu(user=950, idle=1250)
+    assert s.sample() == pytest.approx(50.0)
+
+
+def test_no_tick_elapsed_is_not_an_idle_machine(proc: FakeProc) -> None:
+    s = MachineCpuSampler(proc.root)
+    s.sample()
+    assert s.sample() is None
+
+
+def test_missing_or_half_written_proc_reports_nothing(tmp_path: Path, proc: FakeProc) -> None:
+    assert MachineCpuSampler(tmp_path / "no-proc").sample() is None
+    assert MachineGaugeReader(tmp_path / "no-proc").read() == {}
+    s = MachineCpuSampler(proc.root)
+    proc.set_cpu(user=1, idle=1)
+    s.sample()
+    (proc.root / "stat").write_bytes(b"cpu  1 2")
+    assert s.sample() is None
+    # After a bad reading there is nothing to compare with again.
+    proc.set_cpu(user=10, idle=10)
+    assert s.sample() is None
+    proc.set_cpu(user=20, idle=20)
+    assert s.sample() == pytest.approx(50.0)
+
+
+def test_gauges(proc: FakeProc, tmp_path: Path) -> None:
+    (proc.root / "self").mkdir()
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (proc.root / "self" / "mountinfo").write_text(
+        f"27 1 254:0 / {disk} rw - ext4 /dev/vda rw\n31 27 0:45 / /tmp rw - tmpfs tmpfs rw\n"
+        "40 27 254:7 / /gone rw - ext4 /dev/vdb rw\n"  # unreachable mount point: left out
+    )
+    (proc.root / "filesystems").write_text("nodev\ttmpfs\n\text4\n")
+    g = MachineGaugeReader(proc.root).read()
+    assert g["cpus"] == 2
+    assert g["load"] == {"1m": 0.5, "5m": 0.4, "15m": 0.3}
+    assert g["memory_bytes"] == 16000000 * 1024
+    assert g["memory_available_bytes"] == 4000000 * 1024
+    assert g["memory_used_bytes"] == 12000000 * 1024
+    [d] = g["disks"]
+    assert d["mount"] == str(disk) and d["bytes"] > 0 and 0 <= d["used_bytes"] <= d["bytes"]
+
+
+def test_memory_without_memavailable_has_no_used(proc: FakeProc) -> None:
+    (proc.root / "meminfo").write_text("MemTotal:  100 kB\nMemFree:  50 kB\n")  # a kernel before 3.14
+    (proc.root / "loadavg").write_text("garbage")
+    g = MachineGaugeReader(proc.root).read()
+    assert g["memory_bytes"] == 102400
+    assert "memory_used_bytes" not in g and "memory_available_bytes" not in g
+    assert "load" not in g and "disks" not in g
+
+
+def test_pressure_share_of_window() -> None:
+    assert PressureReader.share({"some": 1_000_000, "full": 0}, {"some": 1_500_000, "full": 0}, 5.0) == {
+        "some": 0.1,
+        "full": 0.0,
+    }
+    assert PressureReader.share(None, {"some": 1}, 5.0) is None
+    assert PressureReader.share({"some": 5}, {"some": 1}, 5.0) is None  # backwards: not measured
+
+
+def test_pressure_absent_without_psi(tmp_path: Path) -> None:
+    assert PressureReader(tmp_path).read() is None

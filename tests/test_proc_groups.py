@@ -1,0 +1,199 @@
+from pathlib import Path
+
+import pytest
+
+from sampler.proc_groups import PAGE_SIZE, USER_HZ, GroupReading, ProcGroupSampler
+from sampler.selectors import GroupSelector, GroupWatch, ProcessTable, busiest_groups
+from tests.fakeproc import FakeClock, FakeProc
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> FakeProc:
+    return FakeProc(tmp_path / "proc")
+
+
+def watch(text: str, wid: str = "s0") -> GroupWatch:
+    return GroupWatch(wid, GroupSelector.parse(text))
+
+
+def sampler_for(proc: FakeProc, *watches: GroupWatch) -> tuple[ProcGroupSampler, FakeClock]:
+    clock = FakeClock()
+    s = ProcGroupSampler(proc.root, clock)
+    s.discover(list(watches), ProcessTable.walk(proc.root))
+    return s, clock
+
+
+def step(s: ProcGroupSampler, clock: FakeClock, seconds: float = 1.0, wid: str = "s0") -> GroupReading:
+    clock.advance(seconds)
+    return s.sample()[wid]
+
+
+def test_first_sample_reports_no_cores(proc: FakeProc) -> None:
+    proc.add(100, utime=50, rss=10)
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    r = step(s, clock)
+    assert r.cores is None
+    assert r.memory_bytes == 10 * PAGE_SIZE  # a gauge needs no previous reading
+
+
+def test_all_processes_of_the_group_count_together(proc: FakeProc) -> None:
+    proc.add(100, utime=0, rss=10)
+    proc.add(101, pgrp=100, ppid=100, utime=0, rss=20)
+    proc.add(102, pgrp=100, ppid=100, stime=0, rss=30)
+    proc.add(200, utime=0)  # another group
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock)
+    proc.set(101, pgrp=100, ppid=100, utime=USER_HZ, rss=20)
+    proc.set(102, pgrp=100, ppid=100, stime=USER_HZ // 2, rss=30)
+    proc.set(200, utime=10 * USER_HZ)
+    r = step(s, clock, 2.0)
+    assert r.cores == pytest.approx(0.75)
+    assert r.memory_bytes == 60 * PAGE_SIZE
+
+
+def test_vanished_process_is_skipped(proc: FakeProc) -> None:
+    proc.add(100)
+    proc.add(101, pgrp=100, ppid=1)
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock)
+    proc.remove(101)
+    proc.set(100, utime=USER_HZ)
+    assert step(s, clock).cores == pytest.approx(1.0)
+
+
+def test_reused_pid_is_a_new_process_not_a_member(proc: FakeProc) -> None:
+    proc.add(100)
+    proc.add(101, pgrp=100, ppid=1, utime=10, start=1000)
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock)
+    # 101 exited; a new process got pid 101, in the same group, with more CPU time.
+    proc.set(101, pgrp=100, ppid=1, utime=5000, start=2000)
+    r = step(s, clock)
+    assert r.cores == pytest.approx(0.0)
+    # The next walk makes it a member, from its reading at that walk on.
+    s.discover([watch("pgid:100")], ProcessTable.walk(proc.root))
+    proc.set(101, pgrp=100, ppid=1, utime=5000 + USER_HZ, start=2000)
+    assert step(s, clock).cores == pytest.approx(1.0)
+
+
+def test_counter_going_backwards_reports_nothing_for_that_sample(proc: FakeProc) -> None:
+    proc.add(100, utime=1000)
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock)
+    proc.set(100, utime=500)
+    assert step(s, clock).cores is None
+    proc.set(100, utime=500 + USER_HZ)
+    assert step(s, clock).cores == pytest.approx(1.0)
+
+
+def test_half_written_member_stat_reports_nothing_for_that_sample(proc: FakeProc) -> None:
+    proc.add(100)
+    proc.add(101, pgrp=100)
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock)
+    proc.write_raw(101, b"101 (pyth")
+    proc.set(100, utime=USER_HZ)
+    assert step(s, clock).cores is None  # a member unread: the sum would be short
+
+
+def test_reaped_children_count(proc: FakeProc) -> None:
+    """Children forked and reaped between two samples are never seen; their
+    time reaches the group through the reaper's cutime and cstime."""
+    proc.add(100)
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock)
+    proc.set(100, utime=USER_HZ // 10, cutime=USER_HZ // 2, cstime=USER_HZ // 4)
+    assert step(s, clock).cores == pytest.approx(0.85)
+
+
+def test_reaping_a_watched_child_does_not_count_its_life_twice(proc: FakeProc) -> None:
+    proc.add(100)
+    proc.add(101, pgrp=100, ppid=100, utime=3600 * USER_HZ)  # a worker that ran for an hour
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock)
+    proc.set(101, pgrp=100, ppid=100, utime=3600 * USER_HZ + USER_HZ)
+    assert step(s, clock).cores == pytest.approx(1.0)
+    # It used half a second more, exited, and its parent reaped it.
+    proc.remove(101)
+    proc.set(100, cutime=3601 * USER_HZ + USER_HZ // 2)
+    assert step(s, clock).cores == pytest.approx(0.5)
+
+
+def test_reap_seen_after_the_exit(proc: FakeProc) -> None:
+    """The child is gone at one sample and its parent's cutime grows only at the
+    next (the reap raced the reading): counted once, when it shows."""
+    proc.add(100)
+    proc.add(101, pgrp=100, ppid=100, utime=1000)
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock)
+    proc.remove(101)
+    assert step(s, clock).cores == pytest.approx(0.0)
+    proc.set(100, cutime=1000 + USER_HZ)
+    assert step(s, clock).cores == pytest.approx(1.0)
+
+
+def test_process_that_left_the_group_is_not_counted(proc: FakeProc) -> None:
+    proc.add(100)
+    proc.add(101, pgrp=100)
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock)
+    proc.set(101, pgrp=101, utime=10 * USER_HZ)  # setsid()
+    assert step(s, clock).cores == pytest.approx(0.0)
+
+
+def test_group_that_is_gone_reports_nothing(proc: FakeProc) -> None:
+    proc.add(100)
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock)
+    proc.remove(100)
+    assert step(s, clock) == GroupReading(None, None)
+
+
+def test_missing_proc_reports_nothing(tmp_path: Path) -> None:
+    s = ProcGroupSampler(tmp_path / "absent")
+    s.discover([watch("pgid:1")], ProcessTable.walk(tmp_path / "absent"))
+    assert s.sample()["s0"] == GroupReading(None, None)
+
+
+def test_members_keep_their_baseline_across_walks(proc: FakeProc) -> None:
+    proc.add(100)
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock)
+    proc.set(100, utime=USER_HZ)
+    s.discover([watch("pgid:100")], ProcessTable.walk(proc.root))  # a walk between two samples
+    assert step(s, clock).cores == pytest.approx(1.0)
+
+
+def test_selectors_resolve(proc: FakeProc) -> None:
+    proc.add(100, comm="vllm", cmdline="vllm serve meta/llama-70b --tp 2", cgroup="/kubepods/pod-a/c1")
+    proc.add(101, pgrp=100, cmdline="vllm worker", cgroup="/kubepods/pod-a/c1")
+    proc.add(200, comm="sshd", cmdline="sshd -D", cgroup="/system.slice/ssh.service")
+    proc.add(300, pgrp=299, cmdline="orphan group, leader gone", cgroup="/kubepods/pod-ab")
+    t = ProcessTable.walk(proc.root)
+
+    def pids(text: str) -> list[int]:
+        return sorted(t.resolve(GroupSelector.parse(text)))
+
+    assert pids("pgid:100") == [100, 101]
+    assert pids("pid:101") == [100, 101]
+    assert pids("pid:999") == []
+    assert pids("cmdline:llama-70b") == [100, 101]
+    assert pids("cmdline:orphan") == []  # no live leader to match
+    assert pids("cgroup:/kubepods/pod-a") == [100, 101]  # not pod-ab
+    assert pids("cgroup:/kubepods") == [100, 101, 300]
+    assert pids("cgroup:/") == [100, 101, 200, 300]
+
+
+@pytest.mark.parametrize(
+    "text", ["pgid:", "pgid:-1", "pgid:0", "pid:abc", "cmdline:(", "cgroup:relative", "name:x", "pgid"]
+)
+def test_bad_selectors(text: str) -> None:
+    with pytest.raises(ValueError, match="selector"):
+        GroupSelector.parse(text)
+
+
+def test_busiest_groups() -> None:
+    before = {1: 100, 2: 100, 3: 100}
+    after = {1: 150, 2: 400, 3: 100, 4: 20}
+    assert busiest_groups(before, after, 2, set()) == [2, 1]
+    assert busiest_groups(before, after, 5, {2}) == [1, 4]

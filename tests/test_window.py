@@ -1,0 +1,108 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sampler.backend import BackendChoice
+from sampler.proc_groups import PAGE_SIZE, USER_HZ
+from sampler.selectors import GroupSelector, GroupWatch
+from sampler.window import RateSeries
+from sampler.window_sampler import WindowSampler
+from tests.fakeproc import FakeClock, FakeProc
+
+
+def test_mean_is_time_weighted_and_bursts_show_in_max() -> None:
+    s = RateSeries(4)
+    s.add(1.0, 0.1)
+    s.add(1.0, 0.1)
+    s.add(3.0, 0.2)  # a late sample covering twice the time
+    summary = s.summary()
+    assert summary is not None
+    assert summary["mean"] == pytest.approx((0.1 + 0.1 + 0.6) / 0.4)
+    assert summary["max"] == 3.0
+    assert summary["p95"] == pytest.approx(float(np.percentile([1.0, 1.0, 3.0], 95)), abs=1e-4)
+
+
+def test_unmeasured_samples_are_left_out_not_zero() -> None:
+    s = RateSeries(3)
+    s.add(None, 0.1)
+    s.add(2.0, 0.1)
+    s.add(None, 0.1)
+    assert s.summary() == {"mean": 2.0, "p95": 2.0, "max": 2.0}
+
+
+def test_window_with_nothing_measured_has_no_summary() -> None:
+    s = RateSeries(2)
+    assert s.summary() is None
+    s.add(None, 0.1)
+    assert s.summary() is None
+
+
+def test_series_grows_past_its_capacity() -> None:
+    s = RateSeries(2)
+    for v in range(5):
+        s.add(float(v), 1.0)
+    assert s.summary() == {"mean": 2.0, "p95": pytest.approx(3.8), "max": 4.0}
+
+
+class ScriptedProc:
+    """Moves a fake /proc forward at each sleep, as a real one moves with time."""
+
+    def __init__(self, proc: FakeProc, clock: FakeClock, comm: str = "python3") -> None:
+        self.proc, self.clock, self.ticks, self.comm = proc, clock, 0, comm
+
+    def sleep(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.ticks += round(seconds * USER_HZ)
+        # The machine: one of two CPUs busy. The engine: one core.
+        self.proc.set_cpu(user=self.ticks, idle=self.ticks)
+        self.proc.set(100, self.comm, utime=self.ticks, rss=256)
+
+
+def test_window_summary_shape(tmp_path: Path) -> None:
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(100, rss=256)
+    clock = FakeClock()
+    script = ScriptedProc(proc, clock)
+    w = WindowSampler(
+        proc.root,
+        BackendChoice("proc", "asked for proc"),
+        [GroupWatch("s0", GroupSelector.parse("pgid:100"), model="llama", replica="r1"),
+         GroupWatch("gone", GroupSelector.parse("pgid:999"))],
+        hz=10,
+        node="n1",
+        clock=clock,
+        wall_clock=clock,
+        sleep=script.sleep,
+    )
+    first = w.run_window(1.0)
+    second = w.run_window(1.0)
+    assert first["seq"] == 1 and second["seq"] == 2
+    assert second["window"]["samples"] == 10
+    assert second["backend"] == "proc"
+    m = second["machine"]
+    assert m["cpu_percent"] == {"mean": 50.0, "p95": 50.0, "max": 50.0}
+    assert m["cpus"] == 2 and m["memory_bytes"] == 16000000 * 1024
+    s0, gone = second["shards"]
+    assert (s0["id"], s0["model"], s0["replica"], s0["pgid"]) == ("s0", "llama", "r1", 100)
+    assert s0["cpu_cores"] == {"mean": 1.0, "p95": 1.0, "max": 1.0}
+    assert s0["memory_bytes"] == 256 * PAGE_SIZE
+    # A group that does not exist is reported as unmeasured, not as idle.
+    assert gone["cpu_cores"] is None and gone["memory_bytes"] is None and gone["pgids"] == []
+    # The very first sample had nothing to compare with: 9 measured samples, same figures.
+    assert first["shards"][0]["cpu_cores"] == {"mean": 1.0, "p95": 1.0, "max": 1.0}
+
+
+def test_busiest_groups_are_found_by_priming(tmp_path: Path) -> None:
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(100, comm="engine", rss=1)
+    proc.add(200, comm="idle")
+    clock = FakeClock()
+    script = ScriptedProc(proc, clock, comm="engine")
+    w = WindowSampler(proc.root, BackendChoice("proc", None), None, hz=10, node="n1",
+                      clock=clock, wall_clock=clock, sleep=script.sleep)
+    w.prime(1.0)
+    summary = w.run_window(1.0)
+    [shard] = summary["shards"]
+    assert (shard["id"], shard["command"]) == ("pgid:100", "engine")
+    assert shard["cpu_cores"]["mean"] == pytest.approx(1.0)

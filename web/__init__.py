@@ -1,0 +1,1 @@
+"""Cluster and node pages."""
