@@ -13,12 +13,15 @@ A selector names processes the way an operator knows an engine:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from sampler import procfs
 
 KINDS = ("pgid", "pid", "cmdline", "cgroup")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -89,20 +92,19 @@ class ProcessTable:
         return cls(proc, stats)
 
     def cmdline(self, pid: int) -> str | None:
-        if pid not in self._cmdlines:
-            try:
-                self._cmdlines[pid] = procfs.parse_cmdline(procfs.read_pid_file(self.proc, pid, "cmdline"))
-            except (procfs.ProcessGone, OSError):
-                self._cmdlines[pid] = None
-        return self._cmdlines[pid]
+        return self._read_once(self._cmdlines, pid, "cmdline", procfs.parse_cmdline)
 
     def cgroups(self, pid: int) -> list[str] | None:
-        if pid not in self._cgroups:
+        return self._read_once(self._cgroups, pid, "cgroup", procfs.parse_cgroup_paths)
+
+    def _read_once(self, cache: dict[int, T | None], pid: int, name: str, parse: Callable[[bytes], T]) -> T | None:
+        """/proc/<pid>/<name>, parsed, read at most once per walk; None once the process is gone."""
+        if pid not in cache:
             try:
-                self._cgroups[pid] = procfs.parse_cgroup_paths(procfs.read_pid_file(self.proc, pid, "cgroup"))
+                cache[pid] = parse(procfs.read_pid_file(self.proc, pid, name))
             except (procfs.ProcessGone, OSError):
-                self._cgroups[pid] = None
-        return self._cgroups[pid]
+                cache[pid] = None
+        return cache[pid]
 
     def resolve(self, sel: GroupSelector) -> list[int]:
         """The pids the selector names now."""
