@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sampler.backend import BackendChoice
+from sampler.proc_groups import ProcGroupSampler
 from sampler.selectors import GroupSelector, GroupWatch, ProcessTable
 from sampler.window_sampler import WindowSampler
 
@@ -66,7 +67,8 @@ def process_count() -> int:
 
 
 def sampler_share(pgid: int, windows: int, interval: float) -> list[float]:
-    s = WindowSampler(PROC, BackendChoice("proc", None), [GroupWatch("g", GroupSelector.parse(f"pgid:{pgid}"))], hz=HZ)
+    watches = [GroupWatch("g", GroupSelector.parse(f"pgid:{pgid}"))]
+    s = WindowSampler(PROC, BackendChoice("proc", None), ProcGroupSampler(PROC), watches, hz=HZ)
     s.prime(0)
     shares = []
     for _ in range(windows):

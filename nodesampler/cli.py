@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--duration", type=_positive(3600), default=5.0, help="the window, seconds (default 5)")
     s.add_argument("--json", action="store_true", help="print the heartbeat summary as JSON")
     s.add_argument("--proc-root", type=Path, default=Path("/proc"), help="the procfs to read (default /proc)")
+    s.add_argument("--kernel-headers", type=Path, default=None, metavar="DIR",
+                   help="a kernel source tree for the kernel backend, when /lib/modules/$(uname -r) has none")
+    s.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
 
     u = sub.add_parser("up", help="a live view of this machine, window after window")
     u.add_argument("--hz", type=_positive(1000), default=10.0, help="samples a second (default 10)")
@@ -81,8 +84,10 @@ def _fail(code: int, message: str) -> NoReturn:
     raise SystemExit(code)
 
 
-def _make_sampler(backend: str, groups: list[tuple[str, str]], hz: float, proc: Path):  # type: ignore[no-untyped-def]
-    from sampler.backend import BackendUnavailable, choose_backend
+def _make_sampler(  # type: ignore[no-untyped-def]
+    backend: str, groups: list[tuple[str, str]], hz: float, proc: Path, kernel_headers: Path | None = None
+):
+    from sampler.backend import BackendUnavailable, open_backend
     from sampler.selectors import GroupSelector, GroupWatch
     from sampler.window_sampler import WindowSampler
 
@@ -92,11 +97,24 @@ def _make_sampler(backend: str, groups: list[tuple[str, str]], hz: float, proc: 
     if len(set(names)) != len(names):
         _fail(EXIT_USAGE, "--group: each NAME may be given once")
     try:
-        choice = choose_backend(backend)
+        choice, group_sampler = open_backend(backend, proc, hz, kernel_headers)
     except BackendUnavailable as e:
         _fail(EXIT_BACKEND, f"backend {backend} unavailable: {e}")
     watches = [GroupWatch(name, GroupSelector.parse(sel)) for name, sel in groups] or None
-    return WindowSampler(proc, choice, watches, hz=hz)
+    return WindowSampler(proc, choice, group_sampler, watches, hz=hz)
+
+
+def _print_bpf(hz: float) -> int:
+    """What the kernel backend compiles: its flags, from this kernel's BTF, and its source."""
+    from sampler import bpf_sched, btf
+
+    try:
+        flags = " ".join(bpf_sched.compile_flags(btf.task_offsets()))
+    except btf.BtfError as e:
+        flags = f"(unknown: {e})"
+    print(f"// {bpf_sched.SOURCE}\n// cflags: {flags}\n")
+    print(bpf_sched.SOURCE.read_text(), end="")
+    return 0
 
 
 def _stop_on_sigterm() -> None:
@@ -109,9 +127,14 @@ def _stop_on_sigterm() -> None:
 def cmd_sample(args: argparse.Namespace) -> int:
     from sampler.summary_text import render
 
-    sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root)
-    sampler.prime(min(1.0, args.duration))
-    summary = sampler.run_window(args.duration)
+    if args.print_bpf:
+        return _print_bpf(args.hz)
+    sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root, args.kernel_headers)
+    try:
+        sampler.prime(min(1.0, args.duration))
+        summary = sampler.run_window(args.duration)
+    finally:
+        sampler.groups.close()
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     return 0
 
@@ -123,12 +146,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
     print(f"nodesampler {__version__}: sampling this machine at {args.hz:g} Hz, a summary every {args.interval:g} s "
           "(Ctrl-C stops)", flush=True)
-    sampler.prime(min(1.0, args.interval))
     try:
+        sampler.prime(min(1.0, args.interval))
         while True:
             print(render(sampler.run_window(args.interval)) + "\n", flush=True)
     except KeyboardInterrupt:
         return 0
+    finally:
+        sampler.groups.close()
 
 
 def main(argv: list[str] | None = None) -> int:

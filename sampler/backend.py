@@ -1,20 +1,43 @@
 """Choosing the backend that counts engines' CPU time.
 
-`proc` reads /proc. `bpf` (counting on-CPU time in the kernel) is not part of
-this version yet: asked for explicitly it is refused with that reason, and
-`auto` falls back to /proc saying why, as it will for a kernel backend that
-does not load.
+`bpf` counts on-CPU time in the kernel (sampler/bpf_sched.py); `proc` reads
+/proc (sampler/proc_groups.py). `auto` uses the kernel backend when it loads
+and falls back to /proc otherwise, saying why once in the log and in every
+summary's `backend_reason`. `bpf` asked for and unable to load is an error
+carrying the same reason.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from sampler.proc_groups import GroupReading, ProcGroupSampler
+from sampler.selectors import GroupWatch, ProcessTable
 
 CHOICES = ("auto", "bpf", "proc")
+
+log = logging.getLogger(__name__)
 
 
 class BackendUnavailable(Exception):
     """The backend asked for cannot run here; the message says why."""
+
+
+class GroupSampler(Protocol):
+    @property
+    def watches(self) -> list[GroupWatch]: ...
+    def discover(self, watches: list[GroupWatch], table: ProcessTable) -> None: ...
+    def sample(self) -> dict[str, GroupReading]: ...
+    def memory(self) -> dict[str, int | None]: ...
+    def describe(self, watch_id: str) -> tuple[list[int], str | None]: ...
+    def close(self) -> None: ...
+    def program_stats(self) -> dict[str, tuple[int, int]]: ...
+    def dropped_forks(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -23,12 +46,23 @@ class BackendChoice:
     reason: str | None  # why the kernel backend is not in use, when it is not
 
 
-def choose_backend(asked: str) -> BackendChoice:
+def open_backend(
+    asked: str,
+    proc: Path,
+    hz: float,
+    kernel_headers: Path | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[BackendChoice, GroupSampler]:
     if asked not in CHOICES:
         raise ValueError(f"backend {asked!r}: expected one of {', '.join(CHOICES)}")
     if asked == "proc":
-        return BackendChoice("proc", "asked for proc")
-    reason = "kernel backend not built into this version of nodesampler"
-    if asked == "bpf":
-        raise BackendUnavailable(reason)
-    return BackendChoice("proc", reason)
+        return BackendChoice("proc", "asked for proc"), ProcGroupSampler(proc, clock)
+    from sampler import bpf_sched
+
+    try:
+        return BackendChoice("bpf", None), bpf_sched.load(proc, hz, kernel_headers, clock=clock)
+    except BackendUnavailable as e:
+        if asked == "bpf":
+            raise
+        log.warning("kernel backend unavailable, counting from /proc: %s", e)
+        return BackendChoice("proc", str(e)), ProcGroupSampler(proc, clock)

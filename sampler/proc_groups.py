@@ -76,6 +76,7 @@ class ProcGroupSampler:
         self._clock = clock
         self._states: dict[str, _WatchState] = {}
         self._last_at: float | None = None
+        self._memory: dict[str, int | None] = {}
 
     @property
     def watches(self) -> list[GroupWatch]:
@@ -115,7 +116,22 @@ class ProcGroupSampler:
         now = self._clock()
         elapsed = None if self._last_at is None else now - self._last_at
         self._last_at = now
-        return {wid: self._sample_one(state, elapsed) for wid, state in self._states.items()}
+        readings = {wid: self._sample_one(state, elapsed) for wid, state in self._states.items()}
+        self._memory = {wid: r.memory_bytes for wid, r in readings.items()}
+        return readings
+
+    def memory(self) -> dict[str, int | None]:
+        """Each group's resident memory at the last sample (read with its CPU time)."""
+        return {wid: self._memory.get(wid) for wid in self._states}
+
+    def close(self) -> None:
+        pass
+
+    def program_stats(self) -> dict[str, tuple[int, int]]:
+        return {}  # no kernel programs
+
+    def dropped_forks(self) -> int | None:
+        return None
 
     def _sample_one(self, state: _WatchState, elapsed: float | None) -> GroupReading:
         used = 0

@@ -13,9 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sampler.backend import BackendChoice
+from sampler.backend import BackendChoice, GroupSampler
 from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
-from sampler.proc_groups import ProcGroupSampler
 from sampler.selectors import GroupSelector, GroupWatch, ProcessTable, busiest_groups
 from sampler.window import RateSeries
 
@@ -27,6 +26,7 @@ class WindowSampler:
         self,
         proc: Path,
         backend: BackendChoice,
+        groups: GroupSampler,
         watches: list[GroupWatch] | None = None,
         hz: float = 10.0,
         node: str | None = None,
@@ -45,9 +45,10 @@ class WindowSampler:
         self.cpu = MachineCpuSampler(proc)
         self.gauges = MachineGaugeReader(proc)
         self.pressure = PressureReader(proc)
-        self.groups = ProcGroupSampler(proc, clock)
+        self.groups = groups
         self._group_ticks: dict[int, int] | None = None
         self._last_sample_at: float | None = None
+        self._program_stats: dict[str, tuple[int, int]] = {}
         self._seq = 0
 
     def prime(self, seconds: float) -> None:
@@ -79,7 +80,6 @@ class WindowSampler:
         n = max(1, round(seconds * self.hz))
         machine = RateSeries(n)
         shards = {w.id: RateSeries(n) for w in self.groups.watches}
-        memory: dict[str, int | None] = {w.id: None for w in self.groups.watches}
         # A sample covers the time since the one before it, which may have been
         # the previous window's last: its weight must say so.
         last = start if self._last_sample_at is None else self._last_sample_at
@@ -92,8 +92,6 @@ class WindowSampler:
             readings = self.groups.sample()
             for wid, r in readings.items():
                 shards[wid].add(r.cores, now - last)
-                if r.memory_bytes is not None:
-                    memory[wid] = r.memory_bytes
             machine.add(cpu, now - last)
             last = now
         self._last_sample_at = last
@@ -111,8 +109,26 @@ class WindowSampler:
         if pressure is not None:
             m["pressure"] = {"cpu": pressure}
         summary["machine"] = m
-        summary["shards"] = [self._shard(w, shards[w.id], memory[w.id]) for w in self.groups.watches]
+        memory = self.groups.memory()
+        summary["shards"] = [self._shard(w, shards[w.id], memory.get(w.id)) for w in self.groups.watches]
+        if cost := self._program_cost():
+            summary["bpf"] = cost
         return summary
+
+    def _program_cost(self) -> dict[str, Any] | None:
+        """The kernel programs' run count and run time in this window, from the
+        kernel's own BPF statistics."""
+        now = self.groups.program_stats()
+        if not now:
+            return None
+        before, self._program_stats = self._program_stats, now
+        programs = {}
+        for name, (ns, runs) in now.items():
+            ns0, runs0 = before.get(name, (0, 0))
+            d_ns, d_runs = ns - ns0, runs - runs0
+            programs[name] = {"runs": d_runs, "run_time_ns": d_ns,
+                              "ns_per_run": round(d_ns / d_runs, 1) if d_runs > 0 else None}  # fmt: skip
+        return {"programs": programs, "dropped_forks": self.groups.dropped_forks()}
 
     def _shard(self, w: GroupWatch, cores: RateSeries, memory: int | None) -> dict[str, Any]:
         pgids, command = self.groups.describe(w.id)

@@ -48,12 +48,18 @@ def test_misuse_is_one_line_and_exit_2(args: list[str], reason: str) -> None:
     assert reason in lines[0]
 
 
-def test_backend_asked_for_and_unavailable_is_exit_3() -> None:
-    r = run("sample", "--backend", "bpf", "--duration", "0.1")
+def test_backend_asked_for_and_unavailable_is_exit_3(tmp_path: Path) -> None:
+    r = run("sample", "--backend", "bpf", "--duration", "0.1", "--kernel-headers", str(tmp_path))
     assert r.returncode == 3
     assert r.stdout == ""
     [line] = r.stderr.splitlines()
-    assert "backend bpf unavailable" in line and "kernel backend" in line
+    assert "backend bpf unavailable" in line and f"no kernel headers in {tmp_path}" in line
+
+
+def test_print_bpf_shows_the_program_and_its_flags() -> None:
+    r = run("sample", "--print-bpf")
+    assert r.returncode == 0, r.stderr
+    assert "-DTASK_PID_OFF=" in r.stdout and "RAW_TRACEPOINT_PROBE(sched_switch)" in r.stdout
 
 
 def fake_tree(tmp_path: Path) -> FakeProc:
@@ -68,8 +74,10 @@ def test_sample_json_on_a_fake_tree(tmp_path: Path) -> None:
             "--group", "engine=cmdline:vllm serve", "--group", "none=pgid:4242")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
+    # The kernel backend checks this process's capabilities in the procfs it
+    # was given; a fake tree has none to show, so /proc it is, saying why.
     assert summary["backend"] == "proc"
-    assert "kernel backend" in summary["backend_reason"]
+    assert "capabilities" in summary["backend_reason"]
     assert summary["window"]["samples"] == 4
     # The fake machine's counters do not move: no tick elapsed, nothing measured.
     assert summary["machine"]["cpu_percent"] is None

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from sampler.backend import BackendChoice
+from sampler.proc_groups import ProcGroupSampler
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window_sampler import WindowSampler
 
@@ -102,7 +103,8 @@ def group_ticks(pgid: int) -> int:
 
 def measure(pgid: int, selector: str) -> tuple[float, float]:
     """The sampler's window mean and the truth over the same interval, in cores."""
-    sampler = WindowSampler(PROC, BackendChoice("proc", None), [GroupWatch("w", GroupSelector.parse(selector))])
+    watches = [GroupWatch("w", GroupSelector.parse(selector))]
+    sampler = WindowSampler(PROC, BackendChoice("proc", None), ProcGroupSampler(PROC), watches)
     sampler.prime(0)
     t0, ticks0 = time.monotonic(), group_ticks(pgid)
     summary = sampler.run_window(WINDOW_S)

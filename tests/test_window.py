@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sampler.backend import BackendChoice
-from sampler.proc_groups import PAGE_SIZE, USER_HZ
+from sampler.proc_groups import PAGE_SIZE, USER_HZ, ProcGroupSampler
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window import RateSeries
 from sampler.window_sampler import WindowSampler
@@ -67,6 +67,7 @@ def test_window_summary_shape(tmp_path: Path) -> None:
     w = WindowSampler(
         proc.root,
         BackendChoice("proc", "asked for proc"),
+        ProcGroupSampler(proc.root, clock),
         [GroupWatch("s0", GroupSelector.parse("pgid:100"), model="llama", replica="r1"),
          GroupWatch("gone", GroupSelector.parse("pgid:999"))],
         hz=10,
@@ -78,6 +79,7 @@ def test_window_summary_shape(tmp_path: Path) -> None:
     first = w.run_window(1.0)
     second = w.run_window(1.0)
     assert first["seq"] == 1 and second["seq"] == 2
+    assert "bpf" not in second  # no kernel programs, no cost to report
     assert second["window"]["samples"] == 10
     assert second["backend"] == "proc"
     m = second["machine"]
@@ -99,7 +101,8 @@ def test_busiest_groups_are_found_by_priming(tmp_path: Path) -> None:
     proc.add(200, comm="idle")
     clock = FakeClock()
     script = ScriptedProc(proc, clock, comm="engine")
-    w = WindowSampler(proc.root, BackendChoice("proc", None), None, hz=10, node="n1",
+    groups = ProcGroupSampler(proc.root, clock)
+    w = WindowSampler(proc.root, BackendChoice("proc", None), groups, None, hz=10, node="n1",
                       clock=clock, wall_clock=clock, sleep=script.sleep)
     w.prime(1.0)
     summary = w.run_window(1.0)

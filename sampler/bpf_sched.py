@@ -1,0 +1,348 @@
+"""The kernel backend for engines: on-CPU time per watched process group,
+counted in the kernel by `bpf/sched_groups.bpf.c` (bcc).
+
+A sample reads one per-CPU counter per watched group: its cost does not depend
+on how many processes the machine runs. Userspace's part is membership: once
+per window the walk of /proc says which processes belong to which watch, and
+`discover` writes them into the kernel's `task_slot` map; processes forked
+inside a group join it in the kernel, at fork.
+
+`load` either returns a working sampler or raises `BackendUnavailable` with
+the reason, checking in the order an operator would fix things: bcc,
+capabilities, the kernel's BTF, kernel headers, then compiling and attaching.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sampler import btf, procfs
+from sampler.backend import BackendUnavailable
+from sampler.proc_groups import PAGE_SIZE, GroupReading
+from sampler.selectors import GroupWatch, ProcessTable
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "bpf" / "sched_groups.bpf.c"
+MAX_TASKS = 65536
+MAX_SLOTS = 256
+
+CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
+PROGRAMS = ("raw_tracepoint__sched_switch", "on_tick", "raw_tracepoint__sched_process_fork",
+            "raw_tracepoint__sched_process_exit")  # fmt: skip
+
+
+@dataclass
+class _Watch:
+    watch: GroupWatch
+    pids: list[int]
+    pgids: list[int]
+    command: str | None
+    fresh: bool = True  # no reading to take a delta from yet
+
+
+def effective_capabilities(proc: Path) -> int:
+    for line in procfs.read_bytes(proc / "self" / "status").split(b"\n"):
+        if line.startswith(b"CapEff:"):
+            return int(line.split()[1], 16)
+    raise procfs.ProcParseError("no CapEff in /proc/self/status")
+
+
+def find_kernel_headers(configured: Path | None, release: str | None = None) -> dict[str, str]:
+    """The environment bcc needs to find headers, or BackendUnavailable.
+
+    Looked for in: a configured directory (a whole kernel tree, given to bcc
+    as BCC_KERNEL_SOURCE); $BCC_KERNEL_SOURCE; /lib/modules/<release>/build
+    with .../source (Debian splits headers in two packages: both are needed).
+    """
+    release = release or platform.release()
+    if configured is not None:
+        if not (configured / "include").is_dir():
+            raise BackendUnavailable(f"no kernel headers in {configured} (configured): it has no include/ directory")
+        return {"BCC_KERNEL_SOURCE": str(configured)}
+    env = os.environ.get("BCC_KERNEL_SOURCE")
+    if env:
+        if not (Path(env) / "include").is_dir():
+            raise BackendUnavailable(f"no kernel headers in BCC_KERNEL_SOURCE={env}: it has no include/ directory")
+        return {}
+    mod = Path("/lib/modules") / release
+    if (mod / "build").is_dir() and ((mod / "build" / "include").is_dir() or (mod / "source" / "include").is_dir()):
+        return {}
+    raise BackendUnavailable(
+        f"no kernel headers for {release}: looked in {mod}/build and {mod}/source and $BCC_KERNEL_SOURCE "
+        "(install the distribution's linux-headers package, or point --kernel-headers at a kernel tree)"
+    )
+
+
+def _enable_bpf_stats() -> int | None:
+    """Turn on the kernel's per-program run time and count for as long as the
+    returned fd is open (BPF_ENABLE_STATS, Linux 5.8), so that the agent's own
+    cost is measured without leaving the kernel.bpf_stats_enabled sysctl on."""
+    nr = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
+    if nr is None:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = (ctypes.c_uint32 * 32)()  # union bpf_attr, zeroed; enable_stats.type = BPF_STATS_RUN_TIME (0)
+    fd = libc.syscall(nr, 32, ctypes.byref(attr), ctypes.sizeof(attr))  # BPF_ENABLE_STATS = 32
+    return fd if fd >= 0 else None
+
+
+def _program_stats(fd: int) -> tuple[int, int] | None:
+    """run_time_ns and run_cnt of a loaded program, from its fd's fdinfo (Linux 5.1)."""
+    values = {}
+    try:
+        for line in procfs.read_bytes(f"/proc/self/fdinfo/{fd}").split(b"\n"):
+            key, _, value = line.partition(b":")
+            if key in (b"run_time_ns", b"run_cnt"):
+                values[key] = int(value)
+    except (OSError, ValueError):
+        return None
+    if len(values) != 2:
+        return None
+    return values[b"run_time_ns"], values[b"run_cnt"]
+
+
+def compile_flags(offsets: dict[str, int]) -> list[str]:
+    return [
+        f"-DMAX_TASKS={MAX_TASKS}",
+        f"-DMAX_SLOTS={MAX_SLOTS}",
+        f"-DTASK_PID_OFF={offsets['pid']}",
+        f"-DTASK_TGID_OFF={offsets['tgid']}",
+    ]
+
+
+def _compile(bpf_class: Any, source: Path, cflags: list[str], env: dict[str, str]) -> Any:
+    """BPF(src_file=...) with clang's diagnostics captured from fd 2, so a
+    failure's reason carries them instead of spilling onto the terminal."""
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    saved_fd = os.dup(2)
+    with tempfile.TemporaryFile() as err:
+        os.dup2(err.fileno(), 2)
+        try:
+            return bpf_class(src_file=str(source).encode(), cflags=cflags)
+        except Exception as e:
+            os.dup2(saved_fd, 2)
+            err.seek(0)
+            lines = [ln for ln in err.read().decode(errors="replace").splitlines() if "error" in ln]
+            detail = "; ".join(lines[:3]) or str(e).strip()
+            raise BackendUnavailable(f"compiling or attaching {source.name} failed: {detail}") from None
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def load(
+    proc: Path,
+    hz: float,
+    kernel_headers: Path | None = None,
+    source: Path = SOURCE,
+    btf_path: Path = btf.VMLINUX,
+    clock: Callable[[], float] = time.monotonic,
+) -> BpfGroupSampler:
+    try:
+        from bcc import BPF, PerfSWConfig, PerfType
+    except ImportError as e:
+        raise BackendUnavailable(f"bcc is not installed ({e}); install python3-bpfcc") from None
+    try:
+        caps = effective_capabilities(proc)
+    except (OSError, procfs.ProcParseError) as e:
+        raise BackendUnavailable(f"cannot read this process's capabilities: {e}") from None
+    if not (caps >> CAP_SYS_ADMIN & 1 or (caps >> CAP_BPF & 1 and caps >> CAP_PERFMON & 1)):
+        raise BackendUnavailable("missing capabilities: needs CAP_BPF and CAP_PERFMON, or CAP_SYS_ADMIN (run as root)")
+    try:
+        offsets = btf.task_offsets(btf_path)
+    except btf.BtfError as e:
+        raise BackendUnavailable(str(e)) from None
+    env = find_kernel_headers(kernel_headers)
+    cflags = compile_flags(offsets)
+    bpf = _compile(BPF, source, cflags, env)
+    try:
+        # A tick several times per sample: a task that never switches out is
+        # credited to within a few milliseconds of each reading.
+        period_ns = int(max(1e6, min(1e7, 1e9 / (4 * hz))))
+        bpf.attach_perf_event(ev_type=PerfType.SOFTWARE, ev_config=PerfSWConfig.CPU_CLOCK,
+                              fn_name=b"on_tick", sample_period=period_ns)  # fmt: skip
+    except Exception as e:
+        bpf.cleanup()
+        raise BackendUnavailable(f"attaching the cpu-clock perf event failed: {e}") from None
+    return BpfGroupSampler(bpf, proc, clock)
+
+
+class BpfGroupSampler:
+    """Same interface as ProcGroupSampler: discover, sample, memory, describe.
+
+    The kernel counts per slot; a process has one slot. Watches may overlap
+    (two selectors naming one group), so a slot stands for a set of watches:
+    every process watched by exactly the same watches shares one. A watch's
+    CPU time is the sum over the slots whose set holds it, a matrix product.
+    """
+
+    def __init__(self, bpf: Any, proc: Path, clock: Callable[[], float] = time.monotonic) -> None:
+        self.bpf, self.proc, self._clock = bpf, proc, clock
+        self.task_slot = bpf.get_table("task_slot")
+        self.slot_ns = bpf.get_table("slot_ns")
+        self._dropped_table = bpf.get_table("dropped_forks")
+        self._watches: dict[str, _Watch] = {}
+        self._slot_of: dict[frozenset[str], int] = {}  # a set of watch ids -> its slot
+        self._slots = np.zeros(0, dtype=np.int64)  # the slots in use, in a fixed order
+        self._prev_ns = np.zeros(0, dtype=np.uint64)  # their counters at the last reading
+        self._member_of = np.zeros((0, 0))  # [watch, slot] = 1 where the slot counts for the watch
+        self._last_at: float | None = None
+        self._stats_fd = _enable_bpf_stats()
+
+    @property
+    def watches(self) -> list[GroupWatch]:
+        return [w.watch for w in self._watches.values()]
+
+    def describe(self, watch_id: str) -> tuple[list[int], str | None]:
+        w = self._watches[watch_id]
+        return w.pgids, w.command
+
+    def close(self) -> None:
+        self.bpf.cleanup()
+        if self._stats_fd is not None:
+            os.close(self._stats_fd)
+            self._stats_fd = None
+
+    # --- membership -------------------------------------------------------------
+
+    def discover(self, watches: list[GroupWatch], table: ProcessTable) -> None:
+        old = self._watches
+        new: dict[str, _Watch] = {}
+        watches_of: dict[int, set[str]] = {}
+        for gw in watches:
+            prev = old.get(gw.id)
+            pids = table.resolve(gw.selector)
+            pgids = sorted({table.stats[p].pgrp for p in pids if table.stats[p].pgrp > 0})
+            command = table.stats[pgids[0]].comm if len(pgids) == 1 and pgids[0] in table.stats else None
+            fresh = prev.fresh if prev is not None and prev.watch == gw else True
+            new[gw.id] = _Watch(gw, pids, pgids, command, fresh)
+            for pid in pids:
+                watches_of.setdefault(pid, set()).add(gw.id)
+
+        # Slots of sets that remain keep their counters; a new set never takes a
+        # slot in use until now: the kernel's map still points processes at it
+        # until _sync_map has run.
+        classes = {frozenset(ws) for ws in watches_of.values()}
+        prev_ns = dict(zip(self._slots.tolist(), self._prev_ns.tolist(), strict=True))
+        free = sorted(set(range(MAX_SLOTS)) - set(self._slot_of.values()))
+        slot_of = {c: s for c, s in self._slot_of.items() if c in classes}
+        for c in sorted(classes - slot_of.keys(), key=sorted):
+            if not free:
+                log.warning("more than %d distinct watch sets: %s not counted", MAX_SLOTS, sorted(c))
+                continue
+            slot_of[c] = free.pop(0)
+        self._watches, self._slot_of = new, slot_of
+        want = {pid: slot_of[frozenset(ws)] for pid, ws in watches_of.items() if frozenset(ws) in slot_of}
+        self._sync_map(table, want)
+
+        self._slots = np.array(sorted(slot_of.values()), dtype=np.int64)
+        index = {wid: i for i, wid in enumerate(new)}
+        self._member_of = np.zeros((len(new), len(self._slots)))
+        for j, slot in enumerate(self._slots.tolist()):
+            for wid in next(c for c, s in slot_of.items() if s == slot):
+                self._member_of[index[wid], j] = 1.0
+        now_ns = self._read_ns()
+        self._prev_ns = np.array([prev_ns.get(s, now_ns[j]) for j, s in enumerate(self._slots.tolist())],
+                                 dtype=np.uint64)  # fmt: skip
+
+    def _sync_map(self, table: ProcessTable, want: dict[int, int]) -> None:
+        """Make task_slot say what the walk found. Entries the kernel added at
+        fork for processes the walk has not seen are kept: they are members
+        born since. Processes the walk saw outside every watch are removed
+        (they left their group, or their watch went), as are entries of slots
+        no longer in use."""
+        live_slots = set(want.values())
+        have = {k.value: v.value for k, v in self.task_slot.items()}
+        Key, Leaf = self.task_slot.Key, self.task_slot.Leaf
+        for pid, slot in have.items():
+            if (pid in table.stats and pid not in want) or slot not in live_slots:
+                self.task_slot.pop(Key(pid), None)
+        added = []
+        for pid, slot in want.items():
+            if have.get(pid) != slot:
+                try:
+                    self.task_slot[Key(pid)] = Leaf(slot)
+                    added.append(pid)
+                except Exception as e:  # the map is full
+                    log.warning("task map full (%d entries): pid %d not counted: %s", MAX_TASKS, pid, e)
+        # A process that exited between the walk and the insert had its exit
+        # seen before its entry existed: remove the entry ourselves, or a new
+        # process given that pid would be credited to this group.
+        for pid in added:
+            try:
+                alive = procfs.read_pid_stat(self.proc, pid).start_ticks == table.stats[pid].start_ticks
+            except (procfs.ProcessGone, procfs.ProcParseError):
+                alive = False
+            if not alive:
+                self.task_slot.pop(Key(pid), None)
+
+    def map_size(self) -> int:
+        return len(list(self.task_slot.keys()))  # bcc's len() of a hash map is its capacity
+
+    # --- samples ----------------------------------------------------------------
+
+    def _read_ns(self) -> np.ndarray:
+        Key = self.slot_ns.Key
+        return np.array([sum(self.slot_ns.getvalue(Key(s))) for s in self._slots.tolist()], dtype=np.uint64)
+
+    def sample(self) -> dict[str, GroupReading]:
+        now = self._clock()
+        elapsed = None if self._last_at is None else now - self._last_at
+        self._last_at = now
+        current = self._read_ns()
+        # Counters only grow: the difference of two uint64 readings is exact.
+        used_s = self._member_of @ ((current - self._prev_ns).astype(np.float64) / 1e9)
+        self._prev_ns = current
+        out = {}
+        for i, w in enumerate(self._watches.values()):
+            valid = elapsed is not None and elapsed > 0 and not w.fresh and bool(w.pids)
+            w.fresh = False
+            out[w.watch.id] = GroupReading(float(used_s[i]) / elapsed if valid and elapsed else None, None)
+        return out
+
+    def memory(self) -> dict[str, int | None]:
+        """Resident memory of each group's processes known to userspace, read
+        once per window (a gauge: its last value is what a window reports)."""
+        out: dict[str, int | None] = {}
+        for w in self._watches.values():
+            pages, alive = 0, False
+            for pid in w.pids:
+                try:
+                    pages += procfs.read_pid_stat(self.proc, pid).rss_pages
+                    alive = True
+                except (procfs.ProcessGone, procfs.ProcParseError):
+                    continue
+            out[w.watch.id] = pages * PAGE_SIZE if alive else None
+        return out
+
+    # --- the programs' own cost ---------------------------------------------------------
+
+    def program_stats(self) -> dict[str, tuple[int, int]]:
+        """Per program: cumulative (run_time_ns, run_cnt) as the kernel counts them."""
+        out = {}
+        for name in PROGRAMS:
+            fn = self.bpf.funcs.get(name.encode())
+            if fn is not None and (st := _program_stats(fn.fd)) is not None:
+                out[name] = st
+        return out
+
+    def dropped_forks(self) -> int | None:
+        return int(sum(self._dropped_table.getvalue(self._dropped_table.Key(0))))

@@ -1,0 +1,100 @@
+"""Member offsets of kernel structs, from the running kernel's BTF.
+
+The kernel backend needs two fields of a task that no helper returns for a
+task other than the current one (the child in `sched_process_fork`): `pid`
+and `tgid`. The headers bcc compiles against are not the running kernel's
+(a distribution's headers for a VM kernel built elsewhere), so their offsets
+may be wrong; `/sys/kernel/btf/vmlinux` describes the running kernel itself.
+
+BTF layout: include/uapi/linux/btf.h (a header, then `btf_type` records, each
+followed by kind-specific data, then a string table).
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+VMLINUX = Path("/sys/kernel/btf/vmlinux")
+MAGIC = 0xEB9F
+
+KIND_STRUCT, KIND_UNION = 4, 5
+
+# Bytes that follow a btf_type record, per kind: a fixed part, and a part per vlen entry.
+_TRAILER = {
+    1: (4, 0),  # INT
+    2: (0, 0),  # PTR
+    3: (12, 0),  # ARRAY
+    4: (0, 12),  # STRUCT: btf_member
+    5: (0, 12),  # UNION
+    6: (0, 8),  # ENUM
+    7: (0, 0),  # FWD
+    8: (0, 0),  # TYPEDEF
+    9: (0, 0),  # VOLATILE
+    10: (0, 0),  # CONST
+    11: (0, 0),  # RESTRICT
+    12: (0, 0),  # FUNC
+    13: (0, 8),  # FUNC_PROTO: btf_param
+    14: (4, 0),  # VAR
+    15: (0, 12),  # DATASEC
+    16: (0, 0),  # FLOAT
+    17: (4, 0),  # DECL_TAG
+    18: (0, 0),  # TYPE_TAG
+    19: (0, 12),  # ENUM64
+}
+
+
+class BtfError(Exception):
+    """BTF missing, malformed, or without the struct or member asked for."""
+
+
+def struct_member_offsets(data: bytes, struct_name: str, members: list[str]) -> dict[str, int]:
+    """Byte offsets of the named (non-bitfield, top-level) members of a struct."""
+    if len(data) < 24:
+        raise BtfError("BTF too short")
+    magic, _version, _flags, hdr_len = struct.unpack_from("<HBBI", data, 0)
+    if magic != MAGIC:
+        raise BtfError(f"not BTF (magic {magic:#x})")
+    type_off, type_len, str_off, str_len = struct.unpack_from("<IIII", data, 8)
+    types = data[hdr_len + type_off : hdr_len + type_off + type_len]
+    strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
+
+    def name(off: int) -> bytes:
+        end = strings.find(b"\0", off)
+        return strings[off:end]
+
+    want = struct_name.encode()
+    pos = 0
+    while pos + 12 <= len(types):
+        name_off, info, _size = struct.unpack_from("<III", types, pos)
+        kind, vlen, kind_flag = (info >> 24) & 0x1F, info & 0xFFFF, info >> 31
+        if kind not in _TRAILER:
+            raise BtfError(f"unknown BTF kind {kind} at {pos}")
+        fixed, per = _TRAILER[kind]
+        body = pos + 12
+        pos = body + fixed + per * vlen
+        if kind != KIND_STRUCT or name(name_off) != want:
+            continue
+        found: dict[str, int] = {}
+        for i in range(vlen):
+            m_name, _m_type, m_offset = struct.unpack_from("<III", types, body + 12 * i)
+            bits = m_offset & 0xFFFFFF if kind_flag else m_offset
+            found[name(m_name).decode()] = bits
+        out = {}
+        for m in members:
+            if m not in found:
+                raise BtfError(f"struct {struct_name} has no member {m!r}")
+            if found[m] % 8:
+                raise BtfError(f"{struct_name}.{m} is a bitfield")
+            out[m] = found[m] // 8
+        return out
+    raise BtfError(f"no struct {struct_name} in BTF")
+
+
+def task_offsets(path: Path = VMLINUX) -> dict[str, int]:
+    """Offsets of task_struct.pid and task_struct.tgid in the running kernel."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BtfError(f"kernel BTF unreadable ({path}: {e.strerror}); needs CONFIG_DEBUG_INFO_BTF") from None
+    return struct_member_offsets(data, "task_struct", ["pid", "tgid"])
