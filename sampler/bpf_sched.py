@@ -196,9 +196,9 @@ class BpfGroupSampler:
 
     def __init__(self, bpf: Any, proc: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.bpf, self.proc, self._clock = bpf, proc, clock
-        self.task_slot = bpf.get_table("task_slot")
-        self.slot_ns = bpf.get_table("slot_ns")
-        self._dropped_table = bpf.get_table("dropped_forks")
+        self.task_slot = bpf.get_table(b"task_slot")
+        self.slot_ns = bpf.get_table(b"slot_ns")
+        self._dropped_table = bpf.get_table(b"dropped_forks")
         self._watches: dict[str, _Watch] = {}
         self._slot_of: dict[frozenset[str], int] = {}  # a set of watch ids -> its slot
         self._slots = np.zeros(0, dtype=np.int64)  # the slots in use, in a fixed order
@@ -294,8 +294,12 @@ class BpfGroupSampler:
             if not alive:
                 self.task_slot.pop(Key(pid), None)
 
+    def task_pids(self) -> set[int]:
+        """The processes the kernel now counts for some watch."""
+        return {k.value for k, _ in self.task_slot.items()}
+
     def map_size(self) -> int:
-        return len(list(self.task_slot.keys()))  # bcc's len() of a hash map is its capacity
+        return len(self.task_pids())  # bcc's len() of a hash map is its capacity
 
     # --- samples ----------------------------------------------------------------
 

@@ -1,0 +1,295 @@
+"""The kernel backend, loaded into this kernel, on real workloads.
+
+Needs root (CI is root). With NODESAMPLER_REQUIRE_BPF=1 a test that cannot
+load the programs fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sampler import bpf_sched
+from sampler.backend import BackendChoice, BackendUnavailable, open_backend
+from sampler.proc_groups import ProcGroupSampler
+from sampler.selectors import GroupSelector, GroupWatch, ProcessTable
+from sampler.window_sampler import WindowSampler
+from tests.conftest import REQUIRE_BPF
+from tests.workloads import BURN_ONE_CORE, FORKER, PROC, QUARTER_WORKERS, GroupTruth, start_group
+
+pytestmark = pytest.mark.kernel
+
+WINDOW_S = 2.0
+
+
+def watch(pgid: int, wid: str = "w") -> GroupWatch:
+    return GroupWatch(wid, GroupSelector.parse(f"pgid:{pgid}"))
+
+
+def windows_against_truth(groups: bpf_sched.BpfGroupSampler, pgid: int, n: int) -> list[tuple[float, float]]:
+    """(window mean, truth) for n consecutive windows."""
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), groups, [watch(pgid)], hz=10)
+    ws.prime(0)
+    truth = GroupTruth(pgid)
+    out = []
+    for _ in range(n):
+        [shard] = ws.run_window(WINDOW_S)["shards"]
+        out.append((shard["cpu_cores"]["mean"], truth.cores()))
+    return out
+
+
+@pytest.mark.parametrize("code", [BURN_ONE_CORE, QUARTER_WORKERS], ids=["one-core", "three-quarter-workers"])
+def test_steady_workloads_every_window_after_the_first_within_3_percent(
+    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]], code: str
+) -> None:
+    p = start_group(code)
+    group.append(p)
+    results = windows_against_truth(bpf_groups, p.pid, 3)
+    for measured, truth in results[1:]:
+        assert truth > 0.5
+        assert measured == pytest.approx(truth, rel=0.03), results
+
+
+def test_forked_children_are_counted_from_their_first_slice(
+    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
+) -> None:
+    """A leader forks a 15 ms child every 20 ms: no walk ever sees most of
+    them, the kernel counts each from its first slice."""
+    p = start_group(FORKER)
+    group.append(p)
+    [(measured, truth)] = windows_against_truth(bpf_groups, p.pid, 1)
+    assert truth > 0.6
+    assert measured == pytest.approx(truth, rel=0.05)
+
+
+@pytest.mark.parametrize("code", [BURN_ONE_CORE, QUARTER_WORKERS], ids=["one-core", "three-quarter-workers"])
+def test_backends_agree_on_steady_workloads(
+    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]], code: str
+) -> None:
+    p = start_group(code)
+    group.append(p)
+    proc_groups = ProcGroupSampler(PROC)
+    table = ProcessTable.walk(PROC)
+    for g in (bpf_groups, proc_groups):
+        g.discover([watch(p.pid)], table)
+        g.sample()
+    totals = {"bpf": 0.0, "proc": 0.0}
+    start = time.monotonic()
+    for k in range(1, 31):  # 3 s at 10 Hz, both backends at the same instants
+        time.sleep(max(0.0, start + k / 10 - time.monotonic()))
+        for name, g in (("bpf", bpf_groups), ("proc", proc_groups)):
+            cores = g.sample()["w"].cores
+            assert cores is not None
+            totals[name] += cores
+    assert totals["bpf"] / 30 > 0.5
+    assert totals["bpf"] == pytest.approx(totals["proc"], rel=0.05)
+
+
+def test_a_task_that_never_switches_out_is_credited_at_every_sample(
+    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
+) -> None:
+    p = start_group(BURN_ONE_CORE)
+    group.append(p)
+    bpf_groups.discover([watch(p.pid)], ProcessTable.walk(PROC))
+    bpf_groups.sample()
+    readings = []
+    start = time.monotonic()
+    for k in range(1, 21):
+        time.sleep(max(0.0, start + k / 10 - time.monotonic()))
+        readings.append(bpf_groups.sample()["w"].cores)
+    # Without the cpu-clock tick a lone busy loop is credited only when it is
+    # switched out: samples of 0 and then one of many cores.
+    assert all(r is not None and 0.7 < r < 1.3 for r in readings), readings
+
+
+FORK_CHURN = """
+import os, sys
+print("ready", flush=True)
+sys.stdin.readline()
+for _ in range(20000):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_pid_churn_leaves_the_task_map_bounded(bpf_groups: bpf_sched.BpfGroupSampler) -> None:
+    p = subprocess.Popen([sys.executable, "-c", FORK_CHURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, process_group=0)  # fmt: skip
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        assert p.stdout.readline() == "ready\n"
+        bpf_groups.discover([watch(p.pid)], ProcessTable.walk(PROC))
+        assert bpf_groups.map_size() == 1
+        forks_before = bpf_groups.program_stats()["raw_tracepoint__sched_process_fork"][1]
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline() == "done\n"
+        # Every child was added at fork and removed at exit: only the leader is left.
+        assert bpf_groups.map_size() == 1
+        assert bpf_groups.dropped_forks() == 0
+        forks = bpf_groups.program_stats()["raw_tracepoint__sched_process_fork"][1] - forks_before
+        assert forks >= 20000
+    finally:
+        p.kill()
+        p.wait()
+
+
+CHILD_ON_DEMAND = """
+import os, sys, time
+print("ready", flush=True)
+sys.stdin.readline()
+pid = os.fork()
+if pid == 0:
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    os._exit(0)
+os.waitpid(pid, 0)
+print(pid, flush=True)
+sys.stdin.readline()
+"""
+
+
+def start_with_pid(pid: int, code: str) -> subprocess.Popen[str] | None:
+    """Start a process given that pid, by setting the kernel's last pid (root)."""
+    Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+    p = start_group(code)
+    if p.pid == pid:
+        return p
+    p.kill()
+    p.wait()
+    return None  # another process took it first
+
+
+def test_reused_pid_is_not_credited_to_its_previous_group(
+    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
+) -> None:
+    leader = subprocess.Popen([sys.executable, "-c", CHILD_ON_DEMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, process_group=0)  # fmt: skip
+    assert leader.stdin is not None and leader.stdout is not None
+    try:
+        assert leader.stdout.readline() == "ready\n"
+        bpf_groups.discover([watch(leader.pid)], ProcessTable.walk(PROC))
+        bpf_groups.sample()
+        leader.stdin.write("fork\n")
+        leader.stdin.flush()
+        child = int(leader.stdout.readline())
+        # The child was counted (the kernel knew it from its fork) and is gone.
+        assert bpf_groups.sample()["w"].cores is not None
+        keys = bpf_groups.task_pids()
+        assert child not in keys and leader.pid in keys
+        reuser = None
+        for _ in range(5):
+            reuser = start_with_pid(child, BURN_ONE_CORE)
+            if reuser is not None:
+                break
+        if reuser is None:
+            pytest.fail(f"could not get pid {child} back through ns_last_pid")
+        group.append(reuser)
+        bpf_groups.sample()
+        time.sleep(1.0)  # the new process burns a core meanwhile
+        cores = bpf_groups.sample()["w"].cores
+        assert cores is not None and cores < 0.05
+        assert child not in bpf_groups.task_pids()
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def test_overlapping_watches_each_get_the_whole_group(
+    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
+) -> None:
+    p = start_group(BURN_ONE_CORE)
+    group.append(p)
+    watches = [watch(p.pid, "by-pgid"), GroupWatch("by-pid", GroupSelector.parse(f"pid:{p.pid}"))]
+    bpf_groups.discover(watches, ProcessTable.walk(PROC))
+    bpf_groups.sample()
+    time.sleep(0.5)
+    r = bpf_groups.sample()
+    assert r["by-pgid"].cores == pytest.approx(r["by-pid"].cores)
+    assert r["by-pgid"].cores is not None and r["by-pgid"].cores > 0.5
+
+
+def test_program_cost_is_in_the_summary(bpf_groups: bpf_sched.BpfGroupSampler) -> None:
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, None, hz=10)
+    ws.prime(0)
+    summary = ws.run_window(0.5)
+    assert summary["backend"] == "bpf"
+    programs = summary["bpf"]["programs"]
+    assert set(programs) == set(bpf_sched.PROGRAMS)
+    tick = programs["on_tick"]
+    assert tick["runs"] > 0 and tick["run_time_ns"] > 0 and tick["ns_per_run"] > 0
+    assert summary["bpf"]["dropped_forks"] == 0
+
+
+# --- falling back -----------------------------------------------------------------
+
+
+def loads_or_says_why(**kwargs: object) -> str:
+    with pytest.raises(BackendUnavailable) as e:
+        s = bpf_sched.load(PROC, 10, **kwargs)  # type: ignore[arg-type]
+        s.close()
+    return str(e.value)
+
+
+def test_missing_bcc_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "bcc", None)  # import bcc raises ImportError
+    choice, groups = open_backend("auto", PROC, 10)
+    assert choice.name == "proc" and isinstance(groups, ProcGroupSampler)
+    assert choice.reason is not None and "bcc is not installed" in choice.reason
+    with pytest.raises(BackendUnavailable, match="bcc is not installed"):
+        open_backend("bpf", PROC, 10)
+
+
+def test_empty_headers_directory_falls_back(tmp_path: Path) -> None:
+    choice, _ = open_backend("auto", PROC, 10, kernel_headers=tmp_path)
+    assert choice.name == "proc"
+    assert choice.reason is not None and f"no kernel headers in {tmp_path}" in choice.reason
+
+
+def test_missing_btf_falls_back(tmp_path: Path) -> None:
+    assert "kernel BTF unreadable" in loads_or_says_why(btf_path=tmp_path / "vmlinux")
+
+
+def need_root() -> None:
+    if os.geteuid() != 0:
+        if REQUIRE_BPF:
+            pytest.fail("NODESAMPLER_REQUIRE_BPF=1 and not root")
+        pytest.skip("needs root")
+
+
+def test_program_that_fails_to_compile_does_not_crash_auto(tmp_path: Path) -> None:
+    need_root()
+    src = tmp_path / "broken.bpf.c"
+    src.write_text("int on_tick(struct bpf_perf_event_data *ctx) { return undeclared_thing; }\n")
+    reason = loads_or_says_why(source=src)
+    assert "compiling or attaching broken.bpf.c failed" in reason and "undeclared" in reason
+
+
+def test_program_that_fails_to_attach_falls_back(tmp_path: Path) -> None:
+    need_root()
+    src = tmp_path / "noattach.bpf.c"
+    src.write_text("RAW_TRACEPOINT_PROBE(no_such_tracepoint_here) { return 0; }\n")
+    assert "compiling or attaching noattach.bpf.c failed" in loads_or_says_why(source=src)
+
+
+def test_missing_capabilities_fall_back() -> None:
+    """Root with an empty capability bounding set: no CAP_BPF, no CAP_SYS_ADMIN."""
+    need_root()
+    base = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-m", "nodesampler", "sample",
+            "--duration", "0.1"]  # fmt: skip
+    r = subprocess.run([*base, "--backend", "bpf"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stderr
+    assert "missing capabilities" in r.stderr
+    r = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert '"backend": "proc"' in r.stdout and "missing capabilities" in r.stdout

@@ -1,0 +1,90 @@
+"""Workloads with a known CPU appetite, each its own process group, and the
+kernel's own account of a group's CPU time to measure them against."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROC = Path("/proc")
+HZ = os.sysconf("SC_CLK_TCK")
+
+BURN_ONE_CORE = """
+print("ready", flush=True)
+while True:
+    pass
+"""
+
+# An idle leader with three workers, each busy a quarter of the time.
+QUARTER_WORKERS = """
+import os, signal, time
+for _ in range(3):
+    if os.fork() == 0:
+        while True:
+            t = time.monotonic()
+            end = time.thread_time() + 0.025
+            while time.thread_time() < end:
+                pass
+            time.sleep(max(0.0, 0.1 - (time.monotonic() - t)))
+print("ready", flush=True)
+signal.pause()
+"""
+
+# A leader that forks a child every 20 ms; the child burns 15 ms and exits.
+FORKER = """
+import os, time
+print("ready", flush=True)
+while True:
+    t = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        end = time.process_time() + 0.015
+        while time.process_time() < end:
+            pass
+        os._exit(0)
+    os.waitpid(pid, 0)
+    time.sleep(max(0.0, 0.02 - (time.monotonic() - t)))
+"""
+
+
+def start_group(code: str, tag: str = "workload") -> subprocess.Popen[str]:
+    # The tag is an argument of its own, for `cmdline:` selectors to find.
+    p = subprocess.Popen([sys.executable, "-c", code, tag], stdout=subprocess.PIPE, text=True, process_group=0)
+    assert p.stdout is not None
+    assert p.stdout.readline() == "ready\n"  # its workers are forked: the group is complete
+    return p
+
+
+def group_ticks(pgid: int) -> int:
+    """The kernel's account of a group's CPU: its own parser, not the sampler's."""
+    total = 0
+    for name in os.listdir(PROC):
+        if not name.isdigit():
+            continue
+        try:
+            data = (PROC / name / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        fields = data[data.rindex(")") + 2 :].split(" ")
+        if int(fields[2]) == pgid:
+            total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    return total
+
+
+
+
+class GroupTruth:
+    """The kernel's account of a group's cores between two calls of `cores()`."""
+
+    def __init__(self, pgid: int) -> None:
+        self.pgid = pgid
+        self.at, self.ticks = time.monotonic(), group_ticks(pgid)
+
+    def cores(self) -> float:
+        at, ticks = time.monotonic(), group_ticks(self.pgid)
+        cores = (ticks - self.ticks) / HZ / (at - self.at)
+        self.at, self.ticks = at, ticks
+        return cores
