@@ -1,92 +1,128 @@
 /*
  * sched_groups.bpf.c: on-CPU nanoseconds per watched process group.
  * Loaded by sampler/bpf_sched.py (bcc), which sets the constants below as
- * -D cflags and fills `task_slot` with the watched groups' processes.
+ * -D cflags and writes the watched processes into `task_slot`.
  *
- * Each CPU keeps the time it last credited. Whenever the CPU switches task,
- * and at every tick of a per-CPU cpu-clock perf event, the time since then is
- * credited to the task that was running: to its group's slot, if it has one.
- * The ticks keep a task that never switches out (a busy loop on an idle CPU)
- * credited as it runs rather than in one lump when it stops.
+ * The scheduler already accounts each task's on-CPU time
+ * (se.sum_exec_runtime, brought up to date before sched_switch fires and at
+ * every scheduler tick). Each CPU remembers the group of the task it switched
+ * in and that task's runtime then; at the switch out, the runtime's growth is
+ * credited to the group. A per-CPU cpu-clock perf event does the same for the
+ * running task several times per sample, so a task that never switches out
+ * (a busy loop on an idle CPU) is credited as it runs, not in one lump.
  *
  * Membership lives in the kernel: a process forked by a member joins its
  * parent's slot at fork, so it counts from its first slice even if it exits
- * before userspace could ever see it. Its entry goes when it exits, so the
- * map holds live processes only, and a reused pid starts with no slot.
+ * before userspace could see it; its entry is cleared when it exits, so a
+ * reused pid starts with no group.
+ *
+ * task_slot is an array indexed by tgid, one byte each (0: not watched), eight
+ * to an element: bounded by pid_max, looked up without hashing, written with
+ * single-byte stores (no read-modify-write between CPUs), and mmapped by
+ * userspace, which reads and writes it as a numpy array.
  *
  * No kernel struct is read through the compile-time headers (they may not be
- * the running kernel's): the running task comes from helpers, and the forked
- * child's pid and tgid from offsets that the loader read from the running
- * kernel's BTF (TASK_PID_OFF, TASK_TGID_OFF).
+ * the running kernel's): offsets come from the running kernel's BTF
+ * (TASK_PID_OFF, TASK_TGID_OFF, TASK_RUNTIME_OFF), read by the loader.
  */
 
-#ifndef MAX_TASKS
-#define MAX_TASKS 65536
+#ifndef PID_MAX
+#define PID_MAX 4194304
 #endif
 #ifndef MAX_SLOTS
 #define MAX_SLOTS 256
 #endif
 
-/* tgid -> slot of its group. Looked up on every switch; written only at fork,
- * exit and by userspace. */
-BPF_HASH(task_slot, u32, u32, MAX_TASKS);
+/* tgid / 8 -> eight one-byte slots. BPF_F_MMAPABLE: userspace maps it. */
+BPF_F_TABLE("array", u32, u64, task_slot, (PID_MAX + 7) / 8, BPF_F_MMAPABLE);
 /* slot -> on-CPU ns, per CPU, cumulative: never cleared, userspace takes deltas. */
 BPF_PERCPU_ARRAY(slot_ns, u64, MAX_SLOTS);
-/* The time each CPU last credited. */
-BPF_PERCPU_ARRAY(last_credit, u64, 1);
-/* Forked children that found task_slot full: not counted, and userspace says so. */
+
+/* What each CPU is running: its task's slot, and that task's runtime when last credited. */
+struct cpu_run {
+    u64 start;
+    u32 slot;
+};
+BPF_PERCPU_ARRAY(cpu_run, struct cpu_run, 1);
+/* Forked processes that could not be given a slot (tgid above PID_MAX). */
 BPF_PERCPU_ARRAY(dropped_forks, u64, 1);
 
-/* Credit the time since this CPU's last credit to the current task's group. */
-static __always_inline void credit_current(void)
+static __always_inline u8 *slot_of(u32 tgid)
 {
-    u32 zero = 0;
-    u64 now = bpf_ktime_get_ns();
-    u64 *last = last_credit.lookup(&zero);
-    if (!last)
-        return;
-    u64 delta = *last ? now - *last : 0; /* the first event only starts the clock */
-    *last = now;
-    u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    if (tgid == 0 || delta == 0) /* the idle task */
-        return;
-    u32 *slot = task_slot.lookup(&tgid);
-    if (!slot)
-        return;
-    u64 *ns = slot_ns.lookup(slot);
-    if (ns)
-        *ns += delta; /* this CPU's own entry: no atomics needed */
+    u32 idx = tgid / 8;
+    u64 *eight = task_slot.lookup(&idx);
+    return eight ? (u8 *)eight + (tgid & 7) : 0;
 }
 
-/* The scheduler switches away from the current task (prev == current here). */
+static __always_inline u64 runtime_of(void *task)
+{
+    u64 ns = 0;
+    bpf_probe_read_kernel(&ns, sizeof(ns), task + TASK_RUNTIME_OFF);
+    return ns;
+}
+
+/* Credit the running task's runtime growth to its slot; restart from `now`. */
+static __always_inline void credit(struct cpu_run *run, u64 now)
+{
+    if (run->slot && now > run->start) {
+        u64 *ns = slot_ns.lookup(&run->slot);
+        if (ns)
+            *ns += now - run->start; /* this CPU's own entry: no atomics needed */
+    }
+    run->start = now;
+}
+
+/* args: (bool preempt, struct task_struct *prev, struct task_struct *next, ...) */
 RAW_TRACEPOINT_PROBE(sched_switch)
 {
-    credit_current();
+    u32 zero = 0;
+    struct cpu_run *run = cpu_run.lookup(&zero);
+    if (!run)
+        return 0;
+    if (run->slot)
+        credit(run, runtime_of((void *)ctx->args[1]));
+    void *next = (void *)ctx->args[2];
+    u32 tgid = 0;
+    bpf_probe_read_kernel(&tgid, sizeof(tgid), next + TASK_TGID_OFF);
+    u8 *slot = slot_of(tgid);
+    run->slot = slot ? *slot : 0;
+    if (run->slot)
+        run->start = runtime_of(next);
     return 0;
 }
 
-/* The perf event's tick: credit whoever is running now. */
+/* The cpu-clock tick: credit whoever runs now, and learn its slot afresh
+ * (it may have been running since before the programs were loaded, or
+ * userspace may have given it a slot since it was switched in). */
 int on_tick(struct bpf_perf_event_data *ctx)
 {
-    credit_current();
+    u32 zero = 0;
+    struct cpu_run *run = cpu_run.lookup(&zero);
+    if (!run)
+        return 0;
+    credit(run, runtime_of((void *)bpf_get_current_task()));
+    u8 *slot = slot_of(bpf_get_current_pid_tgid() >> 32);
+    run->slot = slot ? *slot : 0;
     return 0;
 }
 
 /* args: (struct task_struct *parent, struct task_struct *child); current is the parent. */
 RAW_TRACEPOINT_PROBE(sched_process_fork)
 {
-    u32 parent = bpf_get_current_pid_tgid() >> 32;
-    u32 *slot = task_slot.lookup(&parent);
-    if (!slot)
+    u8 *parent = slot_of(bpf_get_current_pid_tgid() >> 32);
+    if (!parent || !*parent)
         return 0;
-    u32 group = *slot;
+    u8 group = *parent;
     void *child = (void *)ctx->args[1];
     u32 pid = 0, tgid = 0;
     bpf_probe_read_kernel(&pid, sizeof(pid), child + TASK_PID_OFF);
     bpf_probe_read_kernel(&tgid, sizeof(tgid), child + TASK_TGID_OFF);
     if (pid == 0 || pid != tgid) /* a new thread: its process already has a slot */
         return 0;
-    if (task_slot.insert(&pid, &group) != 0) {
+    u8 *slot = slot_of(pid);
+    if (slot) {
+        *slot = group;
+    } else {
         u32 zero = 0;
         u64 *n = dropped_forks.lookup(&zero);
         if (n)
@@ -95,14 +131,17 @@ RAW_TRACEPOINT_PROBE(sched_process_fork)
     return 0;
 }
 
-/* args: (struct task_struct *p), which is current. Fires for every thread. */
+/* args: (struct task_struct *p), which is current. Fires for every thread;
+ * the main thread's exit ends the process's membership. Its last slice is
+ * still credited at its last switch out: cpu_run holds the slot. */
 RAW_TRACEPOINT_PROBE(sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id, tgid = id >> 32;
-    if (pid == tgid) { /* the process's main thread: the process is ending */
-        credit_current(); /* its last slice, before the entry goes */
-        task_slot.delete(&tgid);
-    }
+    if (pid != tgid)
+        return 0;
+    u8 *slot = slot_of(tgid);
+    if (slot)
+        *slot = 0;
     return 0;
 }

@@ -104,13 +104,14 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     return WindowSampler(proc, choice, group_sampler, watches, hz=hz)
 
 
-def _print_bpf(hz: float) -> int:
+def _print_bpf(proc: Path) -> int:
     """What the kernel backend compiles: its flags, from this kernel's BTF, and its source."""
     from sampler import bpf_sched, btf
+    from sampler.backend import BackendUnavailable
 
     try:
-        flags = " ".join(bpf_sched.compile_flags(btf.task_offsets()))
-    except btf.BtfError as e:
+        flags = " ".join(bpf_sched.compile_flags(btf.task_offsets(), bpf_sched.read_pid_max(proc)))
+    except (btf.BtfError, BackendUnavailable) as e:
         flags = f"(unknown: {e})"
     print(f"// {bpf_sched.SOURCE}\n// cflags: {flags}\n")
     print(bpf_sched.SOURCE.read_text(), end="")
@@ -128,7 +129,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from sampler.summary_text import render
 
     if args.print_bpf:
-        return _print_bpf(args.hz)
+        return _print_bpf(args.proc_root)
     sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root, args.kernel_headers)
     try:
         sampler.prime(min(1.0, args.duration))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import platform
 import tempfile
@@ -35,8 +36,7 @@ from sampler.selectors import GroupWatch, ProcessTable
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "bpf" / "sched_groups.bpf.c"
-MAX_TASKS = 65536
-MAX_SLOTS = 256
+MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
 
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
 PROGRAMS = ("raw_tracepoint__sched_switch", "on_tick", "raw_tracepoint__sched_process_fork",
@@ -113,13 +113,23 @@ def _program_stats(fd: int) -> tuple[int, int] | None:
     return values[b"run_time_ns"], values[b"run_cnt"]
 
 
-def compile_flags(offsets: dict[str, int]) -> list[str]:
+def compile_flags(offsets: dict[str, int], pid_max: int) -> list[str]:
     return [
-        f"-DMAX_TASKS={MAX_TASKS}",
+        f"-DPID_MAX={pid_max}",
         f"-DMAX_SLOTS={MAX_SLOTS}",
         f"-DTASK_PID_OFF={offsets['pid']}",
         f"-DTASK_TGID_OFF={offsets['tgid']}",
+        f"-DTASK_RUNTIME_OFF={offsets['runtime']}",
     ]
+
+
+def read_pid_max(proc: Path) -> int:
+    """The largest pid plus one: the size of the kernel's tgid-indexed map.
+    Raising pid_max after the programs load leaves the new pids uncounted."""
+    try:
+        return int(procfs.read_bytes(proc / "sys" / "kernel" / "pid_max"))
+    except (OSError, ValueError) as e:
+        raise BackendUnavailable(f"cannot read pid_max: {e}") from None
 
 
 def _compile(bpf_class: Any, source: Path, cflags: list[str], env: dict[str, str]) -> Any:
@@ -171,7 +181,8 @@ def load(
     except btf.BtfError as e:
         raise BackendUnavailable(str(e)) from None
     env = find_kernel_headers(kernel_headers)
-    cflags = compile_flags(offsets)
+    pid_max = read_pid_max(proc)
+    cflags = compile_flags(offsets, pid_max)
     bpf = _compile(BPF, source, cflags, env)
     try:
         # A tick several times per sample: a task that never switches out is
@@ -182,7 +193,7 @@ def load(
     except Exception as e:
         bpf.cleanup()
         raise BackendUnavailable(f"attaching the cpu-clock perf event failed: {e}") from None
-    return BpfGroupSampler(bpf, proc, clock)
+    return BpfGroupSampler(bpf, proc, pid_max, clock)
 
 
 class BpfGroupSampler:
@@ -194,9 +205,14 @@ class BpfGroupSampler:
     CPU time is the sum over the slots whose set holds it, a matrix product.
     """
 
-    def __init__(self, bpf: Any, proc: Path, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, bpf: Any, proc: Path, pid_max: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.bpf, self.proc, self._clock = bpf, proc, clock
-        self.task_slot = bpf.get_table(b"task_slot")
+        # The kernel's tgid -> slot bytes, shared memory: reading and writing
+        # membership costs no system call.
+        table = bpf.get_table(b"task_slot")
+        self._task_slot_map = mmap.mmap(table.map_fd, (pid_max + 7) // 8 * 8, mmap.MAP_SHARED,
+                                        mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
+        self.task_slot = np.frombuffer(self._task_slot_map, dtype=np.uint8)
         self.slot_ns = bpf.get_table(b"slot_ns")
         self._dropped_table = bpf.get_table(b"dropped_forks")
         self._watches: dict[str, _Watch] = {}
@@ -216,6 +232,8 @@ class BpfGroupSampler:
         return w.pgids, w.command
 
     def close(self) -> None:
+        del self.task_slot  # the view goes before the mapping it looks into
+        self._task_slot_map.close()
         self.bpf.cleanup()
         if self._stats_fd is not None:
             os.close(self._stats_fd)
@@ -242,7 +260,7 @@ class BpfGroupSampler:
         # until _sync_map has run.
         classes = {frozenset(ws) for ws in watches_of.values()}
         prev_ns = dict(zip(self._slots.tolist(), self._prev_ns.tolist(), strict=True))
-        free = sorted(set(range(MAX_SLOTS)) - set(self._slot_of.values()))
+        free = sorted(set(range(1, MAX_SLOTS)) - set(self._slot_of.values()))
         slot_of = {c: s for c, s in self._slot_of.items() if c in classes}
         for c in sorted(classes - slot_of.keys(), key=sorted):
             if not free:
@@ -266,40 +284,42 @@ class BpfGroupSampler:
     def _sync_map(self, table: ProcessTable, want: dict[int, int]) -> None:
         """Make task_slot say what the walk found. Entries the kernel added at
         fork for processes the walk has not seen are kept: they are members
-        born since. Processes the walk saw outside every watch are removed
+        born since. Processes the walk saw outside every watch are cleared
         (they left their group, or their watch went), as are entries of slots
         no longer in use."""
-        live_slots = set(want.values())
-        have = {k.value: v.value for k, v in self.task_slot.items()}
-        Key, Leaf = self.task_slot.Key, self.task_slot.Leaf
-        for pid, slot in have.items():
-            if (pid in table.stats and pid not in want) or slot not in live_slots:
-                self.task_slot.pop(Key(pid), None)
-        added = []
-        for pid, slot in want.items():
-            if have.get(pid) != slot:
-                try:
-                    self.task_slot[Key(pid)] = Leaf(slot)
-                    added.append(pid)
-                except Exception as e:  # the map is full
-                    log.warning("task map full (%d entries): pid %d not counted: %s", MAX_TASKS, pid, e)
-        # A process that exited between the walk and the insert had its exit
-        # seen before its entry existed: remove the entry ourselves, or a new
-        # process given that pid would be credited to this group.
-        for pid in added:
+        slots = self.task_slot
+        live = np.zeros(MAX_SLOTS, dtype=bool)
+        live[list(set(want.values()))] = True
+        have = np.flatnonzero(slots)
+        seen = np.fromiter(table.stats.keys(), dtype=np.int64)
+        wanted = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
+        stale = have[~live[slots[have]] | (np.isin(have, seen) & ~np.isin(have, wanted))]
+        slots[stale] = 0
+        pids = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
+        values = np.fromiter(want.values(), dtype=np.uint8, count=len(want))
+        in_range = pids < len(slots)
+        if not in_range.all():
+            log.warning("pids above pid_max at load time not counted: %s", pids[~in_range][:5].tolist())
+        pids, values = pids[in_range], values[in_range]
+        added = pids[slots[pids] != values]
+        slots[pids] = values
+        # A process that exited between the walk and this write had its exit
+        # seen while it had no slot: clear it ourselves, or a new process given
+        # that pid would be credited to this group.
+        for pid in added.tolist():
             try:
                 alive = procfs.read_pid_stat(self.proc, pid).start_ticks == table.stats[pid].start_ticks
             except (procfs.ProcessGone, procfs.ProcParseError):
                 alive = False
             if not alive:
-                self.task_slot.pop(Key(pid), None)
+                slots[pid] = 0
 
     def task_pids(self) -> set[int]:
         """The processes the kernel now counts for some watch."""
-        return {k.value for k, _ in self.task_slot.items()}
+        return set(np.flatnonzero(self.task_slot).tolist())
 
     def map_size(self) -> int:
-        return len(self.task_pids())  # bcc's len() of a hash map is its capacity
+        return int(np.count_nonzero(self.task_slot))
 
     # --- samples ----------------------------------------------------------------
 

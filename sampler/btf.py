@@ -1,10 +1,11 @@
 """Member offsets of kernel structs, from the running kernel's BTF.
 
-The kernel backend needs two fields of a task that no helper returns for a
-task other than the current one (the child in `sched_process_fork`): `pid`
-and `tgid`. The headers bcc compiles against are not the running kernel's
-(a distribution's headers for a VM kernel built elsewhere), so their offsets
-may be wrong; `/sys/kernel/btf/vmlinux` describes the running kernel itself.
+The kernel backend reads fields of tasks other than the current one (the
+child in `sched_process_fork`, the tasks in `sched_switch`), which no
+helper returns: `pid`, `tgid` and the scheduler's own on-CPU time. The
+headers bcc compiles against are not the running kernel's (a distribution's
+headers for a VM kernel built elsewhere), so their offsets may be wrong;
+`/sys/kernel/btf/vmlinux` describes the running kernel itself.
 
 BTF layout: include/uapi/linux/btf.h (a header, then `btf_type` records, each
 followed by kind-specific data, then a string table).
@@ -48,8 +49,9 @@ class BtfError(Exception):
     """BTF missing, malformed, or without the struct or member asked for."""
 
 
-def struct_member_offsets(data: bytes, struct_name: str, members: list[str]) -> dict[str, int]:
-    """Byte offsets of the named (non-bitfield, top-level) members of a struct."""
+def struct_member_offsets(data: bytes, wanted: dict[str, list[str]]) -> dict[str, dict[str, int]]:
+    """Byte offsets of named (non-bitfield, top-level) members of structs, in
+    one pass over the types: {struct: {member: offset}}."""
     if len(data) < 24:
         raise BtfError("BTF too short")
     magic, _version, _flags, hdr_len = struct.unpack_from("<HBBI", data, 0)
@@ -60,12 +62,12 @@ def struct_member_offsets(data: bytes, struct_name: str, members: list[str]) -> 
     strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
 
     def name(off: int) -> bytes:
-        end = strings.find(b"\0", off)
-        return strings[off:end]
+        return strings[off : strings.find(b"\0", off)]
 
-    want = struct_name.encode()
+    want = {k.encode(): k for k in wanted}
+    out: dict[str, dict[str, int]] = {}
     pos = 0
-    while pos + 12 <= len(types):
+    while pos + 12 <= len(types) and len(out) < len(wanted):
         name_off, info, _size = struct.unpack_from("<III", types, pos)
         kind, vlen, kind_flag = (info >> 24) & 0x1F, info & 0xFFFF, info >> 31
         if kind not in _TRAILER:
@@ -73,28 +75,33 @@ def struct_member_offsets(data: bytes, struct_name: str, members: list[str]) -> 
         fixed, per = _TRAILER[kind]
         body = pos + 12
         pos = body + fixed + per * vlen
-        if kind != KIND_STRUCT or name(name_off) != want:
+        if kind != KIND_STRUCT or (struct_name := want.get(name(name_off))) is None or struct_name in out:
             continue
         found: dict[str, int] = {}
         for i in range(vlen):
             m_name, _m_type, m_offset = struct.unpack_from("<III", types, body + 12 * i)
-            bits = m_offset & 0xFFFFFF if kind_flag else m_offset
-            found[name(m_name).decode()] = bits
-        out = {}
-        for m in members:
+            found[name(m_name).decode()] = m_offset & 0xFFFFFF if kind_flag else m_offset
+        members = {}
+        for m in wanted[struct_name]:
             if m not in found:
                 raise BtfError(f"struct {struct_name} has no member {m!r}")
             if found[m] % 8:
                 raise BtfError(f"{struct_name}.{m} is a bitfield")
-            out[m] = found[m] // 8
-        return out
-    raise BtfError(f"no struct {struct_name} in BTF")
+            members[m] = found[m] // 8
+        out[struct_name] = members
+    for struct_name in wanted:
+        if struct_name not in out:
+            raise BtfError(f"no struct {struct_name} in BTF")
+    return out
 
 
 def task_offsets(path: Path = VMLINUX) -> dict[str, int]:
-    """Offsets of task_struct.pid and task_struct.tgid in the running kernel."""
+    """Where a task keeps its pid, its tgid, and the CPU time the scheduler
+    has accounted to it (se.sum_exec_runtime, ns), in the running kernel."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise BtfError(f"kernel BTF unreadable ({path}: {e.strerror}); needs CONFIG_DEBUG_INFO_BTF") from None
-    return struct_member_offsets(data, "task_struct", ["pid", "tgid"])
+    found = struct_member_offsets(data, {"task_struct": ["pid", "tgid", "se"], "sched_entity": ["sum_exec_runtime"]})
+    task = found["task_struct"]
+    return {"pid": task["pid"], "tgid": task["tgid"], "runtime": task["se"] + found["sched_entity"]["sum_exec_runtime"]}

@@ -1,0 +1,123 @@
+"""What the kernel backend adds to each context switch.
+
+A two-process pipe ping-pong pinned to one CPU (bench/pingpong.c) switches as
+fast as the machine can. Measured in the same run:
+- the cost of one switch, from the ping-pong's own timing, programs unloaded;
+- the programs' run time per switch, from the kernel's BPF statistics
+  (run_time_ns / run count, via each program's fdinfo while BPF_ENABLE_STATS
+  is held), with the ping-pong outside any watched group and inside one;
+- that as a share of one switch;
+- the floor of that measurement: the run time the kernel's statistics report
+  for an empty program on the same tracepoint (the clock reads around each
+  run are inside run_time_ns), so that the programs' own cost can be told
+  apart from the cost of measuring it;
+- the ping-pong's own timing with the programs loaded (noisy: quoted only).
+
+Needs root and a C compiler (gcc). Not a test: no thresholds.
+
+    .venv/bin/python bench/switch_cost.py [--round-trips 200000] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from sampler import bpf_sched
+from sampler.selectors import GroupSelector, GroupWatch, ProcessTable
+
+PROC = Path("/proc")
+SOURCE = Path(__file__).resolve().parent / "pingpong.c"
+
+
+def build(tmp: Path) -> Path:
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise SystemExit("switch_cost: needs gcc to build bench/pingpong.c")
+    exe = tmp / "pingpong"
+    subprocess.run([cc, "-O2", "-o", str(exe), str(SOURCE)], check=True)
+    return exe
+
+
+def pingpong(exe: Path, trips: int, groups: bpf_sched.BpfGroupSampler | None = None) -> tuple[int, float]:
+    """(switches, ns per switch). With `groups`, the ping-pong is watched: its
+    shell is made a member before it execs the ping-pong, whose child then
+    joins at fork, as an engine's workers do."""
+    p = subprocess.Popen(["sh", "-c", f"read go; exec {exe} {trips}"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, process_group=0)  # fmt: skip
+    assert p.stdin is not None and p.stdout is not None
+    if groups is not None:
+        groups.discover([GroupWatch("pp", GroupSelector.parse(f"pgid:{p.pid}"))], ProcessTable.walk(PROC))
+    p.stdin.write("go\n")
+    p.stdin.close()
+    switches, ns = p.stdout.read().split()
+    p.wait()
+    return int(switches), float(ns)
+
+
+def program_cost(groups: bpf_sched.BpfGroupSampler, exe: Path, trips: int, watched: bool) -> tuple[float, float]:
+    """(programs' ns per switch, ping-pong's ns per switch with them loaded)."""
+    before = groups.program_stats()
+    switches, ns = pingpong(exe, trips, groups if watched else None)
+    after = groups.program_stats()
+    run_ns = sum(after[n][0] - before[n][0] for n in after)
+    runs = after["raw_tracepoint__sched_switch"][1] - before["raw_tracepoint__sched_switch"][1]
+    # The ping-pong's switches dominate; the machine's others are in the count too.
+    return run_ns / max(runs, switches), ns
+
+
+EMPTY = b"RAW_TRACEPOINT_PROBE(sched_switch) { return 0; }"
+
+
+def empty_program_floor(exe: Path, trips: int) -> float:
+    """ns per run that the BPF statistics report for a program that does nothing."""
+    from bcc import BPF
+
+    b = BPF(text=EMPTY)
+    try:
+        fd = b.funcs[b"raw_tracepoint__sched_switch"].fd
+        before = bpf_sched._program_stats(fd)
+        pingpong(exe, trips)
+        after = bpf_sched._program_stats(fd)
+    finally:
+        b.cleanup()
+    assert before is not None and after is not None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--round-trips", type=int, default=200000)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = build(Path(tmp))
+        bare = [pingpong(exe, args.round_trips)[1] for _ in range(args.runs)]
+        switch_ns = statistics.median(bare)
+        groups = bpf_sched.load(PROC, 10)
+        try:
+            floor = statistics.median(empty_program_floor(exe, args.round_trips) for _ in range(args.runs))
+            results = {}
+            for watched in (False, True):
+                runs = [program_cost(groups, exe, args.round_trips, watched) for _ in range(args.runs)]
+                results[watched] = ([r[0] for r in runs], [r[1] for r in runs])
+        finally:
+            groups.close()
+    print(f"one context switch, programs unloaded: {switch_ns:.0f} ns "
+          f"(median of {args.runs}, {min(bare):.0f}..{max(bare):.0f})")  # fmt: skip
+    print(f"an empty program's run time as the BPF statistics report it (their floor): {floor:.0f} ns per run")
+    for watched, (cost, loaded) in results.items():
+        label = "ping-pong in a watched group" if watched else "ping-pong not watched"
+        c = statistics.median(cost)
+        print(f"{label:<30} programs' run time per switch {c:4.0f} ns ({min(cost):.0f}..{max(cost):.0f}) "
+              f"= {100 * c / switch_ns:4.1f}% of a switch; above the floor {c - floor:4.0f} ns "
+              f"= {100 * (c - floor) / switch_ns:4.1f}%; ping-pong with programs loaded "
+              f"{statistics.median(loaded):.0f} ns per switch")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
