@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -165,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         return commands[args.command](args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing more to say, and no traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

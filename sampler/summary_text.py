@@ -49,6 +49,12 @@ def render(summary: dict[str, Any]) -> str:
         lines.append(f"disk     {DASH}")
     for d in disks or ():
         lines.append(f"disk     {d['mount']}  {_bytes(d['used_bytes'])} used of {_bytes(d['bytes'])}")
+    if bpf := summary.get("bpf"):
+        seconds = w["end"] - w["start"]
+        runs = sum(p["runs"] for p in bpf["programs"].values())
+        busy = sum(p["run_time_ns"] for p in bpf["programs"].values()) / 1e9
+        share = f", {100 * busy / seconds:.3f}% of one CPU" if seconds > 0 else ""
+        lines.append(f"kernel   programs ran {runs} times for {busy * 1e3:.2f} ms{share}")
     shards = summary.get("shards", [])
     lines.append("")
     if not shards:
