@@ -86,9 +86,15 @@ def _fail(code: int, message: str) -> NoReturn:
 
 
 def _make_sampler(  # type: ignore[no-untyped-def]
-    backend: str, groups: list[tuple[str, str]], hz: float, proc: Path, kernel_headers: Path | None = None
+    backend: str,
+    groups: list[tuple[str, str]],
+    hz: float,
+    proc: Path,
+    kernel_headers: Path | None = None,
+    gpu_grace: float = 0.0,
 ):
     from sampler.backend import BackendUnavailable, open_backend
+    from sampler.nvml import GpuReader
     from sampler.selectors import GroupSelector, GroupWatch
     from sampler.window_sampler import WindowSampler
 
@@ -102,7 +108,13 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     except BackendUnavailable as e:
         _fail(EXIT_BACKEND, f"backend {backend} unavailable: {e}")
     watches = [GroupWatch(name, GroupSelector.parse(sel)) for name, sel in groups] or None
-    return WindowSampler(proc, choice, group_sampler, watches, hz=hz)
+    return WindowSampler(proc, choice, group_sampler, watches, hz=hz, gpus=GpuReader(), gpu_grace=gpu_grace)
+
+
+def _close(sampler) -> None:  # type: ignore[no-untyped-def]
+    sampler.groups.close()
+    if sampler.gpus is not None:
+        sampler.gpus.close()
 
 
 def _print_bpf(proc: Path) -> int:
@@ -131,12 +143,14 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     if args.print_bpf:
         return _print_bpf(args.proc_root)
-    sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root, args.kernel_headers)
+    # One window: it may wait for NVML to start (seconds per GPU) and to answer.
+    sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root, args.kernel_headers, gpu_grace=5.0)
     try:
+        sampler.gpus.wait_ready(30.0)
         sampler.prime(min(1.0, args.duration))
         summary = sampler.run_window(args.duration)
     finally:
-        sampler.groups.close()
+        _close(sampler)
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     return 0
 
@@ -155,7 +169,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        sampler.groups.close()
+        _close(sampler)
 
 
 def main(argv: list[str] | None = None) -> int:

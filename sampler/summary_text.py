@@ -24,6 +24,37 @@ def _stats(s: dict[str, float] | None, fmt: str) -> str:
     return f"{s['mean']:{fmt}} mean  {s['p95']:{fmt}} p95  {s['max']:{fmt}} max"
 
 
+def _num(value: float | None, fmt: str, unit: str = "") -> str:
+    return DASH if value is None else f"{value:{fmt}}{unit}"
+
+
+def _gpu_lines(summary: dict[str, Any]) -> list[str]:
+    if "gpu_error" in summary:
+        return [f"GPU      {DASH} ({summary['gpu_error']})"]
+    if "gpus" not in summary:
+        return []
+    if not summary["gpus"]:
+        return ["GPU      none"]
+    lines = []
+    for g in summary["gpus"]:
+        head = f"GPU {g['index']}  {g.get('name', DASH)}"
+        if g.get("lost"):
+            lines.append(f"{head}  lost (NVML will be re-initialised)")
+            continue
+        clock = g.get("sm_clock_hz")
+        lines.append(
+            f"{head}  util {_num(g.get('utilization_percent'), '.0f', '%')}"
+            f" (p95 {_num(g.get('utilization_p95_percent'), '.0f')},"
+            f" max {_num(g.get('utilization_max_percent'), '.0f')})"
+            f"  mem {_bytes(g.get('memory_used_bytes'))} of {_bytes(g.get('memory_total_bytes'))}"
+            f"  bw {_num(g.get('memory_bandwidth_percent'), '.0f', '%')}"
+            f"  {_num(None if clock is None else clock / 1e6, '.0f', ' MHz')}"
+            f"  {_num(g.get('temperature_celsius'), '.0f', ' C')}  {_num(g.get('power_watts'), '.0f', ' W')}"
+            f"  ecc {_num(g.get('ecc_uncorrected'), 'd')}"
+        )
+    return lines
+
+
 def render(summary: dict[str, Any]) -> str:
     m = summary.get("machine", {})
     w = summary["window"]
@@ -55,12 +86,14 @@ def render(summary: dict[str, Any]) -> str:
         busy = sum(p["run_time_ns"] for p in bpf["programs"].values()) / 1e9
         share = f", {100 * busy / seconds:.3f}% of one CPU" if seconds > 0 else ""
         lines.append(f"kernel   programs ran {runs} times for {busy * 1e3:.2f} ms{share}")
+    lines.extend(_gpu_lines(summary))
     shards = summary.get("shards", [])
     lines.append("")
     if not shards:
         lines.append("engines  none found")
         return "\n".join(lines)
-    lines.append(f"{'ENGINE':<20} {'PGID':>8} {'COMMAND':<16} {'CORES':>6} {'p95':>6} {'max':>6} {'MEMORY':>10}")
+    lines.append(f"{'ENGINE':<20} {'PGID':>8} {'COMMAND':<16} {'CORES':>6} {'p95':>6} {'max':>6} {'MEMORY':>10}"
+                 f" {'GPU MEMORY':>10}")
     for s in shards:
         cores = s.get("cpu_cores")
         c = [f"{cores[k]:6.2f}" for k in ("mean", "p95", "max")] if cores else [f"{DASH:>6}"] * 3
@@ -68,5 +101,6 @@ def render(summary: dict[str, Any]) -> str:
         pgid = str(pgids[0]) if len(pgids) == 1 else (f"{len(pgids)} grps" if pgids else DASH)
         name = s["id"] if len(s["id"]) <= 20 else s["id"][:19] + "…"
         command = (s.get("command") or DASH)[:16]
-        lines.append(f"{name:<20} {pgid:>8} {command:<16} {' '.join(c)} {_bytes(s.get('memory_bytes')):>10}")
+        lines.append(f"{name:<20} {pgid:>8} {command:<16} {' '.join(c)} {_bytes(s.get('memory_bytes')):>10}"
+                     f" {_bytes(s.get('gpu_memory_bytes')):>10}")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from typing import Any
 
 from sampler.backend import BackendChoice, GroupSampler
 from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
+from sampler.nvml import GpuReader, GpuReading
 from sampler.selectors import GroupSelector, GroupWatch, ProcessTable, busiest_groups
 from sampler.window import RateSeries
 
@@ -33,6 +34,8 @@ class WindowSampler:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
+        gpus: GpuReader | None = None,
+        gpu_grace: float = 0.0,
     ) -> None:
         if hz <= 0:
             raise ValueError("hz must be positive")
@@ -46,6 +49,11 @@ class WindowSampler:
         self.gauges = MachineGaugeReader(proc)
         self.pressure = PressureReader(proc)
         self.groups = groups
+        self.gpus = gpus
+        # How long a window's end may wait for its GPU reading: 0 for the
+        # agent's endless loop; a one-shot `sample` can afford to wait.
+        self.gpu_grace = gpu_grace
+        self._members: dict[str, set[int]] = {}  # watch id -> its pids at the last walk, for GPU memory
         self._group_ticks: dict[int, int] | None = None
         self._last_sample_at: float | None = None
         self._program_stats: dict[str, tuple[int, int]] = {}
@@ -71,6 +79,8 @@ class WindowSampler:
             self._group_ticks = ticks
             watches = [GroupWatch(f"pgid:{g}", GroupSelector("pgid", str(g))) for g in top]
         self.groups.discover(watches, table)
+        if self.gpus is not None:
+            self._members = {w.id: set(table.resolve(w.selector)) for w in watches}
 
     def run_window(self, seconds: float) -> dict[str, Any]:
         start_wall = self._wall()
@@ -83,6 +93,10 @@ class WindowSampler:
         # A sample covers the time since the one before it, which may have been
         # the previous window's last: its weight must say so.
         last = start if self._last_sample_at is None else self._last_sample_at
+        # The GPU reading is asked for before the window ends, on NVML's own
+        # thread, and taken at the end only if it is ready: a slow or hung
+        # driver costs this window its GPU figures, never its cadence.
+        gpu_at = n - max(1, round(min(0.5, seconds / 2) * self.hz))
         for k in range(1, n + 1):
             delay = start + k / self.hz - self._clock()
             if delay > 0:
@@ -94,6 +108,8 @@ class WindowSampler:
                 shards[wid].add(r.cores, now - last)
             machine.add(cpu, now - last)
             last = now
+            if k == max(1, gpu_at) and self.gpus is not None:
+                self.gpus.request(self._members)
         self._last_sample_at = last
         self._seq += 1
         summary: dict[str, Any] = {
@@ -111,9 +127,25 @@ class WindowSampler:
         summary["machine"] = m
         memory = self.groups.memory()
         summary["shards"] = [self._shard(w, shards[w.id], memory.get(w.id)) for w in self.groups.watches]
+        if self.gpus is not None:
+            if self.gpu_grace > 0:
+                self.gpus.wait(self.gpu_grace)
+            self._add_gpus(summary, self.gpus.take())
         if cost := self._program_cost():
             summary["bpf"] = cost
         return summary
+
+    @staticmethod
+    def _add_gpus(summary: dict[str, Any], reading: GpuReading | None) -> None:
+        if reading is None:
+            # Not measured: no "gpus" at all, which would read as a node without GPUs.
+            summary["gpu_error"] = "NVML did not answer before the window ended"
+            return
+        summary["gpus"] = reading.gpus
+        summary["gpu_read_seconds"] = round(reading.seconds, 4)
+        for shard in summary["shards"]:
+            if (used := reading.shard_memory.get(shard["id"])) is not None:
+                shard["gpu_memory_bytes"] = used
 
     def _program_cost(self) -> dict[str, Any] | None:
         """The kernel programs' run count and run time in this window, from the

@@ -1,6 +1,7 @@
 """The command line, run as an operator runs it: a subprocess, its exit code,
 its stdout and its stderr."""
 
+import ctypes.util
 import json
 import re
 import subprocess
@@ -106,3 +107,13 @@ def test_sample_of_an_empty_proc_reports_nothing_and_does_not_fail(tmp_path: Pat
     summary = json.loads(r.stdout)
     assert summary["machine"] == {"cpu_percent": None}
     assert summary["shards"] == []
+
+
+def test_sample_on_a_node_without_nvml_has_no_gpus() -> None:
+    if ctypes.util.find_library("nvidia-ml"):
+        pytest.skip("this machine has an NVML library")
+    r = run("sample", "--json", "--duration", "0.2", "--backend", "proc")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["gpus"] == []  # measured: no GPUs, unlike a missing key
+    text = run("sample", "--duration", "0.2", "--backend", "proc").stdout
+    assert "GPU      none" in text

@@ -1,0 +1,301 @@
+"""GPUs through NVML (nvidia-ml-py, module `pynvml`).
+
+Every NVML call runs on one worker thread, never on the sampling loop: NVML
+takes a driver-wide lock, a call can hang with a wedged driver, and
+initialising costs seconds per GPU. The loop asks for a reading shortly
+before a window ends (`request`) and takes it at the end if it is ready
+(`take`); a reading that is not ready leaves the window without GPU figures
+and the loop on time.
+
+Each field is read on its own: a field the driver or card does not support
+is absent (never 0) and costs neither the other fields nor the other cards.
+Utilisation's p95 and max come from NVML's own buffered samples
+(`nvmlDeviceGetSamples`), not from polling NVML at the sampling rate.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GpuReading:
+    gpus: list[dict[str, Any]]
+    # shard id -> GPU memory of its processes on all cards; None: not measured
+    shard_memory: dict[str, int | None]
+    seconds: float  # time spent in NVML for this reading
+
+
+@dataclass
+class _Card:
+    index: int
+    handle: Any
+    uuid: str
+    name: str | None
+    pci_bus_id: str | None
+    memory_total_bytes: int | None
+    last_sample_us: int = 0  # newest NVML utilisation sample seen
+    lost: bool = False
+    unsupported: set[str] = field(default_factory=set)
+
+
+class _CardLost(Exception):
+    pass
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class GpuReader:
+    """Owns NVML for the agent's life: initialised once, on its own thread."""
+
+    def __init__(self, nvml: ModuleType | Any | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._nvml: Any = nvml  # pynvml, or a stand-in with its functions and errors
+        self._clock = clock
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+        self._cards: list[_Card] = []
+        self._driver: str | None = None
+        self._available = False
+        self._needs_init = True
+        self._pending: concurrent.futures.Future[GpuReading] | None = None
+        self._pending_since = 0.0
+        self._warned_stuck = False
+        self._init_future = self._pool.submit(self._init)
+
+    # --- on the NVML thread -------------------------------------------------------
+
+    def _errors(self) -> tuple[type[BaseException], ...]:
+        return (self._nvml.NVMLError,) if self._nvml is not None else ()
+
+    def _init(self) -> None:
+        if self._nvml is None:
+            try:
+                import pynvml
+
+                self._nvml = pynvml
+            except ImportError:
+                log.info("no GPUs: nvidia-ml-py is not installed")
+                self._needs_init = False
+                return
+        nv = self._nvml
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as e:
+            # A CPU node: no library or no driver. One line, once.
+            log.info("no GPUs: NVML unavailable (%s)", e)
+            self._needs_init = False
+            return
+        self._needs_init = False
+        self._available = True
+        try:
+            self._driver = _text(nv.nvmlSystemGetDriverVersion())
+        except nv.NVMLError:
+            self._driver = None
+        self._cards = []
+        for index in range(nv.nvmlDeviceGetCount()):
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(index)
+                uuid = _text(nv.nvmlDeviceGetUUID(h))
+            except nv.NVMLError as e:
+                log.warning("GPU %d left out: %s", index, e)
+                continue
+            self._cards.append(self._describe(_Card(index, h, uuid, None, None, None)))
+
+    def _describe(self, card: _Card) -> _Card:
+        nv, h = self._nvml, card.handle
+        try:
+            card.name = self._field(card, "name", lambda: _text(nv.nvmlDeviceGetName(h)))
+            card.pci_bus_id = self._field(card, "pci_bus_id", lambda: _text(nv.nvmlDeviceGetPciInfo(h).busId))
+            card.memory_total_bytes = self._field(card, "memory", lambda: int(nv.nvmlDeviceGetMemoryInfo(h).total))
+        except _CardLost:
+            card.lost = True
+        return card
+
+    def _reinit(self) -> None:
+        with contextlib.suppress(self._nvml.NVMLError):
+            self._nvml.nvmlShutdown()
+        self._init()
+
+    def _field(self, card: _Card, name: str, read: Callable[[], Any]) -> Any:
+        """One field, or None where the card or driver lacks it."""
+        nv = self._nvml
+        try:
+            return read()
+        except nv.NVMLError_GpuIsLost:
+            raise _CardLost() from None
+        except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound, nv.NVMLError_NoPermission) as e:
+            if name not in card.unsupported:
+                card.unsupported.add(name)
+                log.info("GPU %d: %s not measured: %s", card.index, name, e)
+            return None
+        except nv.NVMLError as e:
+            log.debug("GPU %d: %s failed: %s", card.index, name, e)
+            return None
+
+    def _utilisation_samples(self, card: _Card) -> np.ndarray | None:
+        """Utilisation samples (percent) NVML buffered since the last reading."""
+        nv = self._nvml
+        try:
+            _, samples = nv.nvmlDeviceGetSamples(card.handle, nv.NVML_GPU_UTILIZATION_SAMPLES, card.last_sample_us)
+        except nv.NVMLError_NotFound:
+            return None  # nothing new since the last reading
+        except nv.NVMLError_GpuIsLost:
+            raise _CardLost() from None
+        except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound) as e:
+            if "samples" not in card.unsupported:
+                card.unsupported.add("samples")
+                log.info("GPU %d: utilisation samples not available: %s", card.index, e)
+            return None
+        except nv.NVMLError:
+            return None
+        fresh = [(s.timeStamp, s.sampleValue.uiVal) for s in samples if s.timeStamp > card.last_sample_us]
+        if not fresh:
+            return None
+        card.last_sample_us = max(t for t, _ in fresh)
+        return np.array([v for _, v in fresh], dtype=np.float64)
+
+    def _read_card(self, card: _Card) -> dict[str, Any]:
+        nv, h = self._nvml, card.handle
+        out: dict[str, Any] = {"index": card.index, "uuid": card.uuid}
+        if card.name is not None:
+            out["name"] = card.name
+        rates = self._field(card, "utilization", lambda: nv.nvmlDeviceGetUtilizationRates(h))
+        samples = self._utilisation_samples(card)
+        if samples is not None:
+            out["utilization_percent"] = round(float(samples.mean()), 2)
+            out["utilization_p95_percent"] = round(float(np.percentile(samples, 95)), 2)
+            out["utilization_max_percent"] = float(samples.max())
+        elif rates is not None:
+            out["utilization_percent"] = float(rates.gpu)
+        if rates is not None:
+            out["memory_bandwidth_percent"] = float(rates.memory)
+        memory = self._field(card, "memory", lambda: nv.nvmlDeviceGetMemoryInfo(h))
+        if memory is not None:
+            out["memory_used_bytes"] = int(memory.used)
+            out["memory_total_bytes"] = int(memory.total)
+        fields: Iterable[tuple[str, Callable[[], Any]]] = (
+            ("sm_clock_hz", lambda: int(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)) * 1_000_000),
+            ("ecc_uncorrected", lambda: int(nv.nvmlDeviceGetTotalEccErrors(
+                h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC))),
+            ("temperature_celsius", lambda: int(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))),
+            ("power_watts", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),  # mW
+            ("energy_joules", lambda: nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1000.0),  # mJ
+        )  # fmt: skip
+        for key, read in fields:
+            value = self._field(card, key, read)
+            if value is not None:
+                out[key] = value
+        return out
+
+    def _processes(self, card: _Card) -> list[tuple[int, int]] | None:
+        """(pid, GPU memory) of the compute processes on a card; None: unknown."""
+        nv = self._nvml
+        procs = self._field(card, "processes", lambda: nv.nvmlDeviceGetComputeRunningProcesses(card.handle))
+        if procs is None:
+            return None
+        return [(int(p.pid), int(p.usedGpuMemory)) for p in procs if p.usedGpuMemory is not None]
+
+    def _read(self, members: dict[str, set[int]]) -> GpuReading:
+        started = self._clock()
+        if self._needs_init:
+            self._reinit()
+        gpus: list[dict[str, Any]] = []
+        used: dict[str, int] = dict.fromkeys(members, 0)
+        answered = False
+        owner = {pid: sid for sid, pids in members.items() for pid in pids}
+        for card in self._cards:
+            try:
+                gpus.append(self._read_card(card))
+                procs = self._processes(card) if members else None
+            except _CardLost:
+                if not card.lost:
+                    log.warning("GPU %d (%s) is lost; NVML will be re-initialised", card.index, card.uuid)
+                card.lost = True
+                self._needs_init = True
+                gpus.append({"index": card.index, "uuid": card.uuid, "lost": True})
+                continue
+            if card.lost:
+                log.warning("GPU %d (%s) is back", card.index, card.uuid)
+                card.lost = False
+            if procs is not None:
+                answered = True
+                for pid, memory in procs:
+                    if pid in owner:
+                        used[owner[pid]] += memory
+        shard_memory: dict[str, int | None] = {sid: (v if answered else None) for sid, v in used.items()}
+        return GpuReading(gpus, shard_memory, self._clock() - started)
+
+    # --- on the caller's thread ----------------------------------------------------
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait for NVML to initialise (seconds per GPU). False: still going."""
+        try:
+            self._init_future.result(timeout=timeout)
+            return True
+        except concurrent.futures.TimeoutError:
+            return False
+
+    def inventory(self) -> list[dict[str, Any]] | None:
+        """What registration carries; None until NVML has initialised."""
+        if not self._init_future.done():
+            return None
+        return [
+            {k: v for k, v in {"index": c.index, "uuid": c.uuid, "name": c.name,
+                               "memory_total_bytes": c.memory_total_bytes, "pci_bus_id": c.pci_bus_id,
+                               "driver_version": self._driver}.items() if v is not None}  # fmt: skip
+            for c in self._cards
+        ]
+
+    def request(self, members: dict[str, set[int]]) -> None:
+        """Start a reading unless one is still running (a hung call)."""
+        if self._pending is not None and not self._pending.done():
+            if not self._warned_stuck:
+                log.warning("an NVML call has not returned for %.1f s; GPUs left out until it does",
+                            self._clock() - self._pending_since)  # fmt: skip
+                self._warned_stuck = True
+            return
+        self._pending = self._pool.submit(self._read, members)
+        self._pending_since = self._clock()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for the requested reading to finish; False if it has not."""
+        pending = self._pending
+        if pending is None:
+            return True
+        done, _ = concurrent.futures.wait([pending], timeout=timeout)
+        return bool(done)
+
+    def take(self) -> GpuReading | None:
+        """The requested reading if it has finished; None otherwise (never waits)."""
+        pending = self._pending
+        if pending is None or not pending.done():
+            return None
+        self._pending = None
+        if self._warned_stuck:
+            log.warning("NVML answers again")
+            self._warned_stuck = False
+        try:
+            return pending.result()
+        except Exception as e:  # a bug or an NVML error outside any card: this window only
+            log.warning("GPU reading failed: %s", e)
+            return None
+
+    @property
+    def available(self) -> bool:
+        return self._available
+
+    def close(self) -> None:
+        # A hung NVML call cannot be interrupted: do not wait for it.
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,209 @@
+"""GPUs through a fake NVML that follows pynvml's signatures, return types and errors."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from sampler.backend import BackendChoice
+from sampler.nvml import GpuReader, GpuReading
+from sampler.proc_groups import ProcGroupSampler
+from sampler.selectors import GroupSelector, GroupWatch
+from sampler.summary_text import render
+from sampler.window_sampler import WindowSampler
+from tests.fakenvml import OLD_DRIVER, FakeCard, FakeNvml, GiB, h200_node
+from tests.fakeproc import FakeClock, FakeProc
+
+MEASURED = ("utilization_percent", "utilization_p95_percent", "utilization_max_percent", "memory_used_bytes",
+            "memory_total_bytes", "memory_bandwidth_percent", "sm_clock_hz", "ecc_uncorrected",
+            "temperature_celsius", "power_watts", "energy_joules")  # fmt: skip
+
+
+@pytest.fixture
+def readers() -> Iterator[list[GpuReader]]:
+    made: list[GpuReader] = []
+    yield made
+    for r in made:
+        r.close()
+
+
+def open_reader(nvml: FakeNvml, readers: list[GpuReader]) -> GpuReader:
+    r = GpuReader(nvml)
+    readers.append(r)
+    assert r.wait_ready(10)
+    return r
+
+
+def read(r: GpuReader, members: dict[str, set[int]] | None = None) -> GpuReading:
+    r.request(members or {})
+    assert r.wait(10)
+    reading = r.take()
+    assert reading is not None
+    return reading
+
+
+def test_fake_follows_pynvml_signatures() -> None:
+    for name, fn in inspect.getmembers(FakeNvml, inspect.isfunction):
+        if name.startswith("nvml"):
+            real = inspect.signature(getattr(pynvml, name))
+            fake = inspect.signature(fn)
+            assert list(fake.parameters)[1:] == list(real.parameters), name
+
+
+def test_eight_h200s_every_field_of_every_card(readers: list[GpuReader]) -> None:
+    nvml = h200_node()
+    for card in nvml.cards:
+        card.samples = [(1_000_000 + i * 166_000, v) for i, v in enumerate([90, 95, 100, 98, 97])]
+    nvml.cards[2].processes = [(100, 30 * GiB), (101, 10 * GiB), (999, 5 * GiB)]
+    nvml.cards[5].processes = [(200, 60 * GiB), (101, 2 * GiB)]
+    r = open_reader(nvml, readers)
+
+    inventory = r.inventory()
+    assert inventory is not None and len(inventory) == 8
+    assert inventory[3] == {"index": 3, "uuid": nvml.cards[3].uuid, "name": "NVIDIA H200",
+                            "memory_total_bytes": 141 * GiB, "pci_bus_id": "00000000:1B:00.0",
+                            "driver_version": "550.54.15"}  # fmt: skip
+
+    reading = read(r, {"llama": {100, 101}, "mistral": {200}, "idle": {300}})
+    assert len(reading.gpus) == 8
+    for gpu in reading.gpus:
+        assert set(MEASURED) <= set(gpu)
+    g = reading.gpus[0]
+    assert g["utilization_percent"] == 96.0 and g["utilization_max_percent"] == 100.0
+    assert 98 <= g["utilization_p95_percent"] <= 100
+    assert g["sm_clock_hz"] == 1_980_000_000 and g["power_watts"] == 512.3 and g["energy_joules"] == 123456.7
+    assert g["memory_used_bytes"] == 80 * GiB and g["memory_bandwidth_percent"] == 41.0
+    # Per engine: its processes on every card; an engine with none uses 0 (measured).
+    assert reading.shard_memory == {"llama": 42 * GiB, "mistral": 60 * GiB, "idle": 0}
+
+
+def test_samples_are_taken_once(readers: list[GpuReader]) -> None:
+    nvml = h200_node(1)
+    nvml.cards[0].samples = [(10, 50), (20, 60)]
+    r = open_reader(nvml, readers)
+    assert read(r).gpus[0]["utilization_max_percent"] == 60.0
+    nvml.cards[0].samples += [(30, 10)]
+    second = read(r).gpus[0]
+    assert second["utilization_max_percent"] == 10.0  # only the new sample
+    # No new sample: no p95 or max, and the instant rate stands in for the mean.
+    third = read(r).gpus[0]
+    assert "utilization_max_percent" not in third and "utilization_p95_percent" not in third
+    assert third["utilization_percent"] == 97.0
+
+
+def test_old_driver_leaves_its_missing_fields_absent(
+    readers: list[GpuReader], caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml = FakeNvml([FakeCard(0, fails=dict(OLD_DRIVER)), FakeCard(1)])
+    nvml.cards[1].samples = [(5, 40)]
+    r = open_reader(nvml, readers)
+    with caplog.at_level(logging.INFO, logger="sampler.nvml"):
+        old, new = read(r).gpus
+        read(r)
+    for key in ("utilization_percent", "utilization_p95_percent", "utilization_max_percent",
+                "memory_bandwidth_percent", "energy_joules"):  # fmt: skip
+        assert key not in old
+    for key in ("memory_used_bytes", "sm_clock_hz", "temperature_celsius", "power_watts", "ecc_uncorrected"):
+        assert key in old
+    assert set(MEASURED) <= set(new)  # the other card lost nothing
+    # Each missing field is said once, not at every reading.
+    missing = [rec for rec in caplog.records if "not measured" in rec.message or "not available" in rec.message]
+    assert len(missing) == 3
+
+
+def test_lost_gpu_is_absent_the_rest_go_on_and_it_comes_back(readers: list[GpuReader]) -> None:
+    nvml = h200_node(4)
+    r = open_reader(nvml, readers)
+    assert all("temperature_celsius" in g for g in read(r).gpus)
+    nvml.cards[2].lost = True
+    gpus = read(r).gpus
+    assert gpus[2] == {"index": 2, "uuid": nvml.cards[2].uuid, "lost": True}
+    assert all("temperature_celsius" in g for i, g in enumerate(gpus) if i != 2)
+    # The next reading re-initialises NVML, and the card answers again.
+    gpus = read(r).gpus
+    assert nvml.inits == 2
+    assert "lost" not in gpus[2] and gpus[2]["temperature_celsius"] == 61
+
+
+def test_cpu_node_has_no_gpus_and_says_so_once(readers: list[GpuReader], caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="sampler.nvml"):
+        r = open_reader(FakeNvml([], library=False), readers)
+        for _ in range(3):
+            reading = read(r, {"s0": {1}})
+            assert reading.gpus == []
+            assert reading.shard_memory == {"s0": None}  # not measured, not 0
+    assert r.inventory() == []
+    said = [rec.message for rec in caplog.records if "no GPUs" in rec.message]
+    assert len(said) == 1 and "Library Not Found" in said[0]
+
+
+def test_process_memory_not_available_is_not_zero(readers: list[GpuReader]) -> None:
+    nvml = h200_node(1)
+    nvml.cards[0].fails["nvmlDeviceGetComputeRunningProcesses"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    r = open_reader(nvml, readers)
+    assert read(r, {"s0": {1}}).shard_memory == {"s0": None}
+
+
+class GpuTime:
+    """Fake time for a window: each sleep also lets a running NVML reading
+    finish, as the half second before the window's end would, unless the
+    test is holding NVML wedged."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock, self.gpus, self.wedged = clock, None, False
+
+    def sleep(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        if self.gpus is not None and not self.wedged:
+            assert self.gpus.wait(10)
+
+
+def window_sampler(tmp_path: Path, nvml: FakeNvml, readers: list[GpuReader]) -> tuple[WindowSampler, GpuTime]:
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(100, rss=10)
+    clock = FakeClock()
+    time = GpuTime(clock)
+    gpus = time.gpus = open_reader(nvml, readers)
+    watches = [GroupWatch("llama", GroupSelector.parse("pgid:100"))]
+    ws = WindowSampler(proc.root, BackendChoice("proc", None), ProcGroupSampler(proc.root, clock), watches,
+                       hz=10, node="n1", clock=clock, wall_clock=clock, sleep=time.sleep, gpus=gpus)  # fmt: skip
+    return ws, time
+
+
+def test_summary_carries_gpus_and_engine_gpu_memory(tmp_path: Path, readers: list[GpuReader]) -> None:
+    nvml = h200_node(2)
+    nvml.cards[1].processes = [(100, 7 * GiB)]
+    ws, _ = window_sampler(tmp_path, nvml, readers)
+    summary = ws.run_window(1.0)
+    assert [g["index"] for g in summary["gpus"]] == [0, 1]
+    assert summary["shards"][0]["gpu_memory_bytes"] == 7 * GiB
+    text = render(summary)
+    assert "GPU 1  NVIDIA H200" in text and "7.0 GiB" in text
+
+
+def test_hung_nvml_call_never_holds_up_the_cpu_windows(tmp_path: Path, readers: list[GpuReader]) -> None:
+    nvml = h200_node(2)
+    wedge = threading.Event()
+    ws, time = window_sampler(tmp_path, nvml, readers)
+    nvml.cards[0].hang = wedge  # from now on, card 0's temperature never returns
+    time.wedged = True
+    try:
+        for _ in range(3):
+            summary = ws.run_window(1.0)  # returns: the loop never waits on NVML
+            assert summary["window"]["samples"] == 10
+            assert "gpus" not in summary  # not measured, not an empty list
+            assert "gpu_memory_bytes" not in summary["shards"][0]
+        gpu_lines = [line for line in render(summary).splitlines() if line.startswith("GPU ")]
+        assert gpu_lines == ["GPU      — (NVML did not answer before the window ended)"]
+    finally:
+        wedge.set()
+    nvml.cards[0].hang = None
+    time.wedged = False
+    summary = ws.run_window(1.0)
+    assert summary["gpus"][0]["temperature_celsius"] == 61
