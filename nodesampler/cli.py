@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -74,6 +75,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a kernel source tree for the kernel backend, when /lib/modules/$(uname -r) has none")
     s.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
 
+    a = sub.add_parser("agent", help="sample this node and send a heartbeat per window to the control plane")
+    a.add_argument("--control-plane", required=True, metavar="URL", help="the control plane's agent listener")
+    a.add_argument("--token-file", required=True, type=Path, metavar="PATH", help="this node's token")
+    a.add_argument("--node", default=None, help="this node's name (default: $NODE_NAME, else the host name)")
+    a.add_argument("--config", type=Path, default=None, metavar="PATH",
+                   help="TOML with the shards to watch, re-read when it changes (default: the busiest groups)")
+    a.add_argument("--hz", type=_positive(1000), default=10.0, help="samples a second (default 10)")
+    a.add_argument("--interval", type=_positive(3600), default=5.0, help="seconds per heartbeat (default 5)")
+    a.add_argument("--backend", choices=("auto", "bpf", "proc"), default="auto")
+    a.add_argument("--proc-root", type=Path, default=Path("/proc"), help="the procfs to read (default /proc)")
+    a.add_argument("--kernel-headers", type=Path, default=None, metavar="DIR",
+                   help="a kernel source tree for the kernel backend, when /lib/modules/$(uname -r) has none")
+
+    c = sub.add_parser("controlplane", help="the fleet's registry, agent API, pages and /metrics")
+    c.add_argument("--listen", required=True, metavar="ADDR", help="HOST:PORT for agents")
+    c.add_argument("--pages-listen", required=True, metavar="ADDR", help="HOST:PORT for pages and /health")
+    c.add_argument("--secret-file", required=True, type=Path, metavar="PATH", help="the cluster secret")
+    c.add_argument("--stale-after", type=_positive(86400), default=60.0,
+                   help="seconds after its last heartbeat that a node is stale (default 60)")
+
+    t = sub.add_parser("token", help="print a node's token, derived from the cluster secret")
+    t.add_argument("node", metavar="NODE")
+    t.add_argument("--secret-file", required=True, type=Path, metavar="PATH", help="the cluster secret")
+
     u = sub.add_parser("up", help="a live view of this machine, window after window")
     u.add_argument("--hz", type=_positive(1000), default=10.0, help="samples a second (default 10)")
     u.add_argument("--interval", type=_positive(3600), default=5.0, help="the window, seconds (default 5)")
@@ -92,6 +117,8 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     proc: Path,
     kernel_headers: Path | None = None,
     gpu_grace: float = 0.0,
+    sleep: Callable[[float], None] | None = None,
+    node: str | None = None,
 ):
     from sampler.backend import BackendUnavailable, open_backend
     from sampler.nvml import GpuReader
@@ -108,7 +135,8 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     except BackendUnavailable as e:
         _fail(EXIT_BACKEND, f"backend {backend} unavailable: {e}")
     watches = [GroupWatch(name, GroupSelector.parse(sel)) for name, sel in groups] or None
-    return WindowSampler(proc, choice, group_sampler, watches, hz=hz, gpus=GpuReader(), gpu_grace=gpu_grace)
+    return WindowSampler(proc, choice, group_sampler, watches, hz=hz, node=node, gpus=GpuReader(),
+                         gpu_grace=gpu_grace, sleep=sleep or time.sleep)  # fmt: skip
 
 
 def _close(sampler) -> None:  # type: ignore[no-untyped-def]
@@ -172,10 +200,84 @@ def cmd_up(args: argparse.Namespace) -> int:
         _close(sampler)
 
 
+def cmd_agent(args: argparse.Namespace) -> int:
+    import asyncio
+    import threading
+
+    from nodesampler import wire
+    from sampler.agent import Agent, ConfigError, ConfigFile, default_node, read_token
+
+    node = args.node or default_node()
+    try:
+        wire.node_id(node)
+    except wire.WireError:
+        _fail(EXIT_USAGE, f"--node {node!r}: letters, digits, '.', '-' or '_' only")
+    if not args.control_plane.startswith(("http://", "https://")):
+        _fail(EXIT_USAGE, f"--control-plane {args.control_plane!r}: expected an http:// or https:// URL")
+    try:
+        token = read_token(args.token_file)
+    except (OSError, ValueError) as e:
+        _fail(EXIT_USAGE, f"--token-file: {e}")
+    config = None
+    if args.config is not None:
+        try:
+            config = ConfigFile(args.config)
+        except (OSError, ConfigError) as e:
+            _fail(EXIT_USAGE, f"--config: {e}")
+    stopping = threading.Event()
+
+    def sleep(seconds: float) -> None:
+        stopping.wait(seconds)
+
+    sampler = _make_sampler(args.backend, [], args.hz, args.proc_root, args.kernel_headers, sleep=sleep, node=node)
+    if config is not None:
+        sampler.watches = config.watches
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        asyncio.run(Agent(sampler, args.control_plane, token, node, args.interval, stopping, config).run())
+    finally:
+        _close(sampler)
+    return 0
+
+
+def cmd_controlplane(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from controlplane.server import serve, split_address
+    from nodesampler.tokens import TokenError, read_secret
+
+    for flag, value in (("--listen", args.listen), ("--pages-listen", args.pages_listen)):
+        try:
+            split_address(value)
+        except ValueError as e:
+            _fail(EXIT_USAGE, f"{flag} {e}")
+    try:
+        secret = read_secret(args.secret_file)
+    except TokenError as e:
+        _fail(EXIT_USAGE, str(e))
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        asyncio.run(serve(args.listen, args.pages_listen, secret, args.stale_after))
+    except OSError as e:  # the address is taken or not ours
+        _fail(EXIT_USAGE, f"cannot listen: {e}")
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from nodesampler.tokens import TokenError, node_token, read_secret
+
+    try:
+        print(node_token(read_secret(args.secret_file), args.node))
+    except TokenError as e:
+        _fail(EXIT_USAGE, str(e))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="nodesampler: %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    commands = {"sample": cmd_sample, "up": cmd_up}
+    commands = {"sample": cmd_sample, "up": cmd_up, "agent": cmd_agent, "controlplane": cmd_controlplane,
+                "token": cmd_token}  # fmt: skip
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:

@@ -1,0 +1,107 @@
+"""The agent-facing listener: registration and heartbeats.
+
+Every request is authenticated (a bearer token naming the node it may speak
+for), bounded in size, and validated field by field before anything in the
+registry changes. Answers: 200; 400 with the field and the reason; 401 no
+or bad token; 403 a token for another node; 404 a heartbeat for a node the
+control plane does not know (register again); 413 a body over the limit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from controlplane.keys import REGISTRY, SECRET
+from controlplane.registry import NodeRegistry, UnknownNode
+from nodesampler import tokens, wire
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str, field: str | None = None) -> web.Response:
+    body: dict[str, str] = {"error": message}
+    if field is not None:
+        body["field"] = field
+    return web.json_response(body, status=status)
+
+
+@web.middleware
+async def no_tracebacks(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An unexpected error is logged here and answered 500 without details."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status == 413:
+            return _error(413, f"body larger than {wire.MAX_BODY_BYTES} bytes")
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, "internal error")
+
+
+async def _authenticated_body(request: web.Request) -> tuple[str, bytes] | web.Response:
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return _error(401, "missing bearer token")
+    node = tokens.verify(request.app[SECRET], token.strip())
+    if node is None:
+        return _error(401, "invalid token")
+    return node, await request.read()
+
+
+def _check_speaker(token_node: str, body: wire.Json) -> web.Response | None:
+    if body["node"] != token_node:
+        return _error(403, f"token is for node {token_node!r}", "node")
+    return None
+
+
+async def register(request: web.Request) -> web.Response:
+    auth = await _authenticated_body(request)
+    if isinstance(auth, web.Response):
+        return auth
+    token_node, data = auth
+    try:
+        registration = wire.parse_registration(data)
+    except wire.WireError as e:
+        return _error(400, e.reason, e.field)
+    if (refused := _check_speaker(token_node, registration)) is not None:
+        return refused
+    registry: NodeRegistry = request.app[REGISTRY]
+    known = registry.get(registration["node"]) is not None
+    registry.register(registration)
+    if not known:
+        log.info("node %s registered", registration["node"])
+    return web.json_response({"node": registration["node"], "stale_after": registry.stale_after})
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    auth = await _authenticated_body(request)
+    if isinstance(auth, web.Response):
+        return auth
+    token_node, data = auth
+    try:
+        hb = wire.parse_heartbeat(data)
+    except wire.WireError as e:
+        return _error(400, e.reason, e.field)
+    if (refused := _check_speaker(token_node, hb)) is not None:
+        return refused
+    try:
+        request.app[REGISTRY].heartbeat(hb)
+    except UnknownNode:
+        return _error(404, "unknown node: register again")
+    return web.json_response({"ok": True})
+
+
+def create_app(registry: NodeRegistry, secret: bytes) -> web.Application:
+    app = web.Application(client_max_size=wire.MAX_BODY_BYTES, middlewares=[no_tracebacks])
+    app[REGISTRY] = registry
+    app[SECRET] = secret
+    app.router.add_post("/v1/register", register)
+    app.router.add_post("/v1/heartbeat", heartbeat)
+    return app

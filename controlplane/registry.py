@@ -1,0 +1,74 @@
+"""The fleet as the control plane knows it: one entry per registered node,
+kept in memory, with the node's last heartbeat and when it arrived.
+
+Freshness is judged by the control plane's own receive time (a monotonic
+clock), never by the node's clock: a node with a wrong clock is still fresh
+if it keeps talking, and a silent node goes stale whatever it claimed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Json = dict[str, Any]
+
+
+class UnknownNode(KeyError):
+    """A heartbeat for a node that has not registered (the control plane restarted)."""
+
+
+@dataclass
+class NodeState:
+    node: str
+    registration: Json
+    registered_at: float
+    heartbeat: Json | None = None
+    received_at: float | None = None  # monotonic
+    heartbeats: int = 0
+
+    def age(self, now: float) -> float | None:
+        """Seconds since the last measurement arrived; None before the first."""
+        return None if self.received_at is None else now - self.received_at
+
+    def fresh(self, now: float, stale_after: float) -> bool:
+        age = self.age(now)
+        return age is not None and age <= stale_after
+
+
+class NodeRegistry:
+    def __init__(self, stale_after: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stale_after = stale_after
+        self.clock = clock
+        self._nodes: dict[str, NodeState] = {}
+
+    def register(self, registration: Json) -> NodeState:
+        """(Re-)registration replaces what does not change; a heartbeat
+        already received is kept until a newer one arrives."""
+        node = registration["node"]
+        old = self._nodes.get(node)
+        state = NodeState(node, registration, self.clock())
+        if old is not None:
+            state.heartbeat, state.received_at, state.heartbeats = old.heartbeat, old.received_at, old.heartbeats
+        self._nodes[node] = state
+        return state
+
+    def heartbeat(self, heartbeat: Json) -> NodeState:
+        state = self._nodes.get(heartbeat["node"])
+        if state is None:
+            raise UnknownNode(heartbeat["node"])
+        state.heartbeat = heartbeat
+        state.received_at = self.clock()
+        state.heartbeats += 1
+        return state
+
+    def get(self, node: str) -> NodeState | None:
+        return self._nodes.get(node)
+
+    def nodes(self) -> list[NodeState]:
+        return sorted(self._nodes.values(), key=lambda s: s.node)
+
+    def __len__(self) -> int:
+        return len(self._nodes)

@@ -1,0 +1,50 @@
+"""`nodesampler controlplane`: the two listeners in one process, sharing one
+registry, until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from controlplane import agent_api, pages_api
+from controlplane.registry import NodeRegistry
+
+log = logging.getLogger(__name__)
+
+
+def split_address(text: str) -> tuple[str, int]:
+    """HOST:PORT (IPv6 as [::1]:PORT) -> (host, port); ValueError when malformed."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r}: expected HOST:PORT")
+    host = host.strip("[]")
+    if not host:
+        raise ValueError(f"{text!r}: expected HOST:PORT")
+    return host, int(port)
+
+
+async def serve(agent_listen: str, pages_listen: str, secret: bytes, stale_after: float) -> None:
+    registry = NodeRegistry(stale_after)
+    runners = []
+    try:
+        for app, address in ((agent_api.create_app(registry, secret), agent_listen),
+                             (pages_api.create_app(registry), pages_listen)):  # fmt: skip
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            runners.append(runner)
+            host, port = split_address(address)
+            await web.TCPSite(runner, host, port).start()
+        log.info("control plane: agents on %s, pages on %s", agent_listen, pages_listen)
+        print(f"nodesampler control plane: agents on http://{agent_listen}, pages on http://{pages_listen}/",
+              flush=True)  # fmt: skip
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()

@@ -1,0 +1,253 @@
+"""The wire format: registration and heartbeat bodies, validated in one pass.
+
+Both sides import this module: the agent builds what it sends from it, the
+control plane accepts nothing it has not checked. A body is JSON; every field
+is checked for type, range, finiteness, length and characters, and every list
+for its length. The first problem found is raised as `WireError(field,
+reason)`, which the control plane answers with 400.
+
+Keys this version does not know are ignored (a newer agent may add keys;
+none may be renamed). A value may be `null` or absent wherever the summary
+says "not measured".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+MAX_BODY_BYTES = 512 * 1024
+MAX_SHARDS = 256
+MAX_GPUS = 64
+MAX_DISKS = 128
+MAX_PGIDS = 1024
+MAX_NAME = 128  # model, replica and shard names: free printable text
+MAX_TEXT = 512
+MAX_BYTES = 2**62  # an exabyte and more; keeps every count an exact int64
+MAX_CORES = 100_000.0
+
+NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,253}")
+
+Json = dict[str, Any]
+
+
+class WireError(ValueError):
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
+# --- scalar checks ---------------------------------------------------------------
+
+
+def node_id(value: Any, field: str = "node") -> str:
+    if not isinstance(value, str) or not NODE_ID.fullmatch(value):
+        raise WireError(field, "must be 1-253 letters, digits, '.', '-' or '_'")
+    return value
+
+
+def name(value: Any, field: str, limit: int = MAX_NAME) -> str:
+    """Free printable text (kept as given; escaped wherever it is shown)."""
+    if not isinstance(value, str):
+        raise WireError(field, "must be a string")
+    if not 0 < len(value) <= limit:
+        raise WireError(field, f"must be 1-{limit} characters")
+    if not value.isprintable():
+        raise WireError(field, "must be printable text (no control characters)")
+    return value
+
+
+def number(value: Any, field: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise WireError(field, "must be a number")
+    if not math.isfinite(value):
+        raise WireError(field, "must be finite")
+    if not lo <= value <= hi:
+        raise WireError(field, f"must be within {lo:g}..{hi:g}")
+    return float(value)
+
+
+def integer(value: Any, field: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(field, "must be an integer")
+    if not lo <= value <= hi:
+        raise WireError(field, f"must be within {lo}..{hi}")
+    return value
+
+
+def obj(value: Any, field: str) -> Json:
+    if not isinstance(value, dict):
+        raise WireError(field, "must be an object")
+    return value
+
+
+def items(value: Any, field: str, limit: int) -> list[Any]:
+    if not isinstance(value, list):
+        raise WireError(field, "must be a list")
+    if len(value) > limit:
+        raise WireError(field, f"at most {limit} entries")
+    return value
+
+
+def optional(src: Json, key: str, field: str, check: Callable[[Any, str], Any], out: Json) -> None:
+    """Copy src[key] into out if present and not null, checked."""
+    value = src.get(key)
+    if value is not None:
+        out[key] = check(value, f"{field}.{key}" if field else key)
+
+
+def _bytes(value: Any, field: str) -> int:
+    return integer(value, field, 0, MAX_BYTES)
+
+
+def _percent(value: Any, field: str) -> float:
+    return number(value, field, 0.0, 100.0)
+
+
+def _stats(lo: float, hi: float) -> Callable[[Any, str], dict[str, float]]:
+    def check(value: Any, field: str) -> dict[str, float]:
+        o = obj(value, field)
+        return {k: number(o.get(k), f"{field}.{k}", lo, hi) for k in ("mean", "p95", "max")}
+
+    return check
+
+
+def _text(value: Any, field: str) -> str:
+    return name(value, field, MAX_TEXT)
+
+
+# --- bodies -------------------------------------------------------------------
+
+
+def _disk(value: Any, field: str) -> Json:
+    d = obj(value, field)
+    return {"mount": _text(d.get("mount"), f"{field}.mount"), "bytes": _bytes(d.get("bytes"), f"{field}.bytes"),
+            "used_bytes": _bytes(d.get("used_bytes"), f"{field}.used_bytes")}  # fmt: skip
+
+
+def _disks(value: Any, field: str) -> list[Json]:
+    return [_disk(d, f"{field}[{i}]") for i, d in enumerate(items(value, field, MAX_DISKS))]
+
+
+def _machine(value: Any, field: str) -> Json:
+    m = obj(value, field)
+    out: Json = {}
+    optional(m, "cpus", field, lambda v, f: integer(v, f, 1, 1 << 20), out)
+    optional(m, "cpu_percent", field, _stats(0.0, 100.0), out)
+    if m.get("load") is not None:
+        load = obj(m["load"], f"{field}.load")
+        out["load"] = {k: number(load.get(k), f"{field}.load.{k}", 0.0, 1e7) for k in ("1m", "5m", "15m")}
+    for key in ("memory_bytes", "memory_used_bytes", "memory_available_bytes"):
+        optional(m, key, field, _bytes, out)
+    optional(m, "disks", field, _disks, out)
+    if m.get("pressure") is not None:
+        cpu = obj(obj(m["pressure"], f"{field}.pressure").get("cpu"), f"{field}.pressure.cpu")
+        share: Json = {}
+        for key in ("some", "full"):
+            optional(cpu, key, f"{field}.pressure.cpu", lambda v, f: number(v, f, 0.0, 1.0), share)
+        out["pressure"] = {"cpu": share}
+    return out
+
+
+def _shard(value: Any, field: str) -> Json:
+    s = obj(value, field)
+    out: Json = {"id": name(s.get("id"), f"{field}.id")}
+    optional(s, "model", field, name, out)
+    optional(s, "replica", field, name, out)
+    optional(s, "selector", field, _text, out)
+    optional(s, "command", field, _text, out)
+    optional(s, "pgid", field, lambda v, f: integer(v, f, 1, 1 << 31), out)
+    if s.get("pgids") is not None:
+        out["pgids"] = [integer(p, f"{field}.pgids[{i}]", 1, 1 << 31)
+                        for i, p in enumerate(items(s["pgids"], f"{field}.pgids", MAX_PGIDS))]  # fmt: skip
+    optional(s, "cpu_cores", field, _stats(0.0, MAX_CORES), out)
+    for key in ("memory_bytes", "gpu_memory_bytes"):
+        optional(s, key, field, _bytes, out)
+    return out
+
+
+_GPU_NUMBERS: dict[str, tuple[float, float]] = {
+    "utilization_percent": (0, 100), "utilization_p95_percent": (0, 100), "utilization_max_percent": (0, 100),
+    "memory_bandwidth_percent": (0, 100), "sm_clock_hz": (0, 1e11), "temperature_celsius": (-100, 500),
+    "power_watts": (0, 1e6), "energy_joules": (0, 1e18),
+}  # fmt: skip
+
+
+def _gpu(value: Any, field: str) -> Json:
+    g = obj(value, field)
+    out: Json = {"index": integer(g.get("index"), f"{field}.index", 0, 4095)}
+    optional(g, "uuid", field, _text, out)
+    optional(g, "name", field, name, out)
+    optional(g, "pci_bus_id", field, _text, out)
+    optional(g, "driver_version", field, _text, out)
+    if g.get("lost") is not None:
+        if not isinstance(g["lost"], bool):
+            raise WireError(f"{field}.lost", "must be true or false")
+        out["lost"] = g["lost"]
+    for key, (lo, hi) in _GPU_NUMBERS.items():
+        if g.get(key) is not None:
+            out[key] = number(g[key], f"{field}.{key}", lo, hi)
+    for key in ("memory_used_bytes", "memory_total_bytes", "ecc_uncorrected"):
+        optional(g, key, field, _bytes, out)
+    return out
+
+
+def _gpus(value: Any, field: str) -> list[Json]:
+    return [_gpu(g, f"{field}[{i}]") for i, g in enumerate(items(value, field, MAX_GPUS))]
+
+
+def _decode(data: bytes) -> Json:
+    if len(data) > MAX_BODY_BYTES:
+        raise WireError("body", f"larger than {MAX_BODY_BYTES} bytes")
+    try:
+        # parse_constant: NaN and Infinity are not JSON; refuse them at the door.
+        body = json.loads(data, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise WireError("body", f"not JSON: {str(e)[:120]}") from None
+    return obj(body, "body")
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a number")
+
+
+def parse_registration(data: bytes) -> Json:
+    b = _decode(data)
+    out: Json = {"node": node_id(b.get("node"))}
+    for key in ("hostname", "kernel", "agent_version", "backend", "backend_reason"):
+        optional(b, key, "", _text, out)
+    optional(b, "cpus", "", lambda v, f: integer(v, f, 1, 1 << 20), out)
+    optional(b, "memory_bytes", "", _bytes, out)
+    optional(b, "disks", "", _disks, out)
+    optional(b, "gpus", "", _gpus, out)
+    return out
+
+
+def parse_heartbeat(data: bytes) -> Json:
+    b = _decode(data)
+    out: Json = {"node": node_id(b.get("node")), "seq": integer(b.get("seq"), "seq", 0, 2**62)}
+    backend = b.get("backend")
+    if backend not in ("bpf", "proc"):
+        raise WireError("backend", "must be 'bpf' or 'proc'")
+    out["backend"] = backend
+    optional(b, "backend_reason", "", _text, out)
+    w = obj(b.get("window"), "window")
+    start = number(w.get("start"), "window.start", 0.0, 1e11)
+    out["window"] = {"start": start, "end": number(w.get("end"), "window.end", start, 1e11),
+                     "samples": integer(w.get("samples"), "window.samples", 0, 10_000_000)}  # fmt: skip
+    out["machine"] = _machine(b.get("machine"), "machine")
+    shards = items(b.get("shards", []), "shards", MAX_SHARDS)
+    out["shards"] = [_shard(s, f"shards[{i}]") for i, s in enumerate(shards)]
+    ids = [s["id"] for s in out["shards"]]
+    if len(set(ids)) != len(ids):
+        raise WireError("shards", "shard ids must be unique")
+    optional(b, "gpus", "", _gpus, out)
+    optional(b, "gpu_error", "", _text, out)
+    return out
+
+
+def dumps(body: Json) -> bytes:
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
