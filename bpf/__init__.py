@@ -1,0 +1,1 @@
+"""The kernel programs, shipped as data beside the sampler (see README.md)."""

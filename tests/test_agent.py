@@ -1,0 +1,147 @@
+"""The agent: its config, its mailbox and backoff, and its delivery against a
+real control-plane app on loopback (not a patched aiohttp)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from controlplane import agent_api
+from controlplane.registry import NodeRegistry
+from nodesampler import tokens
+from sampler.agent import Agent, Backoff, ConfigError, ConfigFile, NewestSummary, parse_config
+from sampler.backend import BackendChoice
+from sampler.proc_groups import ProcGroupSampler
+from sampler.window_sampler import WindowSampler
+from tests.fakeproc import FakeProc
+
+SECRET = b"a cluster secret of some length"
+
+CONFIG = b"""
+[[shard]]
+id = "s0"
+model = "llama-70b"
+replica = "r1"
+select = "cmdline:vllm serve .*llama-70b"
+
+[[shard]]
+id = "s1"
+select = "pgid:42"
+"""
+
+
+def test_config_parses() -> None:
+    s0, s1 = parse_config(CONFIG)
+    assert (s0.id, s0.model, s0.replica) == ("s0", "llama-70b", "r1")
+    assert str(s0.selector) == "cmdline:vllm serve .*llama-70b"
+    assert (s1.id, s1.model, s1.replica) == ("s1", None, None)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (b"[[shard]\n", "Expected"),
+        (b'[[shard]]\nid = "a"\n', "select"),
+        (b'[[shard]]\nid = "a"\nselect = "pgid:x"\n', "positive integer"),
+        (b'[[shard]]\nid = "a\\u0007"\nselect = "pgid:1"\n', "printable"),
+        (b'[[shard]]\nid = "a"\nselect = "pgid:1"\n[[shard]]\nid = "a"\nselect = "pgid:2"\n', "unique"),
+        (b'shard = "no"\n', "list"),
+    ],
+)
+def test_bad_config_says_why(text: bytes, reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        parse_config(text)
+
+
+def test_config_change_is_picked_up_and_a_bad_one_is_not(tmp_path: Path) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_bytes(CONFIG)
+    cfg = ConfigFile(path)
+    assert cfg.changed() is None  # unchanged
+    path.write_bytes(b'[[shard]]\nid = "only"\nselect = "pid:1"\n')
+    os.utime(path, ns=(1, 1))  # a distinct stamp whatever the filesystem's time resolution
+    new = cfg.changed()
+    assert new is not None and [w.id for w in new] == ["only"]
+    path.write_bytes(b"[[shard]\n")
+    os.utime(path, ns=(2, 2))
+    assert cfg.changed() is None
+    assert [w.id for w in cfg.watches] == ["only"]
+
+
+async def test_mailbox_keeps_only_the_newest() -> None:
+    box = NewestSummary()
+    for seq in range(1000):
+        box.put({"seq": seq})
+    assert await box.get() == {"seq": 999}
+    assert box.replaced == 999
+    assert box.newer() is None
+
+
+def test_backoff_is_capped_and_jittered() -> None:
+    b = Backoff(start=1.0, cap=30.0)
+    delays = [b.next_delay() for _ in range(20)]
+    assert 0.5 <= delays[0] <= 1.0 and 1.0 <= delays[1] <= 2.0
+    assert all(15.0 <= d <= 30.0 for d in delays[6:])
+    assert len(set(delays)) > 1
+    assert b.reset() == 20 and b.failures == 0
+
+
+class Watched(NodeRegistry):
+    """A registry that tells the test when it is written to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = asyncio.Event()
+
+    def register(self, registration: dict[str, Any]) -> Any:
+        self.changed.set()
+        return super().register(registration)
+
+    def heartbeat(self, heartbeat: dict[str, Any]) -> Any:
+        state = super().heartbeat(heartbeat)
+        self.changed.set()
+        return state
+
+
+async def until(registry: Watched, done: Any) -> None:
+    async def wait() -> None:
+        while not done():
+            registry.changed.clear()
+            await registry.changed.wait()
+
+    await asyncio.wait_for(wait(), timeout=30)
+
+
+async def test_agent_registers_heartbeats_and_registers_again_after_a_restart(tmp_path: Path) -> None:
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(100)
+    registry = Watched()
+    server = TestServer(agent_api.create_app(registry, SECRET))
+    await server.start_server()
+    stopping = threading.Event()
+
+    def sleep(seconds: float) -> None:
+        stopping.wait(seconds)
+
+    sampler = WindowSampler(proc.root, BackendChoice("proc", None), ProcGroupSampler(proc.root), None, hz=20,
+                            node="n1", sleep=sleep)  # fmt: skip
+    agent = Agent(sampler, str(server.make_url("/")), tokens.node_token(SECRET, "n1"), "n1", 0.2, stopping)
+    run = asyncio.create_task(agent.run())
+    try:
+        await until(registry, lambda: (s := registry.get("n1")) is not None and s.heartbeats >= 2)
+        # The control plane restarts: it forgets every node.
+        registry._nodes.clear()
+        await until(registry, lambda: (s := registry.get("n1")) is not None and s.heartbeats >= 1)
+        state = registry.get("n1")
+        assert state is not None and state.registration["backend"] == "proc"
+    finally:
+        stopping.set()
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+        await server.close()

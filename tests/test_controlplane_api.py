@@ -1,0 +1,244 @@
+"""The agent API and the registry, through real HTTP on loopback
+(aiohttp's test server): authentication, validation, and that a rejected
+request changes nothing."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane import agent_api, pages_api
+from controlplane.registry import NodeRegistry
+from nodesampler import tokens, wire
+from tests.fakeproc import FakeClock
+
+SECRET = b"a cluster secret of some length"
+
+
+def heartbeat(node: str = "gpu-17", seq: int = 1) -> dict[str, Any]:
+    return {
+        "node": node, "seq": seq, "backend": "bpf", "backend_reason": None,
+        "window": {"start": 1764445200.0, "end": 1764445205.0, "samples": 50},
+        "machine": {"cpus": 64, "cpu_percent": {"mean": 37.5, "p95": 80.1, "max": 100.0},
+                    "load": {"1m": 0.5, "5m": 0.4, "15m": 0.3},
+                    "memory_bytes": 1000, "memory_used_bytes": 600, "memory_available_bytes": 400,
+                    "disks": [{"mount": "/", "bytes": 100, "used_bytes": 50}],
+                    "pressure": {"cpu": {"some": 0.02, "full": 0.0}}},
+        "shards": [{"id": "s0", "model": "llama-70b <b>", "replica": "r1", "pgid": 1234, "pgids": [1234],
+                    "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}, "memory_bytes": 10,
+                    "gpu_memory_bytes": 20}],
+        "gpus": [{"index": 0, "uuid": "GPU-1", "name": "NVIDIA H200", "utilization_percent": 97.0,
+                  "memory_used_bytes": 1, "memory_total_bytes": 2, "temperature_celsius": 61,
+                  "power_watts": 512.3, "energy_joules": 123456.7, "ecc_uncorrected": 0},
+                 {"index": 1, "uuid": "GPU-2", "lost": True}],
+    }  # fmt: skip
+
+
+def registration(node: str = "gpu-17") -> dict[str, Any]:
+    return {"node": node, "hostname": "gpu-17.example", "kernel": "6.1.0", "agent_version": "0.1.0",
+            "backend": "bpf", "cpus": 64, "memory_bytes": 1000,
+            "gpus": [{"index": 0, "uuid": "GPU-1", "name": "NVIDIA H200", "memory_total_bytes": 2}]}  # fmt: skip
+
+
+def auth(node: str = "gpu-17") -> dict[str, str]:
+    return {"Authorization": f"Bearer {tokens.node_token(SECRET, node)}"}
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def registry(clock: FakeClock) -> NodeRegistry:
+    return NodeRegistry(stale_after=60, clock=clock)
+
+
+@pytest.fixture
+async def agents(aiohttp_client: Any, registry: NodeRegistry) -> TestClient:
+    return await aiohttp_client(agent_api.create_app(registry, SECRET))
+
+
+async def post(client: TestClient, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = await client.post(path, data=data, headers=auth() if headers is None else headers)
+    return r.status, await r.json()
+
+
+async def test_register_then_heartbeat(agents: TestClient, registry: NodeRegistry) -> None:
+    assert await post(agents, "/v1/register", registration()) == (200, {"node": "gpu-17", "stale_after": 60})
+    status, _ = await post(agents, "/v1/heartbeat", heartbeat())
+    assert status == 200
+    state = registry.get("gpu-17")
+    assert state is not None and state.heartbeats == 1
+    assert state.heartbeat is not None and state.heartbeat["shards"][0]["model"] == "llama-70b <b>"  # kept as given
+
+
+async def test_heartbeat_from_an_unknown_node_is_404(agents: TestClient, registry: NodeRegistry) -> None:
+    status, body = await post(agents, "/v1/heartbeat", heartbeat())
+    assert status == 404 and "register" in body["error"]
+    assert len(registry) == 0
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({}, 401),
+        ({"Authorization": "Basic abc"}, 401),
+        ({"Authorization": "Bearer "}, 401),
+        ({"Authorization": "Bearer gpu-17.0000"}, 401),
+        ({"Authorization": "Bearer " + tokens.node_token(b"another cluster's secret!", "gpu-17")}, 401),
+        ({"Authorization": "Bearer " + tokens.node_token(SECRET, "gpu-18")}, 403),  # speaks for another node
+    ],
+)
+async def test_tokens(agents: TestClient, registry: NodeRegistry, headers: dict[str, str], status: int) -> None:
+    got, _ = await post(agents, "/v1/register", registration(), headers)
+    assert got == status
+    assert len(registry) == 0
+
+
+def test_token_names_one_node() -> None:
+    t = tokens.node_token(SECRET, "n1")
+    assert tokens.verify(SECRET, t) == "n1"
+    assert tokens.verify(SECRET, t.replace("n1.", "n2.")) is None
+    assert tokens.verify(SECRET, t[:-1] + ("0" if t[-1] != "0" else "1")) is None
+
+
+BAD_HEARTBEATS: list[tuple[str, Any]] = [
+    ("node", "../etc"), ("node", "a b"), ("node", ""), ("node", "x" * 300), ("node", 5),
+    ("seq", -1), ("seq", 1.5), ("seq", True), ("backend", "ebpf"),
+    ("window.start", "yesterday"), ("window.end", 1.0),  # before the start
+    ("machine.cpus", 0), ("machine.memory_bytes", -5), ("machine.load.1m", -1.0),
+    ("machine.cpu_percent.mean", 150.0), ("machine.disks", [{"mount": "/", "bytes": 1}] * 200),
+    ("shards[0].id", "tab\there"), ("shards[0].model", "x" * 129), ("shards[0].model", "\x1b[31mred"),
+    ("shards[0].cpu_cores.max", -0.1), ("shards", [{"id": f"s{i}"} for i in range(10_000)]),
+    ("gpus[0].temperature_celsius", 1e9), ("gpus[0].lost", "yes"), ("gpus", [{"index": 0}] * 65),
+]  # fmt: skip
+
+
+def with_field(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    body = copy.deepcopy(body)
+    parts = path.replace("[", ".").replace("]", "").split(".")
+    target: Any = body
+    for p in parts[:-1]:
+        target = target[int(p)] if p.isdigit() else target[p]
+    last = parts[-1]
+    if last.isdigit():
+        target[int(last)] = value
+    else:
+        target[last] = value
+    return body
+
+
+@pytest.mark.parametrize(("path", "value"), BAD_HEARTBEATS)
+async def test_bad_field_is_400_naming_it_and_changes_nothing(
+    agents: TestClient, registry: NodeRegistry, path: str, value: Any
+) -> None:
+    await post(agents, "/v1/register", registration())
+    before = copy.deepcopy(registry.get("gpu-17"))
+    status, body = await post(agents, "/v1/heartbeat", with_field(heartbeat(), path, value))
+    assert status == 400, body
+    assert body["field"].split(".")[0].split("[")[0] == path.split(".")[0].split("[")[0]
+    assert registry.get("gpu-17") == before
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b"[]", b'"x"', b"null", b'{"node": NaN}', b'{"seq": Infinity}'])
+async def test_not_a_json_object_is_400(agents: TestClient, data: bytes) -> None:
+    status, body = await post(agents, "/v1/register", data)
+    assert status == 400 and body["field"] in ("body", "node")
+
+
+async def test_nan_is_refused() -> None:
+    with pytest.raises(wire.WireError) as e:
+        wire.parse_heartbeat(json.dumps(heartbeat()).replace("37.5", "NaN").encode())
+    assert e.value.field == "body"
+
+
+async def test_oversized_body_is_413(agents: TestClient, registry: NodeRegistry) -> None:
+    status, body = await post(agents, "/v1/register", b"{" + b" " * (10 * 1024 * 1024) + b"}")
+    assert status == 413 and "larger" in body["error"]
+    assert len(registry) == 0
+
+
+async def test_unexpected_error_is_500_without_a_traceback(aiohttp_client: Any) -> None:
+    class Broken(NodeRegistry):
+        def register(self, registration: dict[str, Any]) -> Any:
+            raise RuntimeError("secret internals")
+
+    client = await aiohttp_client(agent_api.create_app(Broken(), SECRET))
+    r = await client.post("/v1/register", data=json.dumps(registration()), headers=auth())
+    assert r.status == 500
+    text = await r.text()
+    assert "secret internals" not in text and "Traceback" not in text
+
+
+async def test_staleness_is_the_control_plane_s_receive_time(
+    aiohttp_client: Any, agents: TestClient, registry: NodeRegistry, clock: FakeClock
+) -> None:
+    pages = await aiohttp_client(pages_api.create_app(registry))
+    await post(agents, "/v1/register", registration())
+    hb = heartbeat()
+    hb["window"] = {"start": 1.0, "end": 2.0, "samples": 1}  # a node clock in 1970
+    await post(agents, "/v1/heartbeat", hb)
+    [node] = (await (await pages.get("/api/nodes")).json())["nodes"]
+    assert node["state"] == "fresh" and node["heartbeat"]["seq"] == 1
+    clock.advance(61)
+    [node] = (await (await pages.get("/api/nodes")).json())["nodes"]
+    assert node["state"] == "stale" and node["heartbeat"] is None  # no stale measurement shown as current
+    assert node["sample_age_seconds"] == 61.0
+    assert (await (await pages.get("/health")).json()) == {"status": "ok", "nodes": 1}
+
+
+# --- fuzz ------------------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=30,
+)
+FIELDS = ["node", "seq", "backend", "window", "window.start", "window.end", "window.samples", "machine",
+          "machine.cpus", "machine.cpu_percent", "machine.load", "machine.disks", "shards", "shards[0]",
+          "shards[0].id", "shards[0].model", "shards[0].cpu_cores", "shards[0].pgids", "gpus", "gpus[0]",
+          "gpus[0].index", "gpus[0].utilization_percent", "gpus[1].lost"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(FIELDS), value=json_values)
+def test_fuzzed_heartbeats_are_refused_cleanly_or_accepted_whole(field: str, value: Any) -> None:
+    """Any body: either valid (200) or a 4xx naming a field; never a crash, and a
+    refused one leaves the registry as it was."""
+    registry = NodeRegistry(clock=FakeClock())
+    registry.register(wire.parse_registration(json.dumps(registration()).encode()))
+    before = copy.deepcopy(registry.get("gpu-17"))
+    body = json.dumps(with_field(heartbeat(), field, value)).encode()
+    try:
+        hb = wire.parse_heartbeat(body)
+    except wire.WireError as e:
+        assert e.field and e.reason
+        assert registry.get("gpu-17") == before
+        return
+    registry.heartbeat(hb)  # accepted: it must be storable and re-encodable
+    wire.dumps(hb)
+
+
+async def test_server_stays_up_through_garbage(agents: TestClient) -> None:
+    for data in (b"\xff\xfe", b"{" * 100_000, b'{"node": "' + b"a" * 400_000 + b'"}'):
+        status, _ = await post(agents, "/v1/register", data)
+        assert 400 <= status < 500
+    status, _ = await post(agents, "/v1/register", registration())
+    assert status == 200
+
+
+def test_create_app_uses_typed_keys(registry: NodeRegistry) -> None:
+    app = agent_api.create_app(registry, SECRET)
+    assert isinstance(app, web.Application)
+    from controlplane.keys import REGISTRY
+
+    assert app[REGISTRY] is registry
