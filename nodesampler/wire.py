@@ -34,22 +34,39 @@ NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,253}")
 Json = dict[str, Any]
 
 
+Field = str | tuple[Any, ...]  # a field's path; a tuple is joined only when an error names it
+
+
+def field_name(path: Field) -> str:
+    if isinstance(path, str):
+        return path
+    out = ""
+    for part in path:
+        if isinstance(part, tuple):
+            out += ("." if out else "") + field_name(part) if part else ""
+        elif isinstance(part, int):
+            out += f"[{part}]"
+        elif part:
+            out += ("." if out else "") + part
+    return out
+
+
 class WireError(ValueError):
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
+    def __init__(self, field: Field, reason: str) -> None:
+        self.field, self.reason = field_name(field), reason
+        super().__init__(f"{self.field}: {reason}")
 
 
 # --- scalar checks ---------------------------------------------------------------
 
 
-def node_id(value: Any, field: str = "node") -> str:
+def node_id(value: Any, field: Field = "node") -> str:
     if not isinstance(value, str) or not NODE_ID.fullmatch(value):
         raise WireError(field, "must be 1-253 letters, digits, '.', '-' or '_'")
     return value
 
 
-def name(value: Any, field: str, limit: int = MAX_NAME) -> str:
+def name(value: Any, field: Field, limit: int = MAX_NAME) -> str:
     """Free printable text (kept as given; escaped wherever it is shown)."""
     if not isinstance(value, str):
         raise WireError(field, "must be a string")
@@ -60,31 +77,32 @@ def name(value: Any, field: str, limit: int = MAX_NAME) -> str:
     return value
 
 
-def number(value: Any, field: str, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+def number(value: Any, field: Field, lo: float, hi: float) -> float:
+    kind = type(value)
+    if kind is not float and kind is not int:  # bool is neither
         raise WireError(field, "must be a number")
-    if not math.isfinite(value):
-        raise WireError(field, "must be finite")
-    if not lo <= value <= hi:
+    if not lo <= value <= hi:  # NaN fails this too; json.loads refused it already
+        if not math.isfinite(value):
+            raise WireError(field, "must be finite")
         raise WireError(field, f"must be within {lo:g}..{hi:g}")
     return float(value)
 
 
-def integer(value: Any, field: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+def integer(value: Any, field: Field, lo: int, hi: int) -> int:
+    if type(value) is not int:  # bool is not
         raise WireError(field, "must be an integer")
     if not lo <= value <= hi:
         raise WireError(field, f"must be within {lo}..{hi}")
     return value
 
 
-def obj(value: Any, field: str) -> Json:
+def obj(value: Any, field: Field) -> Json:
     if not isinstance(value, dict):
         raise WireError(field, "must be an object")
     return value
 
 
-def items(value: Any, field: str, limit: int) -> list[Any]:
+def items(value: Any, field: Field, limit: int) -> list[Any]:
     if not isinstance(value, list):
         raise WireError(field, "must be a list")
     if len(value) > limit:
@@ -92,111 +110,129 @@ def items(value: Any, field: str, limit: int) -> list[Any]:
     return value
 
 
-def optional(src: Json, key: str, field: str, check: Callable[[Any, str], Any], out: Json) -> None:
+def optional(src: Json, key: str, field: Field, check: Callable[[Any, Field], Any], out: Json) -> None:
     """Copy src[key] into out if present and not null, checked."""
     value = src.get(key)
     if value is not None:
-        out[key] = check(value, f"{field}.{key}" if field else key)
+        out[key] = check(value, (field, key))
 
 
-def _bytes(value: Any, field: str) -> int:
+def _bytes(value: Any, field: Field) -> int:
     return integer(value, field, 0, MAX_BYTES)
 
 
-def _percent(value: Any, field: str) -> float:
+def _percent(value: Any, field: Field) -> float:
     return number(value, field, 0.0, 100.0)
 
 
-def _stats(lo: float, hi: float) -> Callable[[Any, str], dict[str, float]]:
-    def check(value: Any, field: str) -> dict[str, float]:
+def _stats(lo: float, hi: float) -> Callable[[Any, Field], dict[str, float]]:
+    def check(value: Any, field: Field) -> dict[str, float]:
         o = obj(value, field)
-        return {k: number(o.get(k), f"{field}.{k}", lo, hi) for k in ("mean", "p95", "max")}
+        return {"mean": number(o.get("mean"), (field, "mean"), lo, hi),
+                "p95": number(o.get("p95"), (field, "p95"), lo, hi),
+                "max": number(o.get("max"), (field, "max"), lo, hi)}  # fmt: skip
 
     return check
 
 
-def _text(value: Any, field: str) -> str:
+def _text(value: Any, field: Field) -> str:
     return name(value, field, MAX_TEXT)
 
 
 # --- bodies -------------------------------------------------------------------
 
 
-def _disk(value: Any, field: str) -> Json:
+def _disk(value: Any, field: Field) -> Json:
     d = obj(value, field)
-    return {"mount": _text(d.get("mount"), f"{field}.mount"), "bytes": _bytes(d.get("bytes"), f"{field}.bytes"),
-            "used_bytes": _bytes(d.get("used_bytes"), f"{field}.used_bytes")}  # fmt: skip
+    return {"mount": _text(d.get("mount"), (field, "mount")), "bytes": _bytes(d.get("bytes"), (field, "bytes")),
+            "used_bytes": _bytes(d.get("used_bytes"), (field, "used_bytes"))}  # fmt: skip
 
 
-def _disks(value: Any, field: str) -> list[Json]:
-    return [_disk(d, f"{field}[{i}]") for i, d in enumerate(items(value, field, MAX_DISKS))]
+def _disks(value: Any, field: Field) -> list[Json]:
+    return [_disk(d, (field, i)) for i, d in enumerate(items(value, field, MAX_DISKS))]
 
 
-def _machine(value: Any, field: str) -> Json:
+def _machine(value: Any, field: Field) -> Json:
     m = obj(value, field)
     out: Json = {}
     optional(m, "cpus", field, lambda v, f: integer(v, f, 1, 1 << 20), out)
     optional(m, "cpu_percent", field, _stats(0.0, 100.0), out)
     if m.get("load") is not None:
-        load = obj(m["load"], f"{field}.load")
-        out["load"] = {k: number(load.get(k), f"{field}.load.{k}", 0.0, 1e7) for k in ("1m", "5m", "15m")}
+        load = obj(m["load"], (field, "load"))
+        out["load"] = {k: number(load.get(k), (field, "load", k), 0.0, 1e7) for k in ("1m", "5m", "15m")}
     for key in ("memory_bytes", "memory_used_bytes", "memory_available_bytes"):
         optional(m, key, field, _bytes, out)
     optional(m, "disks", field, _disks, out)
     if m.get("pressure") is not None:
-        cpu = obj(obj(m["pressure"], f"{field}.pressure").get("cpu"), f"{field}.pressure.cpu")
+        cpu = obj(obj(m["pressure"], (field, "pressure")).get("cpu"), (field, "pressure", "cpu"))
         share: Json = {}
         for key in ("some", "full"):
-            optional(cpu, key, f"{field}.pressure.cpu", lambda v, f: number(v, f, 0.0, 1.0), share)
+            optional(cpu, key, (field, "pressure", "cpu"), lambda v, f: number(v, f, 0.0, 1.0), share)
         out["pressure"] = {"cpu": share}
     return out
 
 
-def _shard(value: Any, field: str) -> Json:
+def _shard(value: Any, field: Field) -> Json:
     s = obj(value, field)
-    out: Json = {"id": name(s.get("id"), f"{field}.id")}
+    out: Json = {"id": name(s.get("id"), (field, "id"))}
     optional(s, "model", field, name, out)
     optional(s, "replica", field, name, out)
     optional(s, "selector", field, _text, out)
     optional(s, "command", field, _text, out)
     optional(s, "pgid", field, lambda v, f: integer(v, f, 1, 1 << 31), out)
     if s.get("pgids") is not None:
-        out["pgids"] = [integer(p, f"{field}.pgids[{i}]", 1, 1 << 31)
-                        for i, p in enumerate(items(s["pgids"], f"{field}.pgids", MAX_PGIDS))]  # fmt: skip
+        out["pgids"] = [integer(p, (field, "pgids", i), 1, 1 << 31)
+                        for i, p in enumerate(items(s["pgids"], (field, "pgids"), MAX_PGIDS))]  # fmt: skip
     optional(s, "cpu_cores", field, _stats(0.0, MAX_CORES), out)
     for key in ("memory_bytes", "gpu_memory_bytes"):
         optional(s, key, field, _bytes, out)
     return out
 
 
-_GPU_NUMBERS: dict[str, tuple[float, float]] = {
-    "utilization_percent": (0, 100), "utilization_p95_percent": (0, 100), "utilization_max_percent": (0, 100),
-    "memory_bandwidth_percent": (0, 100), "sm_clock_hz": (0, 1e11), "temperature_celsius": (-100, 500),
-    "power_watts": (0, 1e6), "energy_joules": (0, 1e18),
-}  # fmt: skip
+# (key, lo, hi, integer?): a GPU's measurements, checked in one loop.
+_GPU_NUMBERS: tuple[tuple[str, float, float, bool], ...] = (
+    ("utilization_percent", 0, 100, False), ("utilization_p95_percent", 0, 100, False),
+    ("utilization_max_percent", 0, 100, False), ("memory_bandwidth_percent", 0, 100, False),
+    ("sm_clock_hz", 0, 1e11, False), ("temperature_celsius", -100, 500, False), ("power_watts", 0, 1e6, False),
+    ("energy_joules", 0, 1e18, False), ("memory_used_bytes", 0, MAX_BYTES, True),
+    ("memory_total_bytes", 0, MAX_BYTES, True), ("ecc_uncorrected", 0, MAX_BYTES, True),
+)  # fmt: skip
 
 
-def _gpu(value: Any, field: str) -> Json:
+def _numbers(src: Json, spec: tuple[tuple[str, float, float, bool], ...], field: Field, out: Json) -> None:
+    """The numbers of `spec` present in src, into out. The common case (right
+    type, in range) costs one comparison; anything else goes through the
+    checker that names the problem."""
+    for key, lo, hi, whole in spec:
+        value = src.get(key)
+        if value is None:
+            continue
+        kind = type(value)
+        if (kind is int or (kind is float and not whole)) and lo <= value <= hi:
+            out[key] = value if whole else float(value)
+        elif whole:
+            out[key] = integer(value, (field, key), int(lo), int(hi))
+        else:
+            out[key] = number(value, (field, key), lo, hi)
+
+
+def _gpu(value: Any, field: Field) -> Json:
     g = obj(value, field)
-    out: Json = {"index": integer(g.get("index"), f"{field}.index", 0, 4095)}
+    out: Json = {"index": integer(g.get("index"), (field, "index"), 0, 4095)}
     optional(g, "uuid", field, _text, out)
     optional(g, "name", field, name, out)
     optional(g, "pci_bus_id", field, _text, out)
     optional(g, "driver_version", field, _text, out)
     if g.get("lost") is not None:
         if not isinstance(g["lost"], bool):
-            raise WireError(f"{field}.lost", "must be true or false")
+            raise WireError((field, "lost"), "must be true or false")
         out["lost"] = g["lost"]
-    for key, (lo, hi) in _GPU_NUMBERS.items():
-        if g.get(key) is not None:
-            out[key] = number(g[key], f"{field}.{key}", lo, hi)
-    for key in ("memory_used_bytes", "memory_total_bytes", "ecc_uncorrected"):
-        optional(g, key, field, _bytes, out)
+    _numbers(g, _GPU_NUMBERS, field, out)
     return out
 
 
-def _gpus(value: Any, field: str) -> list[Json]:
-    return [_gpu(g, f"{field}[{i}]") for i, g in enumerate(items(value, field, MAX_GPUS))]
+def _gpus(value: Any, field: Field) -> list[Json]:
+    return [_gpu(g, (field, i)) for i, g in enumerate(items(value, field, MAX_GPUS))]
 
 
 def _decode(data: bytes) -> Json:
@@ -240,7 +276,7 @@ def parse_heartbeat(data: bytes) -> Json:
                      "samples": integer(w.get("samples"), "window.samples", 0, 10_000_000)}  # fmt: skip
     out["machine"] = _machine(b.get("machine"), "machine")
     shards = items(b.get("shards", []), "shards", MAX_SHARDS)
-    out["shards"] = [_shard(s, f"shards[{i}]") for i, s in enumerate(shards)]
+    out["shards"] = [_shard(s, ("shards", i)) for i, s in enumerate(shards)]
     ids = [s["id"] for s in out["shards"]]
     if len(set(ids)) != len(ids):
         raise WireError("shards", "shard ids must be unique")

@@ -4,6 +4,7 @@ request changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from typing import Any
@@ -242,3 +243,25 @@ def test_create_app_uses_typed_keys(registry: NodeRegistry) -> None:
     from controlplane.keys import REGISTRY
 
     assert app[REGISTRY] is registry
+
+
+async def test_a_slow_client_does_not_hold_up_the_others(agents: TestClient) -> None:
+    """A client sends its request headers a byte at a time; the others are
+    served while its headers are half sent, and it is answered in the end."""
+    assert agents.server.port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", agents.server.port)
+    slow = b"POST /v1/register HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    half = len(slow) // 2
+    for byte in slow[:half]:
+        writer.write(bytes([byte]))
+        await writer.drain()
+        await asyncio.sleep(0.01)
+    for i in range(20):
+        status, _ = await post(agents, "/v1/register", registration(), auth())
+        assert status == 200, i
+    for byte in slow[half:]:
+        writer.write(bytes([byte]))
+        await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), timeout=30)
+    assert status_line.startswith(b"HTTP/1.1 401")  # no token: refused, and not before it finished
+    writer.close()
