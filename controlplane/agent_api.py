@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from controlplane.keys import REGISTRY, SECRET
+from controlplane.keys import METRICS, REGISTRY, SECRET
+from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry, UnknownNode
 from nodesampler import tokens, wire
 
@@ -42,6 +43,24 @@ async def no_tracebacks(request: web.Request, handler: Handler) -> web.StreamRes
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         return _error(500, "internal error")
+
+
+REASONS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "unknown_node", 413: "too_large",
+           500: "internal_error"}  # fmt: skip
+
+
+@web.middleware
+async def counted(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every agent request counted: accepted, or refused and why."""
+    response = await handler(request)
+    kind = request.path.rsplit("/", 1)[-1]
+    if kind in ("register", "heartbeat"):
+        metrics = request.app[METRICS]
+        if response.status == 200:
+            metrics.accepted.labels(kind).inc()
+        elif (reason := REASONS.get(response.status)) is not None:
+            metrics.rejected.labels(kind, reason).inc()
+    return response
 
 
 async def _authenticated_body(request: web.Request) -> tuple[str, bytes] | web.Response:
@@ -98,10 +117,11 @@ async def heartbeat(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
-def create_app(registry: NodeRegistry, secret: bytes) -> web.Application:
-    app = web.Application(client_max_size=wire.MAX_BODY_BYTES, middlewares=[no_tracebacks])
+def create_app(registry: NodeRegistry, secret: bytes, metrics: ControlPlaneMetrics | None = None) -> web.Application:
+    app = web.Application(client_max_size=wire.MAX_BODY_BYTES, middlewares=[counted, no_tracebacks])
     app[REGISTRY] = registry
     app[SECRET] = secret
+    app[METRICS] = metrics or ControlPlaneMetrics(registry)
     app.router.add_post("/v1/register", register)
     app.router.add_post("/v1/heartbeat", heartbeat)
     return app

@@ -2,7 +2,11 @@
 
 from aiohttp import web
 
+from controlplane.exposition import FleetExposition
+from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry
 
 REGISTRY = web.AppKey("registry", NodeRegistry)
 SECRET = web.AppKey("secret", bytes)
+METRICS = web.AppKey("metrics", ControlPlaneMetrics)
+EXPOSITION = web.AppKey("exposition", FleetExposition)

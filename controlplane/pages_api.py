@@ -1,15 +1,35 @@
-"""The pages listener: health and the fleet's state as JSON (the pages and
-/metrics join it in their own issues). Nothing here writes to the registry."""
+"""The pages listener: /metrics (the whole fleet for Prometheus), /health,
+and the fleet's state as JSON. Nothing here writes to the registry but the
+background task that forgets nodes gone for long."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from controlplane.agent_api import no_tracebacks
-from controlplane.keys import REGISTRY
+from controlplane.exposition import FleetExposition
+from controlplane.keys import EXPOSITION, METRICS, REGISTRY
+from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry
+
+PRUNE_EVERY_S = 60.0
+
+
+async def metrics(request: web.Request) -> web.Response:
+    own = request.app[METRICS]
+    exposition = request.app[EXPOSITION]
+    started = time.perf_counter()
+    fleet = exposition.render()
+    own.last_scrape_seconds = time.perf_counter() - started
+    own.scrape_errors = exposition.errors
+    body = fleet.encode() + generate_latest(own.prometheus)
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -35,9 +55,27 @@ async def nodes(request: web.Request) -> web.Response:
     return web.json_response({"nodes": out})
 
 
-def create_app(registry: NodeRegistry) -> web.Application:
+async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
+    """A node silent for long is gone: it leaves the registry, and every series with it."""
+
+    async def prune() -> None:
+        while True:
+            await asyncio.sleep(PRUNE_EVERY_S)
+            app[REGISTRY].forget_gone()
+
+    task = asyncio.create_task(prune())
+    yield
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None) -> web.Application:
     app = web.Application(middlewares=[no_tracebacks])
     app[REGISTRY] = registry
+    app[METRICS] = own or ControlPlaneMetrics(registry)
+    app[EXPOSITION] = FleetExposition(registry)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/api/nodes", nodes)
+    app.cleanup_ctx.append(forget_gone_nodes)
     return app

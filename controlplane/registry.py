@@ -39,10 +39,20 @@ class NodeState:
 
 
 class NodeRegistry:
-    def __init__(self, stale_after: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, stale_after: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 gone_after: float | None = None) -> None:  # fmt: skip
         self.stale_after = stale_after
+        # A node silent this long is gone (decommissioned, renamed): forgotten.
+        self.gone_after = gone_after if gone_after is not None else max(3600.0, 10 * stale_after)
         self.clock = clock
         self._nodes: dict[str, NodeState] = {}
+
+    def forget_gone(self) -> list[str]:
+        now = self.clock()
+        gone = [n for n, s in self._nodes.items() if now - (s.received_at or s.registered_at) > self.gone_after]
+        for node in gone:
+            del self._nodes[node]
+        return gone
 
     def register(self, registration: Json) -> NodeState:
         """(Re-)registration replaces what does not change; a heartbeat

@@ -10,6 +10,7 @@ import signal
 from aiohttp import web
 
 from controlplane import agent_api, pages_api
+from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry
 
 log = logging.getLogger(__name__)
@@ -28,10 +29,11 @@ def split_address(text: str) -> tuple[str, int]:
 
 async def serve(agent_listen: str, pages_listen: str, secret: bytes, stale_after: float) -> None:
     registry = NodeRegistry(stale_after)
+    own = ControlPlaneMetrics(registry)
     runners = []
     try:
-        for app, address in ((agent_api.create_app(registry, secret), agent_listen),
-                             (pages_api.create_app(registry), pages_listen)):  # fmt: skip
+        for app, address in ((agent_api.create_app(registry, secret, own), agent_listen),
+                             (pages_api.create_app(registry, own), pages_listen)):  # fmt: skip
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             runners.append(runner)

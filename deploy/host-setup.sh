@@ -8,7 +8,8 @@ arch=$(dpkg --print-architecture)
 # python3-bpfcc: bcc has no PyPI release, so the virtualenv sees the system's.
 # linux-headers-$arch: bcc compiles programs at run time against kernel headers.
 # iproute2 and nftables: the fleet test builds its own network of namespaces.
-packages="python3-venv python3-pip python3-bpfcc linux-headers-$arch iproute2 nftables"
+# prometheus (with promtool): the export is checked by a real Prometheus.
+packages="python3-venv python3-pip python3-bpfcc linux-headers-$arch iproute2 nftables prometheus"
 missing=""
 for p in $packages; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -1,0 +1,237 @@
+"""The fleet on one /metrics, built from the registry at scrape time.
+
+Every family of DESIGN.md's Prometheus contract, in the text exposition
+format. Nothing is kept in step with the registry: each scrape reads it.
+Absent is not zero: a field the last heartbeat did not carry has no series;
+a stale node keeps `llmgw_node_up 0`, `llmgw_node_info` and its sample age
+and loses every measurement; a node that is gone loses everything.
+
+prometheus-client's own path (GaugeMetricFamily + generate_latest) costs
+about 9 us a sample, four times the budget for a 1,000-node fleet (80,000
+samples in under 250 ms). Label sets change only when a node registers or
+its engines and cards change, so each is escaped once and cached; a scrape
+only formats values. The output is checked in tests against prometheus-
+client's parser and `promtool check metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from controlplane.registry import NodeRegistry, NodeState
+
+log = logging.getLogger(__name__)
+
+Json = dict[str, Any]
+Sample = tuple[str, float | int]  # (label set without braces, value)
+
+
+def escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def fmt(value: float | int) -> str:
+    if type(value) is int:
+        return str(value)
+    return repr(float(value))
+
+
+@dataclass
+class _NodeLabels:
+    """Escaped label sets of one node, made once and reused by every scrape."""
+
+    node: str
+    base: str  # node="..."
+    info: str = ""
+    info_of: int = 0  # id() of the registration they were made from
+    shards: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    gpus: dict[tuple[int, str], str] = field(default_factory=dict)
+    mounts: dict[str, str] = field(default_factory=dict)
+
+    def shard(self, s: Json) -> str:
+        key = (s.get("model") or "", s.get("replica") or "", s["id"])
+        labels = self.shards.get(key)
+        if labels is None:
+            labels = self.shards[key] = (f'{self.base},model="{escape(key[0])}",replica="{escape(key[1])}",'
+                                         f'shard="{escape(key[2])}"')  # fmt: skip
+        return labels
+
+    def gpu(self, g: Json) -> str:
+        key = (g["index"], g.get("name") or "")
+        labels = self.gpus.get(key)
+        if labels is None:
+            labels = self.gpus[key] = f'{self.base},gpu="{key[0]}",gpu_model="{escape(key[1])}"'
+        return labels
+
+    def mount(self, mount: str) -> str:
+        labels = self.mounts.get(mount)
+        if labels is None:
+            labels = self.mounts[mount] = f'{self.base},mount="{escape(mount)}"'
+        return labels
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    type: str
+    help: str
+    samples: Callable[[_NodeLabels, Json], Iterator[Sample]]
+    stale_too: bool = False  # shown for stale nodes (identity and freshness, not measurements)
+
+
+def _machine(key: str, *path: str) -> Callable[[_NodeLabels, Json], Iterator[Sample]]:
+    def samples(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
+        value: Any = hb.get("machine", {}).get(key)
+        for p in path:
+            value = value.get(p) if isinstance(value, dict) else None
+        if value is not None:
+            yield labels.base, value
+
+    return samples
+
+
+def _load(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
+    load = hb.get("machine", {}).get("load") or {}
+    for window in ("1m", "5m", "15m"):
+        if window in load:
+            yield f'{labels.base},window="{window}"', load[window]
+
+
+def _disks(key: str) -> Callable[[_NodeLabels, Json], Iterator[Sample]]:
+    def samples(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
+        for d in hb.get("machine", {}).get("disks") or ():
+            yield labels.mount(d["mount"]), d[key]
+
+    return samples
+
+
+def _shards(key: str, stat: str | None = None) -> Callable[[_NodeLabels, Json], Iterator[Sample]]:
+    def samples(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
+        for s in hb.get("shards") or ():
+            value = s.get(key)
+            if stat is not None:
+                value = value.get(stat) if value else None
+            if value is not None:
+                yield labels.shard(s), value
+
+    return samples
+
+
+def _gpus(key: str, scale: float = 1.0) -> Callable[[_NodeLabels, Json], Iterator[Sample]]:
+    def samples(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
+        for g in hb.get("gpus") or ():
+            value = g.get(key)
+            if value is not None:
+                yield labels.gpu(g), value if scale == 1.0 else value * scale
+
+    return samples
+
+
+def _never(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
+    return iter(())
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llmgw_node_up", "gauge", "1 if the node's last heartbeat is fresh, 0 if stale", _never, True),
+    Family("llmgw_node_info", "gauge", "The node's identity: host name, kernel, agent version, backend", _never, True),
+    Family("llmgw_node_sample_age_seconds", "gauge", "Seconds since the node's last heartbeat arrived", _never, True),
+    Family("llmgw_node_cpus", "gauge", "Online CPUs", _machine("cpus")),
+    Family("llmgw_node_cpu_utilization_percent", "gauge", "CPU utilisation of all cores, the window's mean",
+           _machine("cpu_percent", "mean")),
+    Family("llmgw_node_cpu_utilization_p95_percent", "gauge", "CPU utilisation, p95 of the window's samples",
+           _machine("cpu_percent", "p95")),
+    Family("llmgw_node_cpu_utilization_max_percent", "gauge", "CPU utilisation, max of the window's samples",
+           _machine("cpu_percent", "max")),
+    Family("llmgw_node_load", "gauge", "Load average over the window label", _load),
+    Family("llmgw_node_memory_bytes", "gauge", "Memory in total (MemTotal)", _machine("memory_bytes")),
+    Family("llmgw_node_memory_used_bytes", "gauge", "Memory used (MemTotal - MemAvailable)",
+           _machine("memory_used_bytes")),
+    Family("llmgw_node_memory_available_bytes", "gauge", "Memory available (MemAvailable)",
+           _machine("memory_available_bytes")),
+    Family("llmgw_node_disk_bytes", "gauge", "Size of the filesystem mounted at mount", _disks("bytes")),
+    Family("llmgw_node_disk_used_bytes", "gauge", "Used space of the filesystem mounted at mount",
+           _disks("used_bytes")),
+    Family("llmgw_shard_cpu_cores", "gauge", "CPU cores the engine used, the window's mean",
+           _shards("cpu_cores", "mean")),
+    Family("llmgw_shard_cpu_cores_max", "gauge", "CPU cores the engine used, max of the window's samples",
+           _shards("cpu_cores", "max")),
+    Family("llmgw_shard_memory_bytes", "gauge", "Resident memory of the engine's processes", _shards("memory_bytes")),
+    Family("llmgw_shard_gpu_memory_bytes", "gauge", "GPU memory of the engine's processes, on all cards",
+           _shards("gpu_memory_bytes")),
+    Family("llmgw_gpu_utilization_percent", "gauge", "GPU utilisation, the window's mean",
+           _gpus("utilization_percent")),
+    Family("llmgw_gpu_memory_used_bytes", "gauge", "GPU memory used", _gpus("memory_used_bytes")),
+    Family("llmgw_gpu_memory_total_bytes", "gauge", "GPU memory in total", _gpus("memory_total_bytes")),
+    Family("llmgw_gpu_memory_bandwidth_utilization_percent", "gauge", "Time the GPU memory was read or written",
+           _gpus("memory_bandwidth_percent")),
+    Family("llmgw_gpu_sm_clock_hertz", "gauge", "SM clock", _gpus("sm_clock_hz")),
+    Family("llmgw_gpu_ecc_uncorrected_errors", "gauge", "Uncorrected ECC errors since the driver loaded",
+           _gpus("ecc_uncorrected")),
+    Family("llmgw_gpu_temperature_celsius", "gauge", "GPU temperature", _gpus("temperature_celsius")),
+    Family("llmgw_gpu_power_watts", "gauge", "GPU power draw", _gpus("power_watts")),
+    Family("llmgw_gpu_energy_joules_total", "counter", "GPU energy since the driver loaded",
+           _gpus("energy_joules")),
+)  # fmt: skip
+
+FAMILY_NAMES = frozenset(f.name for f in FAMILIES)
+
+
+class FleetExposition:
+    def __init__(self, registry: NodeRegistry) -> None:
+        self.registry = registry
+        self._labels: dict[str, _NodeLabels] = {}
+        self.errors = 0  # nodes or families left out of a scrape because they failed
+
+    def _node_labels(self, state: NodeState) -> _NodeLabels:
+        labels = self._labels.get(state.node)
+        if labels is None:
+            labels = self._labels[state.node] = _NodeLabels(state.node, f'node="{escape(state.node)}"')
+        if labels.info_of != id(state.registration):
+            reg = state.registration
+            labels.info = labels.base + "".join(
+                f',{k}="{escape(str(reg.get(k, "")))}"' for k in ("hostname", "kernel", "agent_version", "backend")
+            )
+            labels.info_of = id(state.registration)
+        return labels
+
+    def render(self) -> str:
+        now = self.registry.clock()
+        stale_after = self.registry.stale_after
+        nodes = []
+        for state in self.registry.nodes():
+            fresh = state.fresh(now, stale_after)
+            nodes.append((state, self._node_labels(state), fresh))
+        # Nodes that are gone leave the cache with the registry.
+        if len(self._labels) > len(nodes):
+            known = {s.node for s, _, _ in nodes}
+            self._labels = {k: v for k, v in self._labels.items() if k in known}
+
+        out: list[str] = []
+        for family in FAMILIES:
+            out.append(f"# HELP {family.name} {family.help}\n# TYPE {family.name} {family.type}\n")
+            name = family.name
+            if family.name == "llmgw_node_up":
+                out.extend(f"{name}{{{labels.base}}} {1 if fresh else 0}\n" for _, labels, fresh in nodes)
+                continue
+            if family.name == "llmgw_node_info":
+                out.extend(f"{name}{{{labels.info}}} 1\n" for _, labels, _ in nodes)
+                continue
+            if family.name == "llmgw_node_sample_age_seconds":
+                for state, labels, _ in nodes:
+                    if (age := state.age(now)) is not None:
+                        out.append(f"{name}{{{labels.base}}} {fmt(round(age, 3))}\n")
+                continue
+            for state, labels, fresh in nodes:
+                if not fresh or state.heartbeat is None:
+                    continue
+                try:
+                    lines = [f"{name}{{{ls}}} {fmt(v)}\n" for ls, v in family.samples(labels, state.heartbeat)]
+                except Exception:  # one bad node never fails the scrape
+                    self.errors += 1
+                    log.exception("node %s left out of %s", state.node, name)
+                    continue
+                out.extend(lines)
+        return "".join(out)

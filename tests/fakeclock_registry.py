@@ -1,0 +1,68 @@
+"""A small fleet in a registry with a fake clock: a GPU node, a CPU node, a
+stale node and a node that registered but never sent a heartbeat. Bodies go
+through the wire format's validation, as they would over HTTP."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from controlplane.registry import NodeRegistry
+from nodesampler import wire
+from tests.fakeproc import FakeClock
+
+GiB = 1024**3
+
+
+def _heartbeat(node: str, gpus: list[dict[str, Any]] | None, shards: list[dict[str, Any]]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "node": node, "seq": 7, "backend": "bpf",
+        "window": {"start": 1764445200.0, "end": 1764445205.0, "samples": 50},
+        "machine": {"cpus": 64, "cpu_percent": {"mean": 37.5, "p95": 80.125, "max": 100.0},
+                    "load": {"1m": 0.5, "5m": 0.4, "15m": 0.3}, "memory_bytes": 512 * GiB,
+                    "memory_used_bytes": 100 * GiB, "memory_available_bytes": 412 * GiB,
+                    "disks": [{"mount": "/", "bytes": 1000 * GiB, "used_bytes": 250 * GiB},
+                              {"mount": "/mnt/models", "bytes": 4000 * GiB, "used_bytes": 3000 * GiB}]},
+        "shards": shards,
+    }  # fmt: skip
+    if gpus is not None:
+        body["gpus"] = gpus
+    return body
+
+
+def _gpu(index: int, **fields: Any) -> dict[str, Any]:
+    return {"index": index, "uuid": f"GPU-{index}", "name": "NVIDIA H200", "memory_used_bytes": 80 * GiB,
+            "memory_total_bytes": 141 * GiB, "memory_bandwidth_percent": 41.0, "sm_clock_hz": 1980000000,
+            "ecc_uncorrected": 0, "temperature_celsius": 61, "power_watts": 512.3, "energy_joules": 123456.7,
+            **fields}  # fmt: skip
+
+
+def fleet_registry() -> tuple[NodeRegistry, FakeClock]:
+    clock = FakeClock(1000.0)
+    registry = NodeRegistry(stale_after=60, clock=clock)
+
+    def register(node: str, backend: str = "bpf") -> None:
+        body = {"node": node, "hostname": f"{node}.example", "kernel": "6.1.0-28-amd64", "agent_version": "0.1.0",
+                "backend": backend, "cpus": 64, "memory_bytes": 512 * GiB}  # fmt: skip
+        registry.register(wire.parse_registration(json.dumps(body).encode()))
+
+    def beat(body: dict[str, Any]) -> None:
+        registry.heartbeat(wire.parse_heartbeat(json.dumps(body).encode()))
+
+    register("stale-3")
+    beat(_heartbeat("stale-3", None, [{"id": "s0", "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}}]))
+    clock.advance(100)  # stale-3 has been silent for 100 s from here on
+    register("gpu-1")
+    beat(_heartbeat("gpu-1", [_gpu(0, utilization_percent=97.0), _gpu(1), {"index": 2, "uuid": "GPU-2", "lost": True}], [
+        {"id": "s0", "model": 'llama "70b"\\ {x="y"}', "replica": "r1", "pgid": 1234,
+         "cpu_cores": {"mean": 7.5, "p95": 8.0, "max": 8.25}, "memory_bytes": 12 * GiB, "gpu_memory_bytes": 70 * GiB},
+        {"id": "s1", "model": "mistral-7b", "replica": "r2", "pgid": 2000,
+         "cpu_cores": {"mean": 0.5, "p95": 0.75, "max": 1.0}, "memory_bytes": 4 * GiB, "gpu_memory_bytes": 10 * GiB},
+    ]))  # fmt: skip
+    register("cpu-2", backend="proc")
+    beat(_heartbeat("cpu-2", [], [
+        {"id": "pgid:77", "pgid": 77, "cpu_cores": {"mean": 2.0, "p95": 3.0, "max": 4.0}, "memory_bytes": GiB},
+    ]))  # fmt: skip
+    register("new-4")
+    clock.advance(2.5)
+    return registry, clock

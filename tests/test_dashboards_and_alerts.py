@@ -1,0 +1,65 @@
+"""The Grafana dashboard and the alert rules name only what the control plane exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from controlplane.exposition import FAMILY_NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
+METRIC = re.compile(r"\bllmgw_[a-z0-9_]+")
+
+
+def queries(dashboard: dict[str, Any]) -> list[str]:
+    out = []
+    for panel in dashboard["panels"]:
+        out += [t["expr"] for t in panel.get("targets", [])]
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":
+            out.append(var["query"]["query"])
+    return out
+
+
+def test_dashboard_queries_name_only_exported_families() -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+    rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
+    assert rows == ["Fleet", "Node $node", "Engines on $node", "GPUs on $node"]
+    exprs = queries(dashboard)
+    named = {m for e in exprs for m in METRIC.findall(e)}
+    assert named and named <= FAMILY_NAMES, named - FAMILY_NAMES
+    assert any("$node" in e for e in exprs)
+
+
+def test_alert_rules_name_only_exported_families() -> None:
+    rules = yaml.safe_load((ROOT / "deploy" / "alerts.yml").read_text())
+    alerts = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
+    assert set(alerts) == {"NodeDown", "NodeCPUSaturated", "GPUUncorrectedECCErrors", "GPUTemperatureHigh",
+                           "GPUMemoryHeldButIdle"}  # fmt: skip
+    assert {m for e in alerts.values() for m in METRIC.findall(e)} <= FAMILY_NAMES
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool missing: make setup installs Debian's prometheus")
+    return path
+
+
+def test_promtool_checks_the_rules() -> None:
+    r = subprocess.run([promtool(), "check", "rules", str(ROOT / "deploy" / "alerts.yml")], capture_output=True,
+                       text=True)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_each_alert_fires_and_clears() -> None:
+    r = subprocess.run([promtool(), "test", "rules", "alerts_test.yml"], cwd=ROOT / "tests", capture_output=True,
+                       text=True)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,147 @@
+"""The fleet's /metrics: a golden exposition, prometheus-client's parser,
+promtool on live output, absent-is-not-zero, and a bad node left out."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane import agent_api, pages_api
+from controlplane.exposition import FAMILY_NAMES, FleetExposition
+from controlplane.registry import NodeRegistry
+from tests.fakeclock_registry import fleet_registry
+from tests.fakeproc import FakeClock
+
+GOLDEN = Path(__file__).parent / "golden" / "fleet_metrics.txt"
+
+# DESIGN.md's contract: every family and the labels beyond `node`.
+CONTRACT: dict[str, set[str]] = {
+    "llmgw_node_up": set(), "llmgw_node_info": {"hostname", "kernel", "agent_version", "backend"},
+    "llmgw_node_cpus": set(), "llmgw_node_cpu_utilization_percent": set(),
+    "llmgw_node_cpu_utilization_p95_percent": set(), "llmgw_node_cpu_utilization_max_percent": set(),
+    "llmgw_node_load": {"window"}, "llmgw_node_memory_bytes": set(), "llmgw_node_memory_used_bytes": set(),
+    "llmgw_node_memory_available_bytes": set(), "llmgw_node_disk_bytes": {"mount"},
+    "llmgw_node_disk_used_bytes": {"mount"}, "llmgw_shard_cpu_cores": {"model", "replica", "shard"},
+    "llmgw_shard_cpu_cores_max": {"model", "replica", "shard"}, "llmgw_shard_memory_bytes": {"model", "replica", "shard"},
+    "llmgw_shard_gpu_memory_bytes": {"model", "replica", "shard"},
+    "llmgw_gpu_utilization_percent": {"gpu", "gpu_model"}, "llmgw_gpu_memory_used_bytes": {"gpu", "gpu_model"},
+    "llmgw_gpu_memory_total_bytes": {"gpu", "gpu_model"},
+    "llmgw_gpu_memory_bandwidth_utilization_percent": {"gpu", "gpu_model"},
+    "llmgw_gpu_sm_clock_hertz": {"gpu", "gpu_model"}, "llmgw_gpu_ecc_uncorrected_errors": {"gpu", "gpu_model"},
+    "llmgw_gpu_temperature_celsius": {"gpu", "gpu_model"}, "llmgw_gpu_power_watts": {"gpu", "gpu_model"},
+    "llmgw_gpu_energy_joules_total": {"gpu", "gpu_model"}, "llmgw_node_sample_age_seconds": set(),
+}  # fmt: skip
+
+
+def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def test_golden_exposition() -> None:
+    registry, _ = fleet_registry()
+    text = FleetExposition(registry).render()
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+
+
+def test_families_and_labels_are_the_contract() -> None:
+    assert set(CONTRACT) == FAMILY_NAMES
+    registry, _ = fleet_registry()
+    got = samples(FleetExposition(registry).render())
+    assert set(got) == set(CONTRACT)  # the fleet has a sample of every family
+    for name, series in got.items():
+        for labels, _ in series:
+            assert set(labels) == {"node"} | CONTRACT[name], name
+
+
+def test_absent_is_not_zero() -> None:
+    registry, _ = fleet_registry()
+    got = samples(FleetExposition(registry).render())
+
+    def nodes(name: str) -> set[str]:
+        return {labels["node"] for labels, _ in got.get(name, [])}
+
+    # The stale node: up 0, its identity and age, no measurement at all.
+    assert ("stale-3", 0.0) in [(ls["node"], v) for ls, v in got["llmgw_node_up"]]
+    assert "stale-3" in nodes("llmgw_node_info") and "stale-3" in nodes("llmgw_node_sample_age_seconds")
+    for name in CONTRACT.keys() - {"llmgw_node_up", "llmgw_node_info", "llmgw_node_sample_age_seconds"}:
+        assert "stale-3" not in nodes(name), name
+    # The CPU node has no GPU series, and its engine without a GPU memory figure has none either.
+    assert "cpu-2" not in nodes("llmgw_gpu_utilization_percent")
+    assert "cpu-2" not in nodes("llmgw_shard_gpu_memory_bytes")
+    # The GPU whose driver lacks utilisation has no utilisation series, and the lost card has none.
+    gpus = {ls["gpu"] for ls, _ in got["llmgw_gpu_utilization_percent"] if ls["node"] == "gpu-1"}
+    assert gpus == {"0"}
+    # A node registered but not yet heard from is down, not idle.
+    assert ("new-4", 0.0) in [(ls["node"], v) for ls, v in got["llmgw_node_up"]]
+    assert "new-4" not in nodes("llmgw_node_sample_age_seconds")
+
+
+def test_hostile_labels_are_escaped() -> None:
+    registry, _ = fleet_registry()
+    got = samples(FleetExposition(registry).render())
+    models = {ls["model"] for ls, _ in got["llmgw_shard_cpu_cores"]}
+    assert 'llama "70b"\\ {x="y"}' in models
+
+
+def test_a_gone_node_loses_everything() -> None:
+    registry, clock = fleet_registry()
+    clock.advance(registry.gone_after + 1)
+    assert set(registry.forget_gone()) == {"gpu-1", "cpu-2", "stale-3", "new-4"}
+    got = samples(FleetExposition(registry).render())
+    assert got == {}
+
+
+def test_one_bad_node_never_fails_the_scrape() -> None:
+    registry, _ = fleet_registry()
+    state = registry.get("cpu-2")
+    assert state is not None and state.heartbeat is not None
+    state.heartbeat = copy.deepcopy(state.heartbeat)
+    state.heartbeat["shards"] = [{"no id": True, "cpu_cores": {"mean": 1}}]  # not what validation lets in
+    exposition = FleetExposition(registry)
+    got = samples(exposition.render())
+    assert exposition.errors > 0
+    assert "gpu-1" in {ls["node"] for ls, _ in got["llmgw_shard_cpu_cores"]}
+
+
+async def test_live_metrics_pass_promtool_and_count_the_control_plane_itself(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+    pages = await aiohttp_client(pages_api.create_app(registry))
+    r = await pages.get("/metrics")
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    text = await r.text()
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool missing: make setup installs Debian's prometheus")
+    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    got = samples(text)
+    assert ({"state": "fresh"}, 2.0) in got["nodesampler_registered_nodes"]
+    assert got["nodesampler_fleet_scrape_errors_total"] == [({}, 0.0)]
+
+
+async def test_refused_requests_are_counted_by_reason(aiohttp_client: Any) -> None:
+    registry = NodeRegistry(clock=FakeClock())
+    pages_app = pages_api.create_app(registry)
+    agents = await aiohttp_client(agent_api.create_app(registry, b"a cluster secret of some length",
+                                                       pages_app[pages_api.METRICS]))  # fmt: skip
+    pages = await aiohttp_client(pages_app)
+    await agents.post("/v1/heartbeat", data=b"{}")  # no token
+    await agents.post("/v1/heartbeat", data=b"{}", headers={"Authorization": "Bearer x.y"})
+    got = samples(await (await pages.get("/metrics")).text())
+    rejected = {(ls["kind"], ls["reason"]): v for ls, v in got["nodesampler_requests_rejected_total"]}
+    assert rejected[("heartbeat", "unauthorized")] == 2.0
+    assert rejected[("heartbeat", "bad_request")] == 0.0
