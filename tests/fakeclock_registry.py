@@ -53,7 +53,8 @@ def fleet_registry() -> tuple[NodeRegistry, FakeClock]:
     beat(_heartbeat("stale-3", None, [{"id": "s0", "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}}]))
     clock.advance(100)  # stale-3 has been silent for 100 s from here on
     register("gpu-1")
-    beat(_heartbeat("gpu-1", [_gpu(0, utilization_percent=97.0), _gpu(1), {"index": 2, "uuid": "GPU-2", "lost": True}], [
+    cards = [_gpu(0, utilization_percent=97.0), _gpu(1), {"index": 2, "uuid": "GPU-2", "lost": True}]
+    beat(_heartbeat("gpu-1", cards, [
         {"id": "s0", "model": 'llama "70b"\\ {x="y"}', "replica": "r1", "pgid": 1234,
          "cpu_cores": {"mean": 7.5, "p95": 8.0, "max": 8.25}, "memory_bytes": 12 * GiB, "gpu_memory_bytes": 70 * GiB},
         {"id": "s1", "model": "mistral-7b", "replica": "r2", "pgid": 2000,
