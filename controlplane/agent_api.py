@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from controlplane.keys import METRICS, REGISTRY, SECRET
+from controlplane.history import EmbeddedHistory
+from controlplane.keys import METRICS, RECORDER, REGISTRY, SECRET
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry, UnknownNode
 from nodesampler import tokens, wire
@@ -114,14 +115,19 @@ async def heartbeat(request: web.Request) -> web.Response:
         request.app[REGISTRY].heartbeat(hb)
     except UnknownNode:
         return _error(404, "unknown node: register again")
+    if (history := request.app.get(RECORDER)) is not None:
+        history.record(hb["node"], hb)
     return web.json_response({"ok": True})
 
 
-def create_app(registry: NodeRegistry, secret: bytes, metrics: ControlPlaneMetrics | None = None) -> web.Application:
+def create_app(registry: NodeRegistry, secret: bytes, metrics: ControlPlaneMetrics | None = None,
+               history: EmbeddedHistory | None = None) -> web.Application:  # fmt: skip
     app = web.Application(client_max_size=wire.MAX_BODY_BYTES, middlewares=[counted, no_tracebacks])
     app[REGISTRY] = registry
     app[SECRET] = secret
     app[METRICS] = metrics or ControlPlaneMetrics(registry)
+    if history is not None:
+        app[RECORDER] = history
     app.router.add_post("/v1/register", register)
     app.router.add_post("/v1/heartbeat", heartbeat)
     return app

@@ -3,6 +3,7 @@
 from aiohttp import web
 
 from controlplane.exposition import FleetExposition
+from controlplane.history import EmbeddedHistory
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry
 
@@ -10,3 +11,4 @@ REGISTRY = web.AppKey("registry", NodeRegistry)
 SECRET = web.AppKey("secret", bytes)
 METRICS = web.AppKey("metrics", ControlPlaneMetrics)
 EXPOSITION = web.AppKey("exposition", FleetExposition)
+RECORDER = web.AppKey("recorder", EmbeddedHistory)  # the embedded history, fed by heartbeats

@@ -14,7 +14,8 @@ from prometheus_client import generate_latest
 
 from controlplane.agent_api import no_tracebacks
 from controlplane.exposition import FleetExposition
-from controlplane.keys import EXPOSITION, METRICS, REGISTRY
+from controlplane.history import EmbeddedHistory
+from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry
 
@@ -61,7 +62,9 @@ async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
     async def prune() -> None:
         while True:
             await asyncio.sleep(PRUNE_EVERY_S)
-            app[REGISTRY].forget_gone()
+            for node in app[REGISTRY].forget_gone():
+                if (history := app.get(RECORDER)) is not None:
+                    history.forget(node)
 
     task = asyncio.create_task(prune())
     yield
@@ -69,9 +72,12 @@ async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
     await asyncio.gather(task, return_exceptions=True)
 
 
-def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None) -> web.Application:
+def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
+               history: EmbeddedHistory | None = None) -> web.Application:  # fmt: skip
     app = web.Application(middlewares=[no_tracebacks])
     app[REGISTRY] = registry
+    if history is not None:
+        app[RECORDER] = history
     app[METRICS] = own or ControlPlaneMetrics(registry)
     app[EXPOSITION] = FleetExposition(registry)
     app.router.add_get("/metrics", metrics)

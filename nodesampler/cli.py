@@ -94,14 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--secret-file", required=True, type=Path, metavar="PATH", help="the cluster secret")
     c.add_argument("--stale-after", type=_positive(86400), default=60.0,
                    help="seconds after its last heartbeat that a node is stale (default 60)")
+    c.add_argument("--prometheus", default=None, metavar="URL",
+                   help="draw the pages' charts from this Prometheus (default: the embedded history)")
 
     t = sub.add_parser("token", help="print a node's token, derived from the cluster secret")
     t.add_argument("node", metavar="NODE")
     t.add_argument("--secret-file", required=True, type=Path, metavar="PATH", help="the cluster secret")
 
-    u = sub.add_parser("up", help="a live view of this machine, window after window")
+    u = sub.add_parser("up", help="the control plane and an agent on this machine, with the pages")
+    u.add_argument("--listen", default="127.0.0.1:8080", metavar="ADDR",
+                   help="HOST:PORT of the pages (default 127.0.0.1:8080); agents talk to PORT+1")
     u.add_argument("--hz", type=_positive(1000), default=10.0, help="samples a second (default 10)")
-    u.add_argument("--interval", type=_positive(3600), default=5.0, help="the window, seconds (default 5)")
+    u.add_argument("--interval", type=_positive(3600), default=5.0, help="seconds per heartbeat (default 5)")
     return p
 
 
@@ -184,20 +188,58 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from sampler.summary_text import render
+    """The control plane (embedded history, pages, /metrics) and an agent on
+    this machine, as two child processes, until Ctrl-C or SIGTERM."""
+    import secrets
+    import subprocess
+    import tempfile
 
-    sampler = _make_sampler("auto", [], args.hz, Path("/proc"))
-    _stop_on_sigterm()
-    print(f"nodesampler {__version__}: sampling this machine at {args.hz:g} Hz, a summary every {args.interval:g} s "
-          "(Ctrl-C stops)", flush=True)
+    from nodesampler.tokens import node_token
+    from sampler.agent import default_node
+    from web.server import split_address
+
     try:
-        sampler.prime(min(1.0, args.interval))
-        while True:
-            print(render(sampler.run_window(args.interval)) + "\n", flush=True)
+        host, port = split_address(args.listen)
+    except ValueError as e:
+        _fail(EXIT_USAGE, f"--listen {e}")
+    if port in (0, 65535):
+        _fail(EXIT_USAGE, f"--listen {args.listen}: a fixed port below 65535 is needed (the agents' is the next one)")
+    node = default_node()
+    work = Path(tempfile.mkdtemp(prefix="nodesampler-up-"))
+    secret = secrets.token_hex(32).encode()
+    (work / "secret").write_bytes(secret)
+    (work / "token").write_text(node_token(secret, node))
+    for f in ("secret", "token"):
+        (work / f).chmod(0o600)
+    me = [sys.executable, "-m", "nodesampler"]
+    agent_addr = f"{host}:{port + 1}"
+    children: list[subprocess.Popen[bytes]] = []
+    _stop_on_sigterm()
+    try:
+        cp = subprocess.Popen([*me, "controlplane", "--listen", agent_addr, "--pages-listen", args.listen,
+                               "--secret-file", str(work / "secret")], stdout=subprocess.PIPE)  # fmt: skip
+        children.append(cp)
+        assert cp.stdout is not None
+        if not cp.stdout.readline():
+            _fail(1, "the control plane did not start (is the address taken?)")
+        children.append(subprocess.Popen([*me, "agent", "--control-plane", f"http://{agent_addr}", "--token-file",
+                                          str(work / "token"), "--node", node, "--hz", f"{args.hz:g}",
+                                          "--interval", f"{args.interval:g}"]))  # fmt: skip
+        print(f"nodesampler {__version__} is up: open http://{args.listen}/ (node {node}; Ctrl-C stops)", flush=True)
+        while all(c.poll() is None for c in children):
+            time.sleep(0.5)
+        _fail(1, "a child process stopped; stopping the other")
     except KeyboardInterrupt:
         return 0
     finally:
-        _close(sampler)
+        for c in children:
+            if c.poll() is None:
+                c.terminate()
+        for c in children:
+            try:
+                c.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                c.kill()
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -243,9 +285,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
 def cmd_controlplane(args: argparse.Namespace) -> int:
     import asyncio
 
-    from controlplane.server import serve, split_address
     from nodesampler.tokens import TokenError, read_secret
+    from web.server import serve, split_address
 
+    if args.prometheus is not None and not args.prometheus.startswith(("http://", "https://")):
+        _fail(EXIT_USAGE, f"--prometheus {args.prometheus!r}: expected an http:// or https:// URL")
     for flag, value in (("--listen", args.listen), ("--pages-listen", args.pages_listen)):
         try:
             split_address(value)
@@ -257,7 +301,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
         _fail(EXIT_USAGE, str(e))
     logging.getLogger().setLevel(logging.INFO)
     try:
-        asyncio.run(serve(args.listen, args.pages_listen, secret, args.stale_after))
+        asyncio.run(serve(args.listen, args.pages_listen, secret, args.stale_after, args.prometheus))
     except OSError as e:  # the address is taken or not ours
         _fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

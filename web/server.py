@@ -1,5 +1,6 @@
 """`nodesampler controlplane`: the two listeners in one process, sharing one
-registry, until SIGTERM or SIGINT."""
+registry (and the embedded history), until SIGTERM or SIGINT. It lives in
+`web` because it composes everything: the agent API, /metrics and the pages."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import signal
 from aiohttp import web
 
 from controlplane import agent_api, pages_api
+from controlplane.history import EmbeddedHistory
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry
+from web.pages import add_pages
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +30,18 @@ def split_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def serve(agent_listen: str, pages_listen: str, secret: bytes, stale_after: float) -> None:
+async def serve(agent_listen: str, pages_listen: str, secret: bytes, stale_after: float,
+                prometheus_url: str | None = None) -> None:  # fmt: skip
     registry = NodeRegistry(stale_after)
     own = ControlPlaneMetrics(registry)
+    # The embedded history is fed only when the pages read it (no --prometheus).
+    history = None if prometheus_url else EmbeddedHistory()
+    pages = pages_api.create_app(registry, own, history)
+    add_pages(pages, history, prometheus_url)
     runners = []
     try:
-        for app, address in ((agent_api.create_app(registry, secret, own), agent_listen),
-                             (pages_api.create_app(registry, own), pages_listen)):  # fmt: skip
+        for app, address in ((agent_api.create_app(registry, secret, own, history), agent_listen),
+                             (pages, pages_listen)):  # fmt: skip
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             runners.append(runner)

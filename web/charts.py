@@ -1,0 +1,127 @@
+"""Charts as server-rendered SVG: no chart library for the browser to load.
+
+Each series is binned into the chart's pixel columns with numpy, keeping the
+minimum and maximum of every column as well as its mean: the band between
+them is drawn under the mean's line, so a spike narrower than a pixel still
+shows. Gaps (not measured) stay gaps.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+
+import numpy as np
+
+from controlplane.history import Series
+
+PALETTE = ("#2f6fde", "#e0612f", "#2a9d5b", "#9b4dca", "#d4a017", "#c2185b", "#00838f", "#6d4c41")
+WIDTH, HEIGHT = 560, 150
+LEFT, RIGHT, TOP, BOTTOM = 56, 8, 8, 20
+
+
+def format_value(value: float, unit: str) -> str:
+    if unit == "bytes":
+        for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(value) < 1024 or suffix == "TiB":
+                return f"{value:.0f} {suffix}" if suffix == "B" else f"{value:.1f} {suffix}"
+            value /= 1024
+    if unit == "percent":
+        return f"{value:.0f}%"
+    if unit == "celsius":
+        return f"{value:.0f} °C"
+    if unit == "watts":
+        return f"{value:.0f} W"
+    return f"{value:.2f}" if abs(value) < 10 else f"{value:.0f}"
+
+
+def bin_columns(
+    t: np.ndarray, v: np.ndarray, start: float, end: float, cols: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per pixel column: min, max and mean of the samples falling in it (NaN: none)."""
+    ok = ~np.isnan(v) & (t >= start) & (t <= end)
+    t, v = t[ok], v[ok]
+    lo, hi, mean = (np.full(cols, np.nan) for _ in range(3))
+    if len(v) == 0:
+        return lo, hi, mean
+    idx = np.minimum(((t - start) / (end - start) * cols).astype(np.int64), cols - 1)
+    lo[:] = np.inf
+    hi[:] = -np.inf
+    np.minimum.at(lo, idx, v)
+    np.maximum.at(hi, idx, v)
+    counts = np.bincount(idx, minlength=cols)
+    sums = np.bincount(idx, weights=v, minlength=cols)
+    empty = counts == 0
+    lo[empty], hi[empty] = np.nan, np.nan
+    mean = np.where(empty, np.nan, sums / np.maximum(counts, 1))
+    return lo, hi, mean
+
+
+def _segments(xs: np.ndarray, ys: np.ndarray) -> str:
+    """An SVG path through the points, lifted over NaN gaps."""
+    parts = []
+    pen_down = False
+    for x, y in zip(xs.tolist(), ys.tolist(), strict=True):
+        if y != y:  # NaN
+            pen_down = False
+            continue
+        parts.append(f"{'L' if pen_down else 'M'}{x:.1f} {y:.1f}")
+        pen_down = True
+    return " ".join(parts)
+
+
+def svg_chart(title: str, series: list[Series], start: float, end: float, unit: str,
+              y_max: float | None = None, width: int = WIDTH, height: int = HEIGHT) -> str:  # fmt: skip
+    cols = width - LEFT - RIGHT
+    plot_h = height - TOP - BOTTOM
+    binned: list[tuple[Series, np.ndarray, np.ndarray, np.ndarray]] = [
+        (s, *bin_columns(s.t, s.v, start, end, cols)) for s in series
+    ]
+    top = y_max
+    if top is None:
+        highs = [np.nanmax(hi) for _, _, hi, _ in binned if not np.isnan(hi).all()]
+        top = max(highs) if highs else 1.0
+        top = top * 1.1 if top > 0 else 1.0
+    xs = LEFT + np.arange(cols) + 0.5
+
+    def y_of(values: np.ndarray) -> np.ndarray:
+        return TOP + plot_h - np.clip(values / top, 0, 1) * plot_h
+
+    out = [f'<svg class="chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+           f'aria-label="{html.escape(title)}" xmlns="http://www.w3.org/2000/svg">',
+           f'<rect x="{LEFT}" y="{TOP}" width="{cols}" height="{plot_h}" fill="#fafafa" stroke="#ddd"/>']  # fmt: skip
+    for frac in (0.0, 0.5, 1.0):
+        y = TOP + plot_h - frac * plot_h
+        out.append(f'<line x1="{LEFT}" x2="{LEFT + cols}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
+                   f'<text x="{LEFT - 4}" y="{y + 4:.1f}" text-anchor="end" class="tick">'
+                   f"{html.escape(format_value(frac * top, unit))}</text>")  # fmt: skip
+    # A time label every 15 minutes (every 5 for shorter spans).
+    step = 900 if end - start > 1800 else 300
+    for tick in np.arange(np.ceil(start / step) * step, end + 1, step):
+        x = LEFT + (tick - start) / (end - start) * cols
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="#eee"/>'
+                   f'<text x="{x:.1f}" y="{height - 5}" text-anchor="middle" class="tick">'
+                   f"{time.strftime('%H:%M', time.localtime(tick))}</text>")  # fmt: skip
+    drawn = 0
+    for i, (s, lo, hi, mean) in enumerate(binned):
+        if np.isnan(mean).all():
+            continue
+        colour = PALETTE[i % len(PALETTE)]
+        band = ~np.isnan(lo)
+        if band.any():
+            upper = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs[band], y_of(hi[band]), strict=True))
+            lower = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs[band][::-1], y_of(lo[band])[::-1], strict=True))
+            out.append(f'<polygon points="{upper} {lower}" fill="{colour}" fill-opacity="0.18" stroke="none"/>')
+        out.append(f'<path d="{_segments(xs, y_of(mean))}" fill="none" stroke="{colour}" stroke-width="1.5">'
+                   f"<title>{html.escape(s.label or title)}</title></path>")  # fmt: skip
+        drawn += 1
+    if drawn == 0:
+        out.append(f'<text x="{LEFT + cols / 2}" y="{TOP + plot_h / 2}" text-anchor="middle" class="nodata">'
+                   "no data in this span</text>")  # fmt: skip
+    out.append("</svg>")
+    legend = "".join(
+        f'<span class="key"><i style="background:{PALETTE[i % len(PALETTE)]}"></i>{html.escape(s.label)}</span>'
+        for i, (s, _lo, _hi, _mean) in enumerate(binned) if s.label
+    )
+    return (f'<figure class="chart"><figcaption>{html.escape(title)}</figcaption>{"".join(out)}'
+            f'<div class="legend">{legend}</div></figure>')  # fmt: skip

@@ -1,0 +1,180 @@
+"""The cluster page and the node pages, on the pages listener.
+
+Pages are rendered on the server (jinja2, autoescaped: every hostname, model
+and label is text, never markup) with SVG charts. Each page refreshes in
+place: a small script fetches `?fragment=1` every 15 s and swaps the page's
+<main>, so figures and charts change while the page, and its scroll, stay.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jinja2
+from aiohttp import web
+
+from controlplane.history import ChartSpec, EmbeddedHistory, History, HistoryError, PrometheusHistory, Series
+from controlplane.keys import REGISTRY
+from controlplane.registry import NodeRegistry, NodeState
+from web.charts import format_value, svg_chart
+
+HISTORY = web.AppKey("history", object)  # a History (embedded or Prometheus)
+PROMETHEUS_URL = web.AppKey("prometheus_url", str)
+TEMPLATES = web.AppKey("templates", jinja2.Environment)
+
+SPAN_S = 3600.0
+REFRESH_S = 15
+DASH = "—"
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return DASH
+    return format_value(float(value), unit)
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+                             autoescape=True, undefined=jinja2.StrictUndefined)  # fmt: skip
+    env.filters["fmt"] = _fmt
+    env.filters["pct"] = lambda v: DASH if v is None else f"{v:.1f}%"
+    env.filters["num"] = lambda v, digits=2: DASH if v is None else f"{v:.{digits}f}"
+    env.filters["age"] = lambda v: DASH if v is None else (f"{v:.0f} s" if v < 120 else f"{v / 60:.0f} min")
+    return env
+
+
+def _node_view(state: NodeState, now: float, stale_after: float) -> dict[str, Any]:
+    fresh = state.fresh(now, stale_after)
+    hb = state.heartbeat if fresh else None  # a stale node's figures are not current: dashes
+    m = (hb or {}).get("machine") or {}
+    cpus = m.get("cpus") or state.registration.get("cpus")
+    gpus = [g for g in (hb or {}).get("gpus") or [] if not g.get("lost")]
+    utils = [g["utilization_percent"] for g in gpus if g.get("utilization_percent") is not None]
+    used = [g["memory_used_bytes"] for g in gpus if g.get("memory_used_bytes") is not None]
+    total = [g["memory_total_bytes"] for g in gpus if g.get("memory_total_bytes") is not None]
+    mem_total, mem_used = m.get("memory_bytes"), m.get("memory_used_bytes")
+    engines = []
+    for s in (hb or {}).get("shards") or []:
+        cores = (s.get("cpu_cores") or {}).get("mean")
+        engines.append({"shard": s["id"], "model": s.get("model"), "replica": s.get("replica"), "cores": cores,
+                        "cores_max": (s.get("cpu_cores") or {}).get("max"),
+                        "share": None if cores is None or not cpus else min(1.0, cores / cpus),
+                        "memory": s.get("memory_bytes"), "gpu_memory": s.get("gpu_memory_bytes"),
+                        "command": s.get("command")})  # fmt: skip
+    return {
+        "node": state.node, "state": "fresh" if fresh else "stale", "age": state.age(now),
+        "registration": state.registration, "backend": (hb or {}).get("backend"),
+        "cpu": (m.get("cpu_percent") or {}).get("mean"), "cpu_max": (m.get("cpu_percent") or {}).get("max"),
+        "cpus": cpus, "load": m.get("load"), "memory_used": mem_used, "memory_total": mem_total,
+        "memory_share": None if mem_used is None or not mem_total else mem_used / mem_total,
+        "disks": m.get("disks"), "gpus": (hb or {}).get("gpus") or [], "gpu_count": len(gpus),
+        "gpu_util": sum(utils) / len(utils) if utils else None,
+        "gpu_memory_used": sum(used) if used else None, "gpu_memory_total": sum(total) if total else None,
+        "engines": engines,
+    }  # fmt: skip
+
+
+async def _charts(history: History, specs: list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]],
+                  now: float) -> tuple[list[str], list[str]]:  # fmt: skip
+    """SVG for each chart; the reasons history could not be read, if any."""
+    start = now - SPAN_S
+    svgs, errors = [], []
+    for title, parts, unit, y_max in specs:
+        series: list[Series] = []
+        try:
+            for spec, label in parts:
+                for s in await history.query(spec, start, now, 15.0):
+                    s.label = " ".join(x for x in (label, s.label) if x)
+                    series.append(s)
+        except HistoryError as e:
+            if str(e) not in errors:
+                errors.append(str(e))
+            continue
+        svgs.append(svg_chart(title, series, start, now, unit, y_max))
+    return svgs, errors
+
+
+def _node_specs(node: str, view: dict[str, Any]) -> list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]]:
+    f = (("node", node),)
+    specs: list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]] = [
+        ("CPU (window mean, and window max so bursts show)",
+         [(ChartSpec("llmgw_node_cpu_utilization_percent", f), "mean"),
+          (ChartSpec("llmgw_node_cpu_utilization_max_percent", f), "max")], "percent", 100.0),
+        ("Memory used", [(ChartSpec("llmgw_node_memory_used_bytes", f), "used"),
+                         (ChartSpec("llmgw_node_memory_bytes", f), "total")], "bytes", None),
+        ("Load", [(ChartSpec("llmgw_node_load", f, ("window",)), "")], "load", None),
+        ("CPU cores by model", [(ChartSpec("llmgw_shard_cpu_cores", f, ("model",)), "")], "cores", None),
+        ("Memory by model", [(ChartSpec("llmgw_shard_memory_bytes", f, ("model",)), "")], "bytes", None),
+    ]  # fmt: skip
+    if view["gpus"]:
+        specs += [
+            ("GPU utilisation by card", [(ChartSpec("llmgw_gpu_utilization_percent", f, ("gpu",)), "GPU")],
+             "percent", 100.0),
+            ("GPU memory used by card", [(ChartSpec("llmgw_gpu_memory_used_bytes", f, ("gpu",)), "GPU")],
+             "bytes", None),
+            ("GPU temperature by card", [(ChartSpec("llmgw_gpu_temperature_celsius", f, ("gpu",)), "GPU")],
+             "celsius", None),
+            ("GPU power by card", [(ChartSpec("llmgw_gpu_power_watts", f, ("gpu",)), "GPU")], "watts", None),
+        ]  # fmt: skip
+    return specs
+
+
+FLEET_SPECS: list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]] = [
+    ("GPU utilisation by GPU model (mean of cards)",
+     [(ChartSpec("llmgw_gpu_utilization_percent", (), ("gpu_model",), "avg"), "")], "percent", 100.0),
+    ("GPU memory used by GPU model (all cards)",
+     [(ChartSpec("llmgw_gpu_memory_used_bytes", (), ("gpu_model",), "sum"), "")], "bytes", None),
+]  # fmt: skip
+
+
+def _render(request: web.Request, template: str, **context: Any) -> web.Response:
+    fragment = request.query.get("fragment") == "1"
+    env = request.app[TEMPLATES]
+    body = env.get_template(template).render(fragment=fragment, refresh_s=REFRESH_S,
+                                             rendered_at=time.strftime("%H:%M:%S"), **context)  # fmt: skip
+    return web.Response(text=body, content_type="text/html", headers={"Cache-Control": "no-store"})
+
+
+async def cluster_page(request: web.Request) -> web.Response:
+    registry: NodeRegistry = request.app[REGISTRY]
+    now = registry.clock()
+    views = [_node_view(s, now, registry.stale_after) for s in registry.nodes()]
+    charts, errors = await _charts(request.app[HISTORY], FLEET_SPECS, time.time())  # type: ignore[arg-type]
+    return _render(request, "cluster.html", nodes=views, charts=charts, history_errors=errors,
+                   fresh=sum(1 for v in views if v["state"] == "fresh"))  # fmt: skip
+
+
+async def node_page(request: web.Request) -> web.Response:
+    registry: NodeRegistry = request.app[REGISTRY]
+    # Only a node the registry knows reaches a history query.
+    state = registry.get(request.match_info["node"])
+    if state is None:
+        raise web.HTTPNotFound(text="no such node")
+    view = _node_view(state, registry.clock(), registry.stale_after)
+    charts, errors = await _charts(request.app[HISTORY], _node_specs(state.node, view), time.time())  # type: ignore[arg-type]
+    return _render(request, "node.html", n=view, charts=charts, history_errors=errors)
+
+
+async def prometheus_session(app: web.Application) -> AsyncIterator[None]:
+    """With --prometheus, one client session for the pages' range queries."""
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+    app[HISTORY] = PrometheusHistory(app[PROMETHEUS_URL], session)
+    yield
+    await session.close()
+
+
+def add_pages(app: web.Application, history: EmbeddedHistory | None, prometheus_url: str | None = None) -> None:
+    """The pages on an app that already has the registry (controlplane.pages_api)."""
+    app[TEMPLATES] = _environment()
+    if prometheus_url:
+        app[PROMETHEUS_URL] = prometheus_url
+        app.cleanup_ctx.append(prometheus_session)
+    else:
+        app[HISTORY] = history if history is not None else EmbeddedHistory()
+    app.router.add_get("/", cluster_page)
+    app.router.add_get("/node/{node}", node_page)
+    app.router.add_static("/static", Path(__file__).parent / "static")
