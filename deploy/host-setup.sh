@@ -9,7 +9,8 @@ arch=$(dpkg --print-architecture)
 # linux-headers-$arch: bcc compiles programs at run time against kernel headers.
 # iproute2 and nftables: the fleet test builds its own network of namespaces.
 # prometheus (with promtool): the export is checked by a real Prometheus.
-packages="python3-venv python3-pip python3-bpfcc linux-headers-$arch iproute2 nftables prometheus"
+# chromium: the page tests drive a real headless browser (playwright, without its own browser download).
+packages="python3-venv python3-pip python3-bpfcc linux-headers-$arch iproute2 nftables prometheus chromium"
 missing=""
 for p in $packages; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

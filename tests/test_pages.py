@@ -1,0 +1,188 @@
+"""The cluster and node pages: they parse, show what the registry holds,
+escape what nodes send, and draw an hour of history; the history answers a
+chart spec; the charts keep spikes."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from typing import Any
+
+import numpy as np
+import pytest
+
+from controlplane import pages_api
+from controlplane.history import ChartSpec, EmbeddedHistory, promql
+from controlplane.registry import NodeRegistry
+from nodesampler import wire
+from tests.fakeclock_registry import fleet_registry
+from tests.fakeproc import FakeClock
+from web.charts import bin_columns, svg_chart
+from web.pages import add_pages
+
+VOID = {"meta", "link", "br", "img", "input", "hr", "path", "rect", "line", "polygon"}
+
+
+class Balanced(HTMLParser):
+    """Every element closed, in order: the page is well formed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        if tag not in VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag: str, attrs: Any) -> None:
+        pass
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in VOID:
+            return
+        assert self.stack and self.stack[-1] == tag, (tag, self.stack[-5:])
+        self.stack.pop()
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+def parse(html: str) -> str:
+    p = Balanced()
+    p.feed(html)
+    p.close()
+    assert p.stack == [], p.stack
+    return " ".join(" ".join(p.text).split())
+
+
+async def pages_client(aiohttp_client: Any, registry: NodeRegistry, history: EmbeddedHistory | None = None) -> Any:
+    app = pages_api.create_app(registry, history=history)
+    add_pages(app, history or EmbeddedHistory())
+    return await aiohttp_client(app)
+
+
+async def test_cluster_page_shows_every_node(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+    client = await pages_client(aiohttp_client, registry)
+    r = await client.get("/")
+    assert r.status == 200
+    text = parse(await r.text())
+    for node in ("gpu-1", "cpu-2", "stale-3", "new-4"):
+        assert node in text
+    assert "37.5%" in text  # the fresh nodes' CPU
+    assert "97.0%" in text  # gpu-1's mean GPU utilisation (one card reports it)
+
+
+async def test_node_page_figures_match_the_registry(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+    client = await pages_client(aiohttp_client, registry)
+    text = parse(await (await client.get("/node/gpu-1")).text())
+    assert "37.5%" in text and "100.0 GiB" in text and "512.0 GiB" in text  # CPU, RAM used and total
+    assert "0.50" in text  # load 1m
+    assert "7.50" in text and "mistral-7b" in text and "70.0 GiB" in text  # an engine's cores, model, GPU memory
+    assert "lost" in text  # the lost card says so
+
+
+async def test_stale_node_shows_dashes_not_zeros(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+    client = await pages_client(aiohttp_client, registry)
+    text = parse(await (await client.get("/node/stale-3")).text())
+    assert "stale" in text
+    assert "CPU — max —" in text and "RAM —" in text
+    assert "0.0%" not in text
+
+
+async def test_unknown_node_is_404(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+    client = await pages_client(aiohttp_client, registry)
+    assert (await client.get("/node/nope")).status == 404
+    assert (await client.get("/node/..%2Fetc")).status == 404
+
+
+async def test_hostile_names_are_escaped_everywhere(aiohttp_client: Any) -> None:
+    registry = NodeRegistry(clock=FakeClock())
+    evil = '<script>alert("x")</script>'
+    registry.register(wire.parse_registration(json.dumps(
+        {"node": "n1", "hostname": evil, "kernel": '"><img src=x onerror=alert(1)>', "backend": "bpf"}).encode()))
+    registry.heartbeat(wire.parse_heartbeat(json.dumps({
+        "node": "n1", "seq": 1, "backend": "bpf", "window": {"start": 1.0, "end": 2.0, "samples": 1},
+        "machine": {"cpus": 2},
+        "shards": [{"id": "s<b>", "model": evil, "replica": "r\"1'", "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}}],
+    }).encode()))  # fmt: skip
+    history = EmbeddedHistory()
+    state = registry.get("n1")
+    assert state is not None and state.heartbeat is not None
+    history.record("n1", state.heartbeat)
+    client = await pages_client(aiohttp_client, registry, history)
+    for path in ("/", "/node/n1", "/node/n1?fragment=1"):
+        html = await (await client.get(path)).text()
+        assert "<script>alert" not in html and "<img src=x" not in html and "<b>" not in html, path
+        parse(html)
+    html = await (await client.get("/node/n1")).text()
+    assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;" in html  # shown, as text
+
+
+async def test_fragment_is_the_main_alone(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+    client = await pages_client(aiohttp_client, registry)
+    fragment = await (await client.get("/node/gpu-1?fragment=1")).text()
+    assert "<html" not in fragment and "<script" not in fragment and "<h1>" in fragment
+    parse(fragment)
+
+
+async def test_history_that_cannot_be_read_still_shows_current_figures(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+    app = pages_api.create_app(registry)
+    add_pages(app, None, prometheus_url="http://127.0.0.1:9")  # nothing listens there
+    client = await aiohttp_client(app)
+    r = await client.get("/node/gpu-1")
+    assert r.status == 200
+    text = parse(await r.text())
+    assert "History unavailable" in text and "127.0.0.1:9" in text
+    assert "37.5%" in text
+
+
+def test_embedded_history_answers_a_spec() -> None:
+    h = EmbeddedHistory(interval=5)
+    for i in range(10):
+        hb = {"machine": {"cpu_percent": {"mean": float(i), "p95": 0.0, "max": 2.0 * i}},
+              "shards": [{"id": "a", "model": "m1", "cpu_cores": {"mean": 1.0, "max": 1.0}},
+                         {"id": "b", "model": "m1", "cpu_cores": {"mean": 0.5, "max": 1.0}},
+                         {"id": "c", "model": "m2", "cpu_cores": {"mean": 2.0, "max": 2.0}}]}  # fmt: skip
+        h.record("n1", hb, at=1000.0 + 5 * i)
+        h.record("n2", hb, at=1001.0 + 5 * i)
+    [cpu] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 2000)
+    assert cpu.t.tolist() == [1000.0 + 5 * i for i in range(10)] and cpu.v.tolist() == [float(i) for i in range(10)]
+    by_model = h.query_now(ChartSpec("llmgw_shard_cpu_cores", (("node", "n1"),), ("model",)), 0, 2000)
+    assert [(s.label, s.v[0]) for s in by_model] == [("m1", 1.5), ("m2", 2.0)]
+    # Across nodes (the fleet charts): times of both nodes, each row the sum of what is known then.
+    fleet = {s.label: s for s in h.query_now(ChartSpec("llmgw_shard_cpu_cores", (), ("model",), "max"), 0, 1001.5)}
+    assert fleet["m2"].t.tolist() == [1000.0, 1001.0] and fleet["m2"].v.tolist() == [2.0, 2.0]
+    assert fleet["m1"].v.tolist() == [1.0, 1.0]  # the larger engine of m1, on each node
+
+
+def test_history_is_bounded_per_node() -> None:
+    h = EmbeddedHistory(interval=5, span=60)
+    for i in range(1000):
+        h.record("n1", {"machine": {"cpu_percent": {"mean": float(i)}}}, at=float(i))
+    [s] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 10_000)
+    assert len(s.v) == h.capacity == 13 and s.v[-1] == 999.0 and s.v[0] == 987.0
+
+
+def test_promql_is_built_not_parsed() -> None:
+    spec = ChartSpec("llmgw_shard_cpu_cores", (("node", 'n"1\\'),), ("model",), "avg")
+    assert promql(spec) == 'avg by (model) (llmgw_shard_cpu_cores{node="n\\"1\\\\"})'
+    with pytest.raises(ValueError):
+        promql(ChartSpec("up or vector(1)", ()))
+
+
+def test_downsampling_keeps_a_spike() -> None:
+    t = np.arange(10_000, dtype=float)
+    v = np.ones(10_000)
+    v[4321] = 50.0  # one sample in ten thousand, far narrower than a pixel
+    lo, hi, mean = bin_columns(t, v, 0, 10_000, 100)
+    assert np.nanmax(hi) == 50.0 and np.nanmin(lo) == 1.0
+    assert np.nanmax(mean) < 2.0  # the mean alone would hide it
+    svg = svg_chart("cpu", [], 0, 3600, "percent")
+    assert "no data" in svg
