@@ -108,7 +108,8 @@ async def test_hostile_names_are_escaped_everywhere(aiohttp_client: Any) -> None
     registry.heartbeat(wire.parse_heartbeat(json.dumps({
         "node": "n1", "seq": 1, "backend": "bpf", "window": {"start": 1.0, "end": 2.0, "samples": 1},
         "machine": {"cpus": 2},
-        "shards": [{"id": "s<b>", "model": evil, "replica": "r\"1'", "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}}],
+        "shards": [{"id": "s<b>", "model": evil, "replica": "r\"1'",
+                    "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}}],
     }).encode()))  # fmt: skip
     history = EmbeddedHistory()
     state = registry.get("n1")
