@@ -120,6 +120,30 @@ def _shards(key: str, stat: str | None = None) -> Callable[[_NodeLabels, Json], 
     return samples
 
 
+def _waits(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
+    for s in hb.get("shards") or ():
+        wait = s.get("runqueue_wait_seconds") or {}
+        for key, quantile in (("p50", "0.5"), ("p99", "0.99")):
+            if key in wait:
+                yield f'{labels.shard(s)},quantile="{quantile}"', wait[key]
+
+
+def _wait(key: str) -> Callable[[_NodeLabels, Json], Iterator[Sample]]:
+    def samples(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
+        for s in hb.get("shards") or ():
+            value = (s.get("runqueue_wait_seconds") or {}).get(key)
+            if value is not None:
+                yield labels.shard(s), value
+
+    return samples
+
+
+def _pressure(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
+    for resource, kinds in (hb.get("machine", {}).get("pressure") or {}).items():
+        for kind, value in kinds.items():
+            yield f'{labels.base},resource="{resource}",kind="{kind}"', value
+
+
 def _gpus(key: str, scale: float = 1.0) -> Callable[[_NodeLabels, Json], Iterator[Sample]]:
     def samples(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
         for g in hb.get("gpus") or ():
@@ -151,6 +175,9 @@ FAMILIES: tuple[Family, ...] = (
            _machine("memory_used_bytes")),
     Family("llmgw_node_memory_available_bytes", "gauge", "Memory available (MemAvailable)",
            _machine("memory_available_bytes")),
+    Family("llmgw_node_pressure_ratio", "gauge",
+           "Share of the window in which some (kind=some) or all (kind=full) tasks stalled on the resource",
+           _pressure),
     Family("llmgw_node_disk_bytes", "gauge", "Size of the filesystem mounted at mount", _disks("bytes")),
     Family("llmgw_node_disk_used_bytes", "gauge", "Used space of the filesystem mounted at mount",
            _disks("used_bytes")),
@@ -161,6 +188,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("llmgw_shard_memory_bytes", "gauge", "Resident memory of the engine's processes", _shards("memory_bytes")),
     Family("llmgw_shard_gpu_memory_bytes", "gauge", "GPU memory of the engine's processes, on all cards",
            _shards("gpu_memory_bytes")),
+    # A summary: the quantile label is its own (promtool refuses it on a gauge); its
+    # running total is the separate counter below, as the dashboards name it.
+    Family("llmgw_shard_runqueue_wait_seconds", "summary",
+           "How long the engine's threads waited for a CPU, per wait, quantile of the window", _waits),
+    Family("llmgw_shard_runqueue_wait_seconds_total", "counter",
+           "Time the engine's threads spent waiting for a CPU, since the agent started", _wait("cumulative")),
+    Family("llmgw_shard_runqueue_wait_per_slice_seconds", "gauge",
+           "Mean wait for a CPU per timeslice in the window (schedstat)", _wait("mean")),
     Family("llmgw_gpu_utilization_percent", "gauge", "GPU utilisation, the window's mean",
            _gpus("utilization_percent")),
     Family("llmgw_gpu_memory_used_bytes", "gauge", "GPU memory used", _gpus("memory_used_bytes")),

@@ -81,6 +81,11 @@ def flatten(hb: Json) -> Iterator[tuple[str, Labels, float]]:
                             ("gpu_memory_bytes", "llmgw_shard_gpu_memory_bytes")):  # fmt: skip
             if s.get(key) is not None:
                 yield family, labels, s[key]
+        wait = s.get("runqueue_wait_seconds") or {}
+        if "p99" in wait:
+            yield "llmgw_shard_runqueue_wait_seconds", (*labels, ("quantile", "0.99")), wait["p99"]
+        if "mean" in wait:
+            yield "llmgw_shard_runqueue_wait_per_slice_seconds", labels, wait["mean"]
     for g in hb.get("gpus") or ():
         card: Labels = (("gpu", str(g["index"])), ("gpu_model", g.get("name") or ""))
         for key, family in (("utilization_percent", "llmgw_gpu_utilization_percent"),

@@ -164,11 +164,16 @@ def _machine(value: Any, field: Field) -> Json:
         optional(m, key, field, _bytes, out)
     optional(m, "disks", field, _disks, out)
     if m.get("pressure") is not None:
-        cpu = obj(obj(m["pressure"], (field, "pressure")).get("cpu"), (field, "pressure", "cpu"))
-        share: Json = {}
-        for key in ("some", "full"):
-            optional(cpu, key, (field, "pressure", "cpu"), lambda v, f: number(v, f, 0.0, 1.0), share)
-        out["pressure"] = {"cpu": share}
+        pressure = obj(m["pressure"], (field, "pressure"))
+        out["pressure"] = {}
+        for resource in ("cpu", "memory", "io"):
+            if pressure.get(resource) is None:
+                continue
+            kinds = obj(pressure[resource], (field, "pressure", resource))
+            share: Json = {}
+            for key in ("some", "full"):
+                optional(kinds, key, (field, "pressure", resource), lambda v, f: number(v, f, 0.0, 1.0), share)
+            out["pressure"][resource] = share
     return out
 
 
@@ -184,6 +189,12 @@ def _shard(value: Any, field: Field) -> Json:
         out["pgids"] = [integer(p, (field, "pgids", i), 1, 1 << 31)
                         for i, p in enumerate(items(s["pgids"], (field, "pgids"), MAX_PGIDS))]  # fmt: skip
     optional(s, "cpu_cores", field, _stats(0.0, MAX_CORES), out)
+    if s.get("runqueue_wait_seconds") is not None:
+        wait = obj(s["runqueue_wait_seconds"], (field, "runqueue_wait_seconds"))
+        w: Json = {}
+        out["runqueue_wait_seconds"] = w
+        for key in ("p50", "p99", "mean", "total", "cumulative"):
+            optional(wait, key, (field, "runqueue_wait_seconds"), lambda v, f: number(v, f, 0.0, 1e12), w)
     for key in ("memory_bytes", "gpu_memory_bytes"):
         optional(s, key, field, _bytes, out)
     return out

@@ -130,27 +130,39 @@ class MachineGaugeReader:
 
 
 class PressureReader:
-    """Share of a window in which some (or all) runnable tasks waited for a CPU,
-    from the PSI stall totals (microseconds) at the window's start and end."""
+    """Share of a window in which some (or all) tasks stalled on a resource
+    (cpu, memory, io), from the PSI stall totals (microseconds) at the
+    window's start and end: exact over the window, where the kernel's avg10
+    is a decaying average over ten seconds. A resource the kernel does not
+    report is absent."""
+
+    RESOURCES = ("cpu", "memory", "io")
 
     def __init__(self, proc: Path) -> None:
-        self._path = proc / "pressure" / "cpu"
+        self._dir = proc / "pressure"
         self._log = _LogOnce()
 
-    def read(self) -> dict[str, int] | None:
-        try:
-            return procfs.parse_pressure(procfs.read_bytes(self._path))
-        except (OSError, procfs.ProcParseError) as e:
-            # No PSI: CONFIG_PSI unset, psi=0 on the command line, or a kernel before 4.20.
-            self._log(logging.INFO, f"CPU pressure not measured: {e}")
-            return None
+    def read(self) -> dict[str, dict[str, int]] | None:
+        out: dict[str, dict[str, int]] = {}
+        for resource in self.RESOURCES:
+            try:
+                out[resource] = procfs.parse_pressure(procfs.read_bytes(self._dir / resource))
+            except (OSError, procfs.ProcParseError) as e:
+                # No PSI: CONFIG_PSI unset, psi=0 on the command line, or a kernel before 4.20.
+                self._log(logging.INFO, f"{resource} pressure not measured: {e}")
+        return out or None
 
     @staticmethod
-    def share(start: dict[str, int] | None, end: dict[str, int] | None, seconds: float) -> dict[str, float] | None:
+    def share(
+        start: dict[str, dict[str, int]] | None, end: dict[str, dict[str, int]] | None, seconds: float
+    ) -> dict[str, dict[str, float]] | None:
         if start is None or end is None or seconds <= 0:
             return None
-        out: dict[str, float] = {}
-        for key in ("some", "full"):
-            if key in start and key in end and end[key] >= start[key]:
-                out[key] = round(min(1.0, (end[key] - start[key]) / 1e6 / seconds), 4)
+        out: dict[str, dict[str, float]] = {}
+        for resource in start.keys() & end.keys():
+            a, b = start[resource], end[resource]
+            kinds: dict[str, float] = {k: round(min(1.0, (b[k] - a[k]) / 1e6 / seconds), 4)
+                                       for k in ("some", "full") if k in a and k in b and b[k] >= a[k]}  # fmt: skip
+            if kinds:
+                out[resource] = kinds
         return out or None

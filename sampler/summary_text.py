@@ -71,10 +71,9 @@ def render(summary: dict[str, Any]) -> str:
         f"memory   {_bytes(m.get('memory_used_bytes'))} used of {_bytes(m.get('memory_bytes'))}"
         f" ({_bytes(m.get('memory_available_bytes'))} available)"
     )
-    cpu_pressure = m.get("pressure", {}).get("cpu")
-    if cpu_pressure:
-        parts = [f"{k} {v * 100:.1f}%" for k, v in cpu_pressure.items()]
-        lines.append("pressure cpu " + ", ".join(parts) + " of the window")
+    for resource, kinds in (m.get("pressure") or {}).items():
+        parts = [f"{k} {v * 100:.1f}%" for k, v in kinds.items()]
+        lines.append(f"pressure {resource} " + ", ".join(parts) + " of the window")
     disks = m.get("disks")
     if disks is None:
         lines.append(f"disk     {DASH}")

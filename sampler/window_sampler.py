@@ -16,6 +16,7 @@ from typing import Any
 from sampler.backend import BackendChoice, GroupSampler
 from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from sampler.nvml import GpuReader, GpuReading
+from sampler.runqueue import RunQueueWaitSampler
 from sampler.selectors import GroupSelector, GroupWatch, ProcessTable, busiest_groups
 from sampler.window import RateSeries
 
@@ -48,6 +49,7 @@ class WindowSampler:
         self.cpu = MachineCpuSampler(proc)
         self.gauges = MachineGaugeReader(proc)
         self.pressure = PressureReader(proc)
+        self.runqueue = RunQueueWaitSampler(proc)
         self.groups = groups
         self.gpus = gpus
         # How long a window's end may wait for its GPU reading: 0 for the
@@ -66,6 +68,7 @@ class WindowSampler:
         self._discover()
         self.cpu.sample()
         self.groups.sample()
+        self.runqueue.read(self._members)
         self._last_sample_at = self._clock()
         if self.watches is None and seconds > 0:
             self._sleep(seconds)
@@ -79,8 +82,7 @@ class WindowSampler:
             self._group_ticks = ticks
             watches = [GroupWatch(f"pgid:{g}", GroupSelector("pgid", str(g))) for g in top]
         self.groups.discover(watches, table)
-        if self.gpus is not None:
-            self._members = {w.id: set(table.resolve(w.selector)) for w in watches}
+        self._members = {w.id: set(table.resolve(w.selector)) for w in watches}
 
     def run_window(self, seconds: float) -> dict[str, Any]:
         start_wall = self._wall()
@@ -123,10 +125,15 @@ class WindowSampler:
         m["cpu_percent"] = machine.summary()
         pressure = PressureReader.share(pressure_start, self.pressure.read(), self._clock() - pressure_at)
         if pressure is not None:
-            m["pressure"] = {"cpu": pressure}
+            m["pressure"] = pressure
         summary["machine"] = m
         memory = self.groups.memory()
         summary["shards"] = [self._shard(w, shards[w.id], memory.get(w.id)) for w in self.groups.watches]
+        # Once per window, from the members' threads: cost follows the engines, not the machine.
+        waits = self.runqueue.read(self._members)
+        for shard in summary["shards"]:
+            if (wait := waits.get(shard["id"])) is not None:
+                shard["runqueue_wait_seconds"] = wait
         if self.gpus is not None:
             if self.gpu_grace > 0:
                 self.gpus.wait(self.gpu_grace)

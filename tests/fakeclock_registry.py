@@ -22,7 +22,8 @@ def _heartbeat(node: str, gpus: list[dict[str, Any]] | None, shards: list[dict[s
                     "load": {"1m": 0.5, "5m": 0.4, "15m": 0.3}, "memory_bytes": 512 * GiB,
                     "memory_used_bytes": 100 * GiB, "memory_available_bytes": 412 * GiB,
                     "disks": [{"mount": "/", "bytes": 1000 * GiB, "used_bytes": 250 * GiB},
-                              {"mount": "/mnt/models", "bytes": 4000 * GiB, "used_bytes": 3000 * GiB}]},
+                              {"mount": "/mnt/models", "bytes": 4000 * GiB, "used_bytes": 3000 * GiB}],
+                    "pressure": {"cpu": {"some": 0.25, "full": 0.0}, "io": {"some": 0.5, "full": 0.125}}},
         "shards": shards,
     }  # fmt: skip
     if gpus is not None:
@@ -56,7 +57,8 @@ def fleet_registry() -> tuple[NodeRegistry, FakeClock]:
     cards = [_gpu(0, utilization_percent=97.0), _gpu(1), {"index": 2, "uuid": "GPU-2", "lost": True}]
     beat(_heartbeat("gpu-1", cards, [
         {"id": "s0", "model": 'llama "70b"\\ {x="y"}', "replica": "r1", "pgid": 1234,
-         "cpu_cores": {"mean": 7.5, "p95": 8.0, "max": 8.25}, "memory_bytes": 12 * GiB, "gpu_memory_bytes": 70 * GiB},
+         "cpu_cores": {"mean": 7.5, "p95": 8.0, "max": 8.25}, "memory_bytes": 12 * GiB, "gpu_memory_bytes": 70 * GiB,
+         "runqueue_wait_seconds": {"p50": 0.0001, "p99": 0.004, "total": 0.02, "mean": 0.0005, "cumulative": 12.5}},
         {"id": "s1", "model": "mistral-7b", "replica": "r2", "pgid": 2000,
          "cpu_cores": {"mean": 0.5, "p95": 0.75, "max": 1.0}, "memory_bytes": 4 * GiB, "gpu_memory_bytes": 10 * GiB},
     ]))  # fmt: skip

@@ -38,6 +38,10 @@ CONTRACT: dict[str, set[str]] = {
     "llmgw_gpu_sm_clock_hertz": {"gpu", "gpu_model"}, "llmgw_gpu_ecc_uncorrected_errors": {"gpu", "gpu_model"},
     "llmgw_gpu_temperature_celsius": {"gpu", "gpu_model"}, "llmgw_gpu_power_watts": {"gpu", "gpu_model"},
     "llmgw_gpu_energy_joules_total": {"gpu", "gpu_model"}, "llmgw_node_sample_age_seconds": set(),
+    "llmgw_node_pressure_ratio": {"resource", "kind"},
+    "llmgw_shard_runqueue_wait_seconds": {"model", "replica", "shard", "quantile"},
+    "llmgw_shard_runqueue_wait_seconds_total": {"model", "replica", "shard"},
+    "llmgw_shard_runqueue_wait_per_slice_seconds": {"model", "replica", "shard"},
 }  # fmt: skip
 
 

@@ -80,12 +80,21 @@ def test_memory_without_memavailable_has_no_used(proc: FakeProc) -> None:
 
 
 def test_pressure_share_of_window() -> None:
-    assert PressureReader.share({"some": 1_000_000, "full": 0}, {"some": 1_500_000, "full": 0}, 5.0) == {
-        "some": 0.1,
-        "full": 0.0,
-    }
-    assert PressureReader.share(None, {"some": 1}, 5.0) is None
-    assert PressureReader.share({"some": 5}, {"some": 1}, 5.0) is None  # backwards: not measured
+    start = {"cpu": {"some": 1_000_000, "full": 0}, "io": {"some": 0, "full": 0}}
+    end = {"cpu": {"some": 1_500_000, "full": 0}, "io": {"some": 5_000_000, "full": 1_000_000}}
+    assert PressureReader.share(start, end, 5.0) == {"cpu": {"some": 0.1, "full": 0.0},
+                                                     "io": {"some": 1.0, "full": 0.2}}  # fmt: skip
+    assert PressureReader.share(None, end, 5.0) is None
+    assert PressureReader.share({"cpu": {"some": 5}}, {"cpu": {"some": 1}}, 5.0) is None  # backwards: not measured
+
+
+def test_pressure_of_each_resource_the_kernel_has(proc: FakeProc) -> None:
+    (proc.root / "pressure").mkdir()
+    (proc.root / "pressure" / "cpu").write_text(
+        "some avg10=1.00 avg60=0.85 avg300=0.56 total=2582204\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    (proc.root / "pressure" / "memory").write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=17\n")  # 4.20: no full
+    (proc.root / "pressure" / "io").write_text("garbage\n")
+    assert PressureReader(proc.root).read() == {"cpu": {"some": 2582204, "full": 0}, "memory": {"some": 17}}
 
 
 def test_pressure_absent_without_psi(tmp_path: Path) -> None:

@@ -32,6 +32,8 @@ def format_value(value: float, unit: str) -> str:
         return f"{value:.0f} °C"
     if unit == "watts":
         return f"{value:.0f} W"
+    if unit == "seconds":
+        return f"{value * 1e3:.2f} ms" if value < 1 else f"{value:.1f} s"
     return f"{value:.2f}" if abs(value) < 10 else f"{value:.0f}"
 
 

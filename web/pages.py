@@ -109,6 +109,10 @@ def _node_specs(node: str, view: dict[str, Any]) -> list[tuple[str, list[tuple[C
         ("Load", [(ChartSpec("llmgw_node_load", f, ("window",)), "")], "load", None),
         ("CPU cores by model", [(ChartSpec("llmgw_shard_cpu_cores", f, ("model",)), "")], "cores", None),
         ("Memory by model", [(ChartSpec("llmgw_shard_memory_bytes", f, ("model",)), "")], "bytes", None),
+        ("Wait for a CPU by engine (p99 where the kernel histogram runs; mean per timeslice)",
+         [(ChartSpec("llmgw_shard_runqueue_wait_seconds", (*f, ("quantile", "0.99")), ("shard",), "max"), "p99"),
+          (ChartSpec("llmgw_shard_runqueue_wait_per_slice_seconds", f, ("shard",), "max"), "mean")],
+         "seconds", None),
     ]  # fmt: skip
     if view["gpus"]:
         specs += [

@@ -1,0 +1,78 @@
+"""Run-queue wait per engine from schedstat: on fake trees, and two busy
+groups sharing one real CPU against the same group alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sampler import procfs
+from sampler.backend import BackendChoice
+from sampler.proc_groups import ProcGroupSampler
+from sampler.runqueue import RunQueueWaitSampler, parse_schedstat
+from sampler.selectors import GroupSelector, GroupWatch
+from sampler.window_sampler import WindowSampler
+from tests.workloads import PROC, start_group
+
+
+def write_threads(root: Path, pid: int, threads: dict[int, tuple[int, int, int]]) -> None:
+    for tid, (run, wait, slices) in threads.items():
+        d = root / str(pid) / "task" / str(tid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "schedstat").write_text(f"{run} {wait} {slices}\n")
+
+
+def test_parse_schedstat() -> None:
+    assert parse_schedstat(b"877409 1200 2\n") == (1200, 2)
+    with pytest.raises(procfs.ProcParseError):
+        parse_schedstat(b"877409\n")
+
+
+def test_wait_per_window_from_every_thread(tmp_path: Path) -> None:
+    s = RunQueueWaitSampler(tmp_path)
+    write_threads(tmp_path, 100, {100: (0, 1_000_000, 10), 101: (0, 0, 0)})
+    assert s.read({"w": {100}}) == {"w": None}  # nothing to compare with yet
+    write_threads(tmp_path, 100, {100: (0, 3_000_000, 12), 101: (0, 2_000_000, 2)})
+    assert s.read({"w": {100}}) == {"w": {"total": 0.004, "cumulative": 0.004, "mean": 0.001}}
+    # A thread exits, another starts: neither counts in this window.
+    (tmp_path / "100" / "task" / "101" / "schedstat").unlink()
+    (tmp_path / "100" / "task" / "101").rmdir()
+    write_threads(tmp_path, 100, {100: (0, 3_000_000, 12), 102: (0, 9_000_000, 5)})
+    assert s.read({"w": {100}}) == {"w": {"total": 0.0, "cumulative": 0.004}}  # no timeslice: no mean
+    assert s.read({"w": {999}}) == {"w": None}  # the group is gone: not measured
+
+
+def pinned_burner(cpu: int) -> subprocess.Popen[str]:
+    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nprint('ready', flush=True)\nwhile True:\n    pass\n"
+    return start_group(code)
+
+
+def wait_of(p: subprocess.Popen[str]) -> dict[str, float]:
+    ws = WindowSampler(PROC, BackendChoice("proc", None), ProcGroupSampler(PROC),
+                       [GroupWatch("w", GroupSelector.parse(f"pgid:{p.pid}"))], hz=10)  # fmt: skip
+    ws.prime(0)
+    [shard] = ws.run_window(2.0)["shards"]
+    wait: dict[str, float] = shard["runqueue_wait_seconds"]
+    return wait
+
+
+@pytest.mark.live
+def test_two_busy_groups_on_one_cpu_wait_and_one_alone_does_not(group: list[subprocess.Popen[str]]) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs: one to share, one for the test")
+    cpu = max(os.sched_getaffinity(0))
+    a = pinned_burner(cpu)
+    group.append(a)
+    alone = wait_of(a)
+    b = pinned_burner(cpu)
+    group.append(b)
+    shared_a, shared_b = wait_of(a), wait_of(b)
+    # Sharing one CPU, each waits about half the window; alone, next to nothing.
+    assert alone["total"] < 0.1, alone
+    for shared in (shared_a, shared_b):
+        assert shared["total"] > 0.5, shared  # of a 2 s window
+        # Each wait is of the order of the other's slice (milliseconds), several times the lone one's.
+        assert shared["mean"] > 0.001 and shared["mean"] > 5 * alone.get("mean", 0.0), (shared, alone)
