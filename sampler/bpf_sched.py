@@ -37,6 +37,19 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "bpf" / "sched_groups.bpf.c"
 MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
+WAIT_BUCKETS = 32  # log2 buckets of a wait in ns, as in the program
+
+
+def log2_quantile(counts: np.ndarray, q: float) -> float:
+    """The q-quantile of a log2 histogram (bucket b holds [2^b, 2^(b+1)) ns,
+    bucket 0 also 0..1), interpolated linearly by rank within its bucket."""
+    cumulative = np.cumsum(counts)
+    rank = q * cumulative[-1]
+    b = int(np.searchsorted(cumulative, rank))
+    before = cumulative[b - 1] if b > 0 else 0.0
+    lo, hi = (0.0 if b == 0 else 2.0**b), 2.0 ** (b + 1)
+    within = (rank - before) / counts[b] if counts[b] else 0.0
+    return lo + (hi - lo) * within
 
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
 PROGRAMS = ("raw_tracepoint__sched_switch", "on_tick", "raw_tracepoint__sched_process_fork",
@@ -120,6 +133,7 @@ def compile_flags(offsets: dict[str, int], pid_max: int) -> list[str]:
         f"-DTASK_PID_OFF={offsets['pid']}",
         f"-DTASK_TGID_OFF={offsets['tgid']}",
         f"-DTASK_RUNTIME_OFF={offsets['runtime']}",
+        *([f"-DTASK_RUN_DELAY_OFF={offsets['run_delay']}"] if "run_delay" in offsets else []),
     ]
 
 
@@ -222,6 +236,14 @@ class BpfGroupSampler:
         self._member_of = np.zeros((0, 0))  # [watch, slot] = 1 where the slot counts for the watch
         self._last_at: float | None = None
         self._stats_fd = _enable_bpf_stats()
+        # The wait histogram, where the kernel keeps run_delay (CONFIG_SCHED_INFO).
+        try:
+            self._wait_hist, self._wait_ns = bpf.get_table(b"wait_hist"), bpf.get_table(b"wait_ns")
+        except KeyError:  # compiled without TASK_RUN_DELAY_OFF
+            self._wait_hist = self._wait_ns = None
+        self._wait_prev_slots: list[int] = []
+        self._wait_prev_hist: list[np.ndarray] = []
+        self._wait_prev_total: list[int] = []
 
     @property
     def watches(self) -> list[GroupWatch]:
@@ -366,6 +388,48 @@ class BpfGroupSampler:
             fn = self.bpf.funcs.get(name.encode())
             if fn is not None and (st := _program_stats(fn.fd)) is not None:
                 out[name] = st
+        return out
+
+    # --- waiting for a CPU -------------------------------------------------------------
+
+    def runqueue_waits(self) -> dict[str, dict[str, float] | None] | None:
+        """Per watch, the waits for a CPU since the last call: p50 and p99 from the
+        kernel's log2 histogram (interpolated within a bucket), total and mean.
+        None when this kernel has no run_delay (the caller falls back to schedstat)."""
+        if self._wait_hist is None or self._wait_ns is None:
+            return None
+        slots = self._slots.tolist()
+        hist = np.zeros((len(slots), WAIT_BUCKETS), dtype=np.uint64)
+        total = np.zeros(len(slots), dtype=np.uint64)
+        HKey, TKey = self._wait_hist.Key, self._wait_ns.Key
+        for j, slot in enumerate(slots):
+            for b in range(WAIT_BUCKETS):
+                hist[j, b] = sum(self._wait_hist.getvalue(HKey(slot * WAIT_BUCKETS + b)))
+            total[j] = sum(self._wait_ns.getvalue(TKey(slot)))
+        prev = {s: (h, t) for s, h, t in zip(self._wait_prev_slots, self._wait_prev_hist, self._wait_prev_total,
+                                                strict=True)}  # fmt: skip
+        known = np.array([s in prev for s in slots], dtype=bool)
+        d_hist = hist.astype(np.float64) - np.array([prev[s][0] if s in prev else h for s, h in zip(slots, hist,
+                                                     strict=True)], dtype=np.float64).reshape(hist.shape)  # fmt: skip
+        d_total = total.astype(np.float64) - np.array([prev[s][1] if s in prev else t for s, t in zip(slots, total,
+                                                       strict=True)], dtype=np.float64)  # fmt: skip
+        self._wait_prev_slots, self._wait_prev_hist, self._wait_prev_total = slots, list(hist), list(total)
+        out: dict[str, dict[str, float] | None] = {}
+        watch_hist = self._member_of @ d_hist
+        watch_total = self._member_of @ d_total
+        watch_known = (self._member_of @ (~known).astype(np.float64)) == 0
+        for i, wid in enumerate(self._watches):
+            if not watch_known[i] or not self._watches[wid].pids:
+                out[wid] = None
+                continue
+            counts = watch_hist[i]
+            n = counts.sum()
+            result: dict[str, float] = {"total": round(float(watch_total[i]) / 1e9, 6)}
+            if n > 0:
+                result["mean"] = round(float(watch_total[i] / n) / 1e9, 9)
+                result["p50"] = round(float(log2_quantile(counts, 0.5)) / 1e9, 9)
+                result["p99"] = round(float(log2_quantile(counts, 0.99)) / 1e9, 9)
+            out[wid] = result
         return out
 
     def dropped_forks(self) -> int | None:

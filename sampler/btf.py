@@ -104,4 +104,12 @@ def task_offsets(path: Path = VMLINUX) -> dict[str, int]:
         raise BtfError(f"kernel BTF unreadable ({path}: {e.strerror}); needs CONFIG_DEBUG_INFO_BTF") from None
     found = struct_member_offsets(data, {"task_struct": ["pid", "tgid", "se"], "sched_entity": ["sum_exec_runtime"]})
     task = found["task_struct"]
-    return {"pid": task["pid"], "tgid": task["tgid"], "runtime": task["se"] + found["sched_entity"]["sum_exec_runtime"]}
+    out = {"pid": task["pid"], "tgid": task["tgid"], "runtime": task["se"] + found["sched_entity"]["sum_exec_runtime"]}
+    try:
+        # The scheduler's run-queue wait per task (CONFIG_SCHED_INFO): optional,
+        # its absence only leaves the wait histogram out.
+        info = struct_member_offsets(data, {"task_struct": ["sched_info"], "sched_info": ["run_delay"]})
+        out["run_delay"] = info["task_struct"]["sched_info"] + info["sched_info"]["run_delay"]
+    except BtfError:
+        pass
+    return out

@@ -133,6 +133,9 @@ class ProcGroupSampler:
     def dropped_forks(self) -> int | None:
         return None
 
+    def runqueue_waits(self) -> dict[str, dict[str, float] | None] | None:
+        return None  # no kernel histogram: the window sampler reads schedstat
+
     def _sample_one(self, state: _WatchState, elapsed: float | None) -> GroupReading:
         used = 0
         valid = elapsed is not None and elapsed > 0 and not state.fresh

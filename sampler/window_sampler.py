@@ -59,6 +59,7 @@ class WindowSampler:
         self._group_ticks: dict[int, int] | None = None
         self._last_sample_at: float | None = None
         self._program_stats: dict[str, tuple[int, int]] = {}
+        self._wait_cumulative: dict[str, float] = {}
         self._seq = 0
 
     def prime(self, seconds: float) -> None:
@@ -68,7 +69,7 @@ class WindowSampler:
         self._discover()
         self.cpu.sample()
         self.groups.sample()
-        self.runqueue.read(self._members)
+        self._waits()  # a first reading, for the first window to compare with
         self._last_sample_at = self._clock()
         if self.watches is None and seconds > 0:
             self._sleep(seconds)
@@ -129,8 +130,7 @@ class WindowSampler:
         summary["machine"] = m
         memory = self.groups.memory()
         summary["shards"] = [self._shard(w, shards[w.id], memory.get(w.id)) for w in self.groups.watches]
-        # Once per window, from the members' threads: cost follows the engines, not the machine.
-        waits = self.runqueue.read(self._members)
+        waits = self._waits()
         for shard in summary["shards"]:
             if (wait := waits.get(shard["id"])) is not None:
                 shard["runqueue_wait_seconds"] = wait
@@ -141,6 +141,23 @@ class WindowSampler:
         if cost := self._program_cost():
             summary["bpf"] = cost
         return summary
+
+    def _waits(self) -> dict[str, dict[str, Any] | None]:
+        """Each engine's waits for a CPU in this window: the kernel histogram where
+        the backend has one, else the members' schedstat (once per window: cost
+        follows the engines, not the machine)."""
+        kernel = self.groups.runqueue_waits()
+        if kernel is None:
+            waits = self.runqueue.read(self._members)
+        else:
+            waits = {}
+            for wid, wait in kernel.items():
+                if wait is None:
+                    waits[wid] = None
+                    continue
+                self._wait_cumulative[wid] = self._wait_cumulative.get(wid, 0.0) + wait["total"]
+                waits[wid] = {**wait, "cumulative": round(self._wait_cumulative[wid], 6)}
+        return waits
 
     @staticmethod
     def _add_gpus(summary: dict[str, Any], reading: GpuReading | None) -> None:

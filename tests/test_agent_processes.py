@@ -91,6 +91,15 @@ class Fleet:
     def agent_log(self) -> str:
         return (self.tmp / "agent.log").read_text()
 
+    def wait_for_log(self, text: str, timeout: float = 60) -> str:
+        """The agent logs a recovery when the answer to its first delivered heartbeat
+        is back, which can be just after the control plane shows the node fresh."""
+        deadline = time.monotonic() + timeout
+        while text not in (log := self.agent_log()):
+            assert time.monotonic() < deadline, log
+            time.sleep(0.1)
+        return log
+
     def agent_rss_kib(self) -> int:
         assert self.agent is not None
         for line in Path(f"/proc/{self.agent.pid}/status").read_text().splitlines():
@@ -144,7 +153,7 @@ def test_agent_rides_out_a_30_s_outage_alone_without_growing(fleet: Fleet) -> No
     fleet.start_control_plane()
     [node] = fleet.wait_for(fresh_with_seq)
     assert node["heartbeat"]["seq"] >= 25  # sampling never stopped: ~30 windows passed
-    log = fleet.agent_log()
+    log = fleet.wait_for_log("reachable again")
     assert log.count("unreachable") == 1  # one line for the outage, not one per retry
     assert log.count("reachable again") == 1
     assert rss_during - rss_before < 4096, (rss_before, rss_during)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -293,3 +294,41 @@ def test_missing_capabilities_fall_back() -> None:
     r = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert '"backend": "proc"' in r.stdout and "missing capabilities" in r.stdout
+
+
+def test_waits_for_a_cpu_from_the_kernel_histogram(
+    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
+) -> None:
+    """Two busy groups pinned to one CPU wait of the order of a slice; one alone
+    next to nothing; the histogram's mean agrees with schedstat's."""
+    from sampler.runqueue import RunQueueWaitSampler
+    from tests.test_runqueue import pinned_burner
+
+    cpu = max(os.sched_getaffinity(0))
+    a = pinned_burner(cpu)
+    group.append(a)
+
+    def window(pgids: list[int]) -> tuple[dict[str, dict[str, float] | None], dict[str, Any]]:
+        watches = [watch(p, f"g{p}") for p in pgids]
+        table = ProcessTable.walk(PROC)
+        bpf_groups.discover(watches, table)
+        members = {w.id: set(table.resolve(w.selector)) for w in watches}
+        schedstat = RunQueueWaitSampler(PROC)
+        bpf_groups.runqueue_waits()
+        schedstat.read(members)
+        time.sleep(2.0)  # the window itself: the groups run meanwhile
+        return bpf_groups.runqueue_waits() or {}, schedstat.read(members)
+
+    kernel_alone, _ = window([a.pid])
+    b = pinned_burner(cpu)
+    group.append(b)
+    kernel, fallback = window([a.pid, b.pid])
+    alone = kernel_alone[f"g{a.pid}"]
+    assert alone is not None and alone["total"] < 0.1, alone
+    for p in (a.pid, b.pid):
+        k, f = kernel[f"g{p}"], fallback[f"g{p}"]
+        assert k is not None and f is not None
+        assert k["total"] > 0.5 and k["mean"] > 0.001, k  # about half of 2 s, milliseconds a wait
+        assert k["p50"] <= k["p99"] and k["p99"] > 0.001
+        assert k["mean"] == pytest.approx(f["mean"], rel=0.2), (k, f)
+        assert k["mean"] > 5 * alone.get("mean", 0.0)
