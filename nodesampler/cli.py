@@ -145,6 +145,7 @@ def _make_sampler(  # type: ignore[no-untyped-def]
 
 def _close(sampler) -> None:  # type: ignore[no-untyped-def]
     sampler.groups.close()
+    sampler.runqueue.close()
     if sampler.gpus is not None:
         sampler.gpus.close()
 

@@ -6,6 +6,10 @@ times it ran (Linux 2.6.x with CONFIG_SCHED_INFO). Summed over a group's
 threads and differenced between windows, it gives the group's total wait in
 the window and its mean wait per timeslice. It cannot give percentiles: that
 needs the kernel-side histogram.
+
+Where the kernel has no schedstat files, the same two figures come from
+taskstats over netlink (pyroute2): a thread's `cpu_delay_total` and
+`cpu_count` are the scheduler's run_delay and pcount.
 """
 
 from __future__ import annotations
@@ -43,7 +47,42 @@ class RunQueueWaitSampler:
     def __init__(self, proc: Path) -> None:
         self.proc = proc
         self._groups: dict[str, _GroupWait] = {}
-        self._warned = False
+        self._taskstats: Any = None  # a pyroute2 TaskStats socket, once schedstat is found missing
+        self._unavailable = False
+
+    def _schedstat(self, pid: int, tid: str) -> tuple[int, int] | None:
+        try:
+            return parse_schedstat(procfs.read_bytes(f"{self.proc}/{pid}/task/{tid}/schedstat"))
+        except (FileNotFoundError, ProcessLookupError):
+            if os.path.isdir(f"{self.proc}/{pid}/task/{tid}"):
+                self._use_taskstats()  # the thread is there, its schedstat is not
+            return None
+        except procfs.ProcParseError as e:
+            log.debug("%s", e)
+            return None
+
+    def _use_taskstats(self) -> None:
+        if self._taskstats is not None or self._unavailable:
+            return
+        try:
+            from pyroute2 import TaskStats
+
+            ts = TaskStats()
+            ts.bind()
+        except Exception as e:  # no taskstats family, no permission
+            log.info("run-queue wait not measured: no schedstat and no taskstats (%s)", e)
+            self._unavailable = True
+            return
+        log.info("no schedstat files: run-queue wait from taskstats")
+        self._taskstats = ts
+
+    def _from_taskstats(self, tid: int) -> tuple[int, int] | None:
+        try:
+            [msg] = self._taskstats.get_pid_stat(tid)
+            stats = msg.get_attr("TASKSTATS_TYPE_AGGR_PID").get_attr("TASKSTATS_TYPE_STATS")
+            return int(stats["cpu_delay_total"]), int(stats["cpu_count"])
+        except Exception:  # the thread exited (ESRCH), or an answer without stats
+            return None
 
     def _threads(self, pids: set[int]) -> dict[tuple[int, int], tuple[int, int]]:
         out = {}
@@ -53,17 +92,23 @@ class RunQueueWaitSampler:
             except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
                 continue  # gone
             for tid in tids:
-                try:
-                    out[(pid, int(tid))] = parse_schedstat(procfs.read_bytes(f"{self.proc}/{pid}/task/{tid}/schedstat"))
-                except (FileNotFoundError, ProcessLookupError, ValueError):
-                    continue  # the thread exited
-                except procfs.ProcParseError as e:
-                    log.debug("%s", e)
-                except OSError as e:
-                    if not self._warned:
-                        log.info("run-queue wait not measured (no schedstat: CONFIG_SCHED_INFO?): %s", e)
-                        self._warned = True
+                if not tid.isdigit():
+                    continue
+                value = self._schedstat(pid, tid) if self._taskstats is None else None
+                if value is None and self._taskstats is not None:
+                    value = self._from_taskstats(int(tid))
+                if value is not None:
+                    out[(pid, int(tid))] = value
         return out
+
+    @property
+    def source(self) -> str:
+        return "taskstats" if self._taskstats is not None else "schedstat"
+
+    def close(self) -> None:
+        if self._taskstats is not None:
+            self._taskstats.close()
+            self._taskstats = None
 
     def read(self, members: dict[str, set[int]]) -> dict[str, dict[str, Any] | None]:
         """Per watch: the window's total wait and mean wait per timeslice, and the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,34 @@ def test_two_busy_groups_on_one_cpu_wait_and_one_alone_does_not(group: list[subp
         assert shared["total"] > 0.5, shared  # of a 2 s window
         # Each wait is of the order of the other's slice (milliseconds), several times the lone one's.
         assert shared["mean"] > 0.001 and shared["mean"] > 5 * alone.get("mean", 0.0), (shared, alone)
+
+
+@pytest.mark.live
+def test_taskstats_stands_in_where_schedstat_is_missing(
+    group: list[subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    """A procfs whose threads have no schedstat file: the same waits come from
+    taskstats over netlink, and agree with schedstat's over the same window."""
+    cpu = max(os.sched_getaffinity(0))
+    a, b = pinned_burner(cpu), pinned_burner(cpu)
+    group += [a, b]
+    bare = tmp_path / "proc"
+    for p in (a, b):
+        for tid in os.listdir(f"/proc/{p.pid}/task"):
+            (bare / str(p.pid) / "task" / tid).mkdir(parents=True)
+    members = {"a": {a.pid}, "b": {b.pid}}
+    fallback, real = RunQueueWaitSampler(bare), RunQueueWaitSampler(PROC)
+    try:
+        fallback.read(members)
+        real.read(members)
+        time.sleep(2.0)  # the window: the two share the CPU meanwhile
+        got, want = fallback.read(members), real.read(members)
+        assert fallback.source == "taskstats"
+    finally:
+        fallback.close()
+    for wid in ("a", "b"):
+        g, w = got[wid], want[wid]
+        assert g is not None and w is not None
+        assert g["total"] > 0.5
+        assert g["total"] == pytest.approx(w["total"], rel=0.2), (g, w)
+        assert g["mean"] == pytest.approx(w["mean"], rel=0.2), (g, w)
