@@ -64,34 +64,28 @@ async def counted(request: web.Request, handler: Handler) -> web.StreamResponse:
     return response
 
 
-async def _authenticated_body(request: web.Request) -> tuple[str, bytes] | web.Response:
-    auth = request.headers.get("Authorization", "")
-    scheme, _, token = auth.partition(" ")
+async def _checked_body(request: web.Request, parse: Callable[[bytes], wire.Json]) -> wire.Json | web.Response:
+    """The request's body, authenticated, validated and spoken by its own node;
+    or the answer refusing it (401, 400, 403)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
         return _error(401, "missing bearer token")
-    node = tokens.verify(request.app[SECRET], token.strip())
-    if node is None:
+    token_node = tokens.verify(request.app[SECRET], token.strip())
+    if token_node is None:
         return _error(401, "invalid token")
-    return node, await request.read()
-
-
-def _check_speaker(token_node: str, body: wire.Json) -> web.Response | None:
+    try:
+        body = parse(await request.read())
+    except wire.WireError as e:
+        return _error(400, e.reason, e.field)
     if body["node"] != token_node:
         return _error(403, f"token is for node {token_node!r}", "node")
-    return None
+    return body
 
 
 async def register(request: web.Request) -> web.Response:
-    auth = await _authenticated_body(request)
-    if isinstance(auth, web.Response):
-        return auth
-    token_node, data = auth
-    try:
-        registration = wire.parse_registration(data)
-    except wire.WireError as e:
-        return _error(400, e.reason, e.field)
-    if (refused := _check_speaker(token_node, registration)) is not None:
-        return refused
+    registration = await _checked_body(request, wire.parse_registration)
+    if isinstance(registration, web.Response):
+        return registration
     registry: NodeRegistry = request.app[REGISTRY]
     known = registry.get(registration["node"]) is not None
     registry.register(registration)
@@ -101,16 +95,9 @@ async def register(request: web.Request) -> web.Response:
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    auth = await _authenticated_body(request)
-    if isinstance(auth, web.Response):
-        return auth
-    token_node, data = auth
-    try:
-        hb = wire.parse_heartbeat(data)
-    except wire.WireError as e:
-        return _error(400, e.reason, e.field)
-    if (refused := _check_speaker(token_node, hb)) is not None:
-        return refused
+    hb = await _checked_body(request, wire.parse_heartbeat)
+    if isinstance(hb, web.Response):
+        return hb
     try:
         request.app[REGISTRY].heartbeat(hb)
     except UnknownNode:
