@@ -67,7 +67,7 @@ def _segments(xs: np.ndarray, ys: np.ndarray) -> str:
         if y != y:  # NaN
             pen_down = False
             continue
-        parts.append(f"{'L' if pen_down else 'M'}{x:.1f} {y:.1f}")
+        parts.append(f"{'L' if pen_down else 'M'}{x:.0f} {y:.1f}")
         pen_down = True
     return " ".join(parts)
 
@@ -84,7 +84,7 @@ def svg_chart(title: str, series: list[Series], start: float, end: float, unit: 
         highs = [np.nanmax(hi) for _, _, hi, _ in binned if not np.isnan(hi).all()]
         top = max(highs) if highs else 1.0
         top = top * 1.1 if top > 0 else 1.0
-    xs = LEFT + np.arange(cols) + 0.5
+    xs = LEFT + np.arange(cols)
 
     def y_of(values: np.ndarray) -> np.ndarray:
         return TOP + plot_h - np.clip(values / top, 0, 1) * plot_h
@@ -110,9 +110,10 @@ def svg_chart(title: str, series: list[Series], start: float, end: float, unit: 
             continue
         colour = PALETTE[i % len(PALETTE)]
         band = ~np.isnan(lo)
-        if band.any():
-            upper = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs[band], y_of(hi[band]), strict=True))
-            lower = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs[band][::-1], y_of(lo[band])[::-1], strict=True))
+        # The band only where a column held samples that differ: elsewhere it is the line itself.
+        if band.any() and (hi[band] > lo[band]).any():
+            upper = " ".join(f"{x:.0f},{y:.1f}" for x, y in zip(xs[band], y_of(hi[band]), strict=True))
+            lower = " ".join(f"{x:.0f},{y:.1f}" for x, y in zip(xs[band][::-1], y_of(lo[band])[::-1], strict=True))
             out.append(f'<polygon points="{upper} {lower}" fill="{colour}" fill-opacity="0.18" stroke="none"/>')
         out.append(f'<path d="{_segments(xs, y_of(mean))}" fill="none" stroke="{colour}" stroke-width="1.5">'
                    f"<title>{html.escape(s.label or title)}</title></path>")  # fmt: skip
