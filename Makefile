@@ -1,5 +1,5 @@
 # The two commands: `make up` and `make test`. Both start with `make setup`.
-.PHONY: setup up test lint unit
+.PHONY: setup up test lint unit vm-test
 
 VENV := .venv/bin
 
@@ -15,3 +15,7 @@ lint: setup
 
 test: lint
 	$(VENV)/pytest -q
+
+# The kernel tests on real guest kernels (Debian 12 and 13) under QEMU: see vagrant/run-tests.sh.
+vm-test: setup
+	bash vagrant/run-tests.sh
