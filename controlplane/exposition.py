@@ -128,16 +128,6 @@ def _waits(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
                 yield f'{labels.shard(s)},quantile="{quantile}"', wait[key]
 
 
-def _wait(key: str) -> Callable[[_NodeLabels, Json], Iterator[Sample]]:
-    def samples(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
-        for s in hb.get("shards") or ():
-            value = (s.get("runqueue_wait_seconds") or {}).get(key)
-            if value is not None:
-                yield labels.shard(s), value
-
-    return samples
-
-
 def _pressure(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
     for resource, kinds in (hb.get("machine", {}).get("pressure") or {}).items():
         for kind, value in kinds.items():
@@ -193,9 +183,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("llmgw_shard_runqueue_wait_seconds", "summary",
            "How long the engine's threads waited for a CPU, per wait, quantile of the window", _waits),
     Family("llmgw_shard_runqueue_wait_seconds_total", "counter",
-           "Time the engine's threads spent waiting for a CPU, since the agent started", _wait("cumulative")),
+           "Time the engine's threads spent waiting for a CPU, since the agent started",
+           _shards("runqueue_wait_seconds", "cumulative")),
     Family("llmgw_shard_runqueue_wait_per_slice_seconds", "gauge",
-           "Mean wait for a CPU per timeslice in the window (schedstat)", _wait("mean")),
+           "Mean wait for a CPU per timeslice in the window (schedstat)",
+           _shards("runqueue_wait_seconds", "mean")),
     Family("llmgw_gpu_utilization_percent", "gauge", "GPU utilisation, the window's mean",
            _gpus("utilization_percent")),
     Family("llmgw_gpu_memory_used_bytes", "gauge", "GPU memory used", _gpus("memory_used_bytes")),

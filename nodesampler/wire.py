@@ -121,10 +121,6 @@ def _bytes(value: Any, field: Field) -> int:
     return integer(value, field, 0, MAX_BYTES)
 
 
-def _percent(value: Any, field: Field) -> float:
-    return number(value, field, 0.0, 100.0)
-
-
 def _stats(lo: float, hi: float) -> Callable[[Any, Field], dict[str, float]]:
     def check(value: Any, field: Field) -> dict[str, float]:
         o = obj(value, field)

@@ -67,7 +67,6 @@ class GpuReader:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
         self._cards: list[_Card] = []
         self._driver: str | None = None
-        self._available = False
         self._needs_init = True
         self._pending: concurrent.futures.Future[GpuReading] | None = None
         self._pending_since = 0.0
@@ -98,7 +97,6 @@ class GpuReader:
             self._needs_init = False
             return
         self._needs_init = False
-        self._available = True
         try:
             self._driver = _text(nv.nvmlSystemGetDriverVersion())
         except nv.NVMLError:
@@ -291,10 +289,6 @@ class GpuReader:
         except Exception as e:  # a bug or an NVML error outside any card: this window only
             log.warning("GPU reading failed: %s", e)
             return None
-
-    @property
-    def available(self) -> bool:
-        return self._available
 
     def close(self) -> None:
         # A hung NVML call cannot be interrupted: do not wait for it.
