@@ -1,9 +1,10 @@
 """The /proc backend on this machine's real /proc, against the kernel's own
 account of each workload measured in the same run.
 
-The truth for a process group over an interval is the growth of utime +
-stime of its processes plus cutime + cstime (the children they reaped),
-read here with a parser of the test's own, at the interval's two ends.
+The truth for a process group over an interval is the growth of its live
+threads' on-CPU time (schedstat, in ns) plus cutime + cstime (the children
+its processes reaped), read here with a parser of the test's own, at the
+interval's two ends (tests/workloads.py).
 """
 
 from __future__ import annotations
