@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from sampler.backend import BackendUnavailable
 from tests.workloads import PROC
+
+if TYPE_CHECKING:
+    from sampler.bpf_sched import BpfGroupSampler
 
 # CI sets it: a kernel test that cannot run is a failure, not a skip.
 REQUIRE_BPF = os.environ.get("NODESAMPLER_REQUIRE_BPF") == "1"
@@ -25,10 +31,8 @@ def group() -> Iterator[list[subprocess.Popen[str]]]:
         p.wait()
 
 
-
-
 @pytest.fixture
-def bpf_groups() -> Iterator[BpfGroupSampler]:  # noqa: F821
+def bpf_groups() -> Iterator[BpfGroupSampler]:
     """The kernel backend, loaded into this kernel; closed after the test."""
     from sampler import bpf_sched
 
@@ -40,3 +44,27 @@ def bpf_groups() -> Iterator[BpfGroupSampler]:  # noqa: F821
         pytest.skip(f"kernel backend unavailable: {e}")
     yield sampler
     sampler.close()
+
+
+class AccuracyLog:
+    """Each accuracy comparison a kernel test makes, appended as a JSON line to
+    the file NODESAMPLER_ACCURACY_LOG names (the VM harness prints them in its
+    table); nothing when it is unset. Recorded before the assertion, so a
+    failing comparison is in the log too."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def record(self, check: str, measured: float, truth: float, bound: float) -> None:
+        if self.path is None:
+            return
+        error = abs(measured - truth) / truth if truth else float("inf")
+        line = {"check": check, "measured": measured, "truth": truth, "error": round(error, 5), "bound": bound}
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+@pytest.fixture
+def accuracy() -> AccuracyLog:
+    path = os.environ.get("NODESAMPLER_ACCURACY_LOG")
+    return AccuracyLog(Path(path) if path else None)
