@@ -4,18 +4,23 @@
 # For each kernel line (Debian 12: 6.1, Debian 13: 6.12): a Debian root made
 # with debootstrap (its kernel, that kernel's own headers, bcc and the test
 # tools from Debian), packed into an ext4 image with `mkfs.ext4 -d` (no loop
-# devices), cached by a hash of the package list and this script; then its
-# kernel and initrd are booted directly by QEMU under TCG (no hardware
-# virtualisation here), with the checkout shared over 9p. A small init
-# mounts what the tests need, runs tests/test_kernel_backend.py, prints its
-# exit code on the serial console and powers off.
+# devices), prepared by vagrant/provision.sh (the packages come from its
+# list; it runs in the root through chroot) and cached by a hash of the
+# package list, provision.sh and this script. Then its kernel and initrd are
+# booted directly by QEMU under TCG (no hardware virtualisation here), with
+# the checkout shared read-only over 9p. A small init mounts what the tests
+# need, says which backend the agent would load, runs the kernel test tier
+# (the files marked `pytestmark = pytest.mark.kernel`), prints the exit code
+# and each accuracy comparison on the serial console, and powers off.
+#
+# NODESAMPLER_VM_LINES (default "bookworm trixie"), NODESAMPLER_VM_CACHE
+# (default .vm-cache), NODESAMPLER_DEBIAN_MIRROR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 cache=${NODESAMPLER_VM_CACHE:-$root/.vm-cache}
 mirror=${NODESAMPLER_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 lines=${NODESAMPLER_VM_LINES:-"bookworm trixie"}
-packages="linux-image-amd64,linux-headers-amd64,python3-bpfcc,python3-numpy,python3-pytest,util-linux,procps,kmod"
 mkdir -p "$cache"
 
 # What this harness needs on the host, installed by itself (it is not part of `make setup`).
@@ -27,45 +32,43 @@ if [ -n "$missing" ]; then
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
 fi
 
-image() {  # suite -> directory with rootfs.ext4, vmlinuz, initrd.img
-    local suite=$1 key dir
-    key=$( (echo "$suite $packages"; cat "$0") | sha256sum | cut -c1-12)
-    dir="$cache/$suite-$key"
-    if [ -s "$dir/rootfs.ext4" ]; then echo "$dir"; return; fi
+packages=$(sh vagrant/provision.sh --packages)
+
+image_dir() {  # suite -> where its image is cached
+    echo "$cache/$1-$( (echo "$1 $packages"; cat vagrant/provision.sh) | sha256sum | cut -c1-12)"
+}
+
+build_image() {  # suite dir: rootfs.ext4, vmlinuz, initrd.img and build-seconds in dir
+    local suite=$1 dir=$2
     rm -rf "$dir" && mkdir -p "$dir"
     local t0=$SECONDS
     debootstrap --variant=minbase --include="$packages" "$suite" "$dir/root" "$mirror" >"$dir/debootstrap.log" 2>&1 \
         || { tail -20 "$dir/debootstrap.log" >&2; return 1; }
+    local kver; kver=$(ls "$dir/root/lib/modules")
+    cp vagrant/provision.sh "$dir/root/provision.sh"
+    chroot "$dir/root" sh /provision.sh --kernel "$kver" --no-project >>"$dir/debootstrap.log" 2>&1 \
+        || { tail -20 "$dir/debootstrap.log" >&2; return 1; }
+    rm "$dir/root/provision.sh"
     cp "$dir"/root/boot/vmlinuz-* "$dir/vmlinuz"
     cp "$dir"/root/boot/initrd.img-* "$dir/initrd.img"
-    local kver; kver=$(ls "$dir/root/lib/modules")
-    cat >"$dir/root/init-tests" <<INIT
+    # The image's init only reaches the checkout: what runs at boot is
+    # vagrant/guest-init.sh from there, so the image depends on nothing else.
+    cat >"$dir/root/init-tests" <<'INIT'
 #!/bin/sh
-mount -t proc proc /proc; mount -t sysfs sys /sys
-mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null
-mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
-mount -t bpf bpf /sys/fs/bpf 2>/dev/null
-mount -t tmpfs tmpfs /tmp
+mount -t proc proc /proc 2>/dev/null; mount -t sysfs sys /sys 2>/dev/null; mount -t tmpfs tmpfs /tmp
 mkdir -p /src && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 src /src
-cd /src
-echo "NODESAMPLER-KERNEL=\$(uname -r) BCC=\$(dpkg-query -W python3-bpfcc | cut -f2)"
-NODESAMPLER_REQUIRE_BPF=1 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_kernel_backend.py 2>&1
-echo "NODESAMPLER-EXIT=\$?"
-echo 1 > /proc/sys/kernel/sysrq
-echo o > /proc/sysrq-trigger  # power off, rather than let init exit (a panic)
-sleep 30
+exec sh /src/vagrant/guest-init.sh
 INIT
     chmod +x "$dir/root/init-tests"
     echo "$kver" >"$dir/kernel-version"
     mkfs.ext4 -q -F -L root -d "$dir/root" "$dir/rootfs.ext4" 6G >/dev/null
     rm -rf "$dir/root"
-    echo "image $suite ($kver) built in $((SECONDS - t0)) s" >&2
-    echo "$dir"
+    echo "$((SECONDS - t0))" >"$dir/build-seconds"
 }
 
 boot() {  # image dir -> serial log; exit code of the tests
     local dir=$1 log=$2
-    timeout 1800 qemu-system-x86_64 -accel tcg -cpu qemu64 -smp 2 -m 3072 -nographic -no-reboot \
+    timeout 1200 qemu-system-x86_64 -accel tcg -cpu qemu64 -smp 2 -m 3072 -nographic -no-reboot \
         -kernel "$dir/vmlinuz" -initrd "$dir/initrd.img" \
         -append "root=/dev/vda rw console=ttyS0 init=/init-tests panic=-1" \
         -drive "file=$dir/rootfs.ext4,format=raw,if=virtio,snapshot=on" \
@@ -73,18 +76,30 @@ boot() {  # image dir -> serial log; exit code of the tests
     grep -a -o 'NODESAMPLER-EXIT=[0-9]*' "$log" | tail -n 1 | cut -d= -f2 || true
 }
 
+tagged() { grep -a -o "NODESAMPLER-$1=.*" "$2" | cut -d= -f2- | tr -d '\r' || true; }
+
 failed=0
-printf '%-10s %-22s %-18s %-8s %s\n' line kernel bcc result seconds
+printf '%-9s %-22s %-16s %-7s %-6s %s\n' line kernel bcc backend result "seconds: image, boot, backend load, tests, all"
 for suite in $lines; do
     t0=$SECONDS
-    dir=$(image "$suite") || { printf '%-10s %-22s %-18s %-8s\n' "$suite" - - "no image"; failed=1; continue; }
+    dir=$(image_dir "$suite")
+    built=cached
+    if [ ! -s "$dir/rootfs.ext4" ]; then
+        build_image "$suite" "$dir" || { printf '%-9s %s\n' "$suite" "FAIL: no image"; failed=1; continue; }
+        built=$(cat "$dir/build-seconds")
+    fi
     log="$cache/$suite.serial.log"
     rc=$(boot "$dir" "$log")
-    kernel=$(grep -a -o 'NODESAMPLER-KERNEL=[^ ]*' "$log" | cut -d= -f2 || true)
-    bcc=$(grep -a -o 'BCC=[^ ]*' "$log" | cut -d= -f2 | tr -d '\r' || true)
+    kernel=$(tagged KERNEL "$log" | cut -d' ' -f1)
+    bcc=$(tagged KERNEL "$log" | sed -n 's/.*BCC=//p')
+    backend=$(tagged BACKEND "$log")
     result=$([ "${rc:-x}" = 0 ] && echo pass || echo FAIL)
     [ "$result" = pass ] || failed=1
-    printf '%-10s %-22s %-18s %-8s %s\n' "$suite" "${kernel:--}" "${bcc:--}" "$result" "$((SECONDS - t0))"
-    grep -a -E 'passed|failed|error' "$log" | tail -n 3 | sed 's/^/    /'
+    stages=$(tagged UPTIME "$log" | awk '{ printf "%.0f ", $2 - prev; prev = $2 }')
+    printf '%-9s %-22s %-16s %-7s %-6s %s\n' "$suite" "${kernel:--}" "${bcc:--}" "${backend%%:*}" "$result" \
+        "$built, ${stages:-- - - }$((SECONDS - t0))"
+    [ "${backend%%:*}" = bpf ] || echo "    backend: ${backend:-none reported}"
+    tagged ACCURACY "$log" | python3 vagrant/accuracy_table.py || echo "    (accuracy figures unreadable)"
+    sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -a -E '^(FAILED|ERROR) |(passed|failed|error).* in [0-9.]+s' | sed 's/^/    /'
 done
 exit $failed

@@ -1,0 +1,74 @@
+"""The parts of the VM harness (vagrant/) that run without booting a guest:
+what a guest is built with, which tests it runs, and how its figures read.
+Booting the guests is `make vm-test`'s job."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VAGRANT = ROOT / "vagrant"
+
+
+def test_the_image_package_list_brings_a_kernel_with_its_own_headers() -> None:
+    out = subprocess.run(["sh", VAGRANT / "provision.sh", "--packages"], capture_output=True, text=True, check=True)
+    packages = out.stdout.strip().split(",")
+    assert " " not in out.stdout.strip() and "" not in packages  # debootstrap's --include syntax
+    assert {"linux-image-amd64", "linux-headers-amd64", "python3-bpfcc", "python3-pytest"} <= set(packages)
+
+
+def test_provision_refuses_an_unknown_argument() -> None:
+    out = subprocess.run(["sh", VAGRANT / "provision.sh", "--bogus"], capture_output=True, text=True)
+    assert out.returncode == 2 and "unknown argument --bogus" in out.stderr
+
+
+def test_the_guest_runs_exactly_the_kernel_tier() -> None:
+    """guest-init.sh picks the tier by the files' `pytestmark` line: a file
+    marked otherwise would be silently left out of every guest."""
+    init = (VAGRANT / "guest-init.sh").read_text()
+    pattern = re.search(r"grep -l '(.+?)' tests/test_\*\.py", init)
+    assert pattern is not None
+    tier = {p.name for p in (ROOT / "tests").glob("test_*.py") if re.search(pattern.group(1), p.read_text(), re.M)}
+    marked = {p.name for p in (ROOT / "tests").glob("test_*.py") if "pytest.mark.kernel" in p.read_text()}
+    assert "test_kernel_backend.py" in tier
+    assert marked - {"test_vm_harness.py"} == tier
+
+
+def test_scripts_parse() -> None:
+    for script in ("run-tests.sh", "build-box.sh"):
+        subprocess.run(["bash", "-n", VAGRANT / script], check=True)
+    for script in ("provision.sh", "guest-init.sh"):
+        subprocess.run(["sh", "-n", VAGRANT / script], check=True)
+
+
+def accuracy_rows(records: list[dict[str, object]]) -> list[str]:
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    out = subprocess.run([sys.executable, VAGRANT / "accuracy_table.py"], input=lines, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    return [line.strip() for line in out.stdout.splitlines()]
+
+
+def test_the_table_shows_each_comparisons_worst_error_against_its_bound() -> None:
+    rows = accuracy_rows([
+        {"check": "window mean, one-core", "measured": 0.99, "truth": 1.0, "error": 0.01, "bound": 0.03},
+        {"check": "window mean, one-core", "measured": 0.96, "truth": 1.0, "error": 0.04, "bound": 0.03},
+        {"check": "window mean, forker", "measured": 0.78, "truth": 0.77, "error": 0.013, "bound": 0.05},
+    ])  # fmt: skip
+    assert len(rows) == 2
+    assert rows[0].startswith("window mean, one-core") and "4.00%" in rows[0] and "OUTSIDE 3%" in rows[0]
+    assert rows[1].startswith("window mean, forker") and "1.30%" in rows[1] and "within 5%" in rows[1]
+
+
+def test_a_kernel_test_records_its_comparison_before_asserting(tmp_path: Path) -> None:
+    from tests.conftest import AccuracyLog
+
+    log = AccuracyLog(tmp_path / "a.jsonl")
+    log.record("c", 0.5, 0.0, 0.03)  # a truth of zero: an infinite error, never "within"
+    log.record("c", 1.01, 1.0, 0.03)
+    rows = accuracy_rows([json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()])
+    [row] = rows
+    assert row.startswith("c ") and "inf%" in row and "OUTSIDE 3%" in row

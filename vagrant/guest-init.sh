@@ -1,0 +1,29 @@
+#!/bin/sh
+# Runs at boot in a `make vm-test` guest, from the checkout the image's init
+# mounted at /src (read-only 9p), with /proc, /sys and /tmp mounted. Each
+# line the harness reads is tagged NODESAMPLER-<WHAT>= on the serial console.
+mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null
+mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
+mount -t bpf bpf /sys/fs/bpf 2>/dev/null
+cd /src
+python=/opt/nodesampler/venv/bin/python
+echo "NODESAMPLER-KERNEL=$(uname -r) BCC=$(dpkg-query -W -f='${Version}' python3-bpfcc)"
+echo "NODESAMPLER-UPTIME=booted $(cut -d' ' -f1 /proc/uptime)"
+# Which backend the agent would load here, and if not the kernel's, why.
+echo "NODESAMPLER-BACKEND=$($python -c '
+from pathlib import Path
+from sampler.backend import open_backend
+choice, groups = open_backend("auto", Path("/proc"), 10)
+print(choice.name if choice.reason is None else f"{choice.name}: {choice.reason}")' 2>&1 | tail -n 1)"
+echo "NODESAMPLER-UPTIME=backend $(cut -d' ' -f1 /proc/uptime)"
+# A test that hangs fails after 5 minutes with every thread's stack, and the
+# others still run (a whole run takes about 3 minutes under emulation).
+tier=$(grep -l '^pytestmark = pytest.mark.kernel' tests/test_*.py)
+NODESAMPLER_REQUIRE_BPF=1 NODESAMPLER_ACCURACY_LOG=/tmp/accuracy.jsonl \
+    $python -m pytest -v -p no:cacheprovider -o addopts= --timeout=300 -m kernel $tier 2>&1
+echo "NODESAMPLER-EXIT=$?"
+echo "NODESAMPLER-UPTIME=tests $(cut -d' ' -f1 /proc/uptime)"
+sed 's/^/NODESAMPLER-ACCURACY=/' /tmp/accuracy.jsonl 2>/dev/null
+echo 1 >/proc/sys/kernel/sysrq
+echo o >/proc/sysrq-trigger  # power off, rather than let init exit (a panic)
+sleep 30
