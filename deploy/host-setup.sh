@@ -10,7 +10,8 @@ arch=$(dpkg --print-architecture)
 # iproute2 and nftables: the fleet test builds its own network of namespaces.
 # prometheus (with promtool): the export is checked by a real Prometheus.
 # chromium: the page tests drive a real headless browser (playwright, without its own browser download).
-packages="python3-venv python3-pip python3-bpfcc linux-headers-$arch iproute2 nftables prometheus chromium"
+# qemu-system-x86: the VM harness's hang report is tested against a real QEMU monitor.
+packages="python3-venv python3-pip python3-bpfcc linux-headers-$arch iproute2 nftables prometheus chromium qemu-system-x86"
 missing=""
 for p in $packages; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

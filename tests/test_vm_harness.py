@@ -4,14 +4,26 @@ Booting the guests is `make vm-test`'s job."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 VAGRANT = ROOT / "vagrant"
+
+
+def vagrant_module(name: str) -> ModuleType:
+    """A script of vagrant/ (not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(name, VAGRANT / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_the_image_package_list_brings_a_kernel_with_its_own_headers() -> None:
@@ -72,3 +84,48 @@ def test_a_kernel_test_records_its_comparison_before_asserting(tmp_path: Path) -
     rows = accuracy_rows([json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()])
     [row] = rows
     assert row.startswith("c ") and "inf%" in row and "OUTSIDE 3%" in row
+
+
+def test_a_hung_guest_reads_as_functions_and_interrupt_state() -> None:
+    hung_guest = vagrant_module("hung_guest")
+    kallsyms = (
+        "ffffffff89c00000 T _text\n"
+        "ffffffff89c47100 T native_queued_spin_lock_slowpath\n"
+        "ffffffff89c47300 t __pv_queued_spin_unlock\n"
+        "ffffffffc0a01000 t bpf_prog_6deef7357e7b4530_sched_switch\t[bpf]\n"
+    )
+    registers = (
+        "CPU#0\nRAX=0000000000000000\nRIP=ffffffff89c4718c RFL=00000086 [--S--P-] CPL=0 II=0 A20=1 SMM=0 HLT=0\n"
+        "CPU#1\nRIP=ffffffffc0a01010 RFL=00000246 [---Z-P-] CPL=0 II=0 A20=1 SMM=0 HLT=0\n"
+        "CPU#2\nRIP=ffffffff80000000 RFL=00000002 [-------] CPL=0 II=0 A20=1 SMM=0 HLT=0\n"
+    )
+    assert hung_guest.describe(registers, hung_guest.KernelSymbols(kallsyms)) == [
+        "vCPU 0 at native_queued_spin_lock_slowpath+0x8c, interrupts off",
+        "vCPU 1 at bpf_prog_6deef7357e7b4530_sched_switch+0x10, interrupts on",
+        "vCPU 2 at 0xffffffff80000000, interrupts off",
+    ]
+    # A guest that could not copy its symbols out still gets addresses.
+    without = hung_guest.describe(registers, hung_guest.KernelSymbols(""))
+    assert without[0] == "vCPU 0 at 0xffffffff89c4718c, interrupts off"
+
+
+def test_the_hang_report_reads_a_real_qemu_monitor(tmp_path: Path) -> None:
+    """A paused QEMU (no guest at all) answers `info registers -a` over the
+    same kind of socket the harness gives its guests."""
+    hung_guest = vagrant_module("hung_guest")
+    sock = tmp_path / "monitor.sock"
+    qemu = subprocess.Popen(["qemu-system-x86_64", "-accel", "tcg", "-smp", "2", "-S", "-nodefaults", "-display",
+                             "none", "-monitor", f"unix:{sock},server=on,wait=on"], stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        # QEMU binds the socket, then waits for its first client: a file with
+        # no event to await but its appearing (bounded; QEMU exiting ends it).
+        deadline = time.monotonic() + 30
+        while not sock.exists() and qemu.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        registers = hung_guest.monitor_command(str(sock), "info registers -a")
+        rows = hung_guest.describe(registers, hung_guest.KernelSymbols(""))
+        # Two vCPUs at the reset vector, in real mode (EIP/EFL), interrupts off.
+        assert rows == ["vCPU 0 at 0xfff0, interrupts off", "vCPU 1 at 0xfff0, interrupts off"], registers
+    finally:
+        qemu.kill()
+        qemu.wait()

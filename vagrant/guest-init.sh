@@ -1,10 +1,15 @@
 #!/bin/sh
 # Runs at boot in a `make vm-test` guest, from the checkout the image's init
-# mounted at /src (read-only 9p), with /proc, /sys and /tmp mounted. Each
+# mounted at /src (read-only 9p), with /proc, /sys and /tmp mounted; /out is
+# the harness's folder for this line (writable 9p). Each
 # line the harness reads is tagged NODESAMPLER-<WHAT>= on the serial console.
 mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null
 mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
 mount -t bpf bpf /sys/fs/bpf 2>/dev/null
+# The harness's writable share: the kernel's text symbols, so that a hung
+# guest's instruction pointers read as function names (vagrant/hung_guest.py).
+mkdir -p /out && mount -t 9p -o trans=virtio,version=9p2000.L out /out \
+    && grep -i ' [tw] ' /proc/kallsyms >/out/kallsyms
 cd /src
 python=/opt/nodesampler/venv/bin/python
 echo "NODESAMPLER-KERNEL=$(uname -r) BCC=$(dpkg-query -W -f='${Version}' python3-bpfcc)"

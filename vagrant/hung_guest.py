@@ -1,0 +1,75 @@
+"""Where a hung `make vm-test` guest is stuck: each vCPU's instruction
+pointer, from QEMU's monitor, named by the guest's own /proc/kallsyms (which
+the guest copied out at boot), and whether its interrupts are off.
+
+    python3 vagrant/hung_guest.py MONITOR_SOCKET KALLSYMS
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import socket
+import sys
+from pathlib import Path
+
+INTERRUPT_FLAG = 0x200
+
+
+def monitor_command(path: str, command: str, timeout: float = 10.0) -> str:
+    """One human-monitor command over QEMU's `-monitor unix:...` socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(command.encode() + b"\n")
+        out = b""
+        try:
+            while True:  # the monitor echoes, answers, then prompts; it never closes
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+                if out.count(b"(qemu)") >= 2:
+                    break
+        except TimeoutError:
+            pass
+    return out.decode(errors="replace")
+
+
+def vcpus(registers: str) -> list[tuple[int, int]]:
+    """(instruction pointer, flags) of each vCPU in `info registers -a`: RIP
+    and RFL in long mode, EIP and EFL before it."""
+    found = re.findall(r"[RE]IP=([0-9a-f]+) [RE]FL=([0-9a-f]+)", registers)
+    return [(int(ip, 16), int(flags, 16)) for ip, flags in found]
+
+
+class KernelSymbols:
+    def __init__(self, kallsyms: str) -> None:
+        pairs = []
+        for line in kallsyms.splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[1] in "tTwW":
+                pairs.append((int(parts[0], 16), parts[2]))
+        pairs.sort()
+        self.addresses = [a for a, _ in pairs]
+        self.names = [n for _, n in pairs]
+
+    def name(self, address: int) -> str:
+        i = bisect.bisect_right(self.addresses, address) - 1
+        if i < 0 or self.addresses[i] == 0:
+            return hex(address)
+        return f"{self.names[i]}+{address - self.addresses[i]:#x}"
+
+
+def describe(registers: str, symbols: KernelSymbols) -> list[str]:
+    return [
+        f"vCPU {n} at {symbols.name(rip)}, interrupts {'on' if rfl & INTERRUPT_FLAG else 'off'}"
+        for n, (rip, rfl) in enumerate(vcpus(registers))
+    ]
+
+
+if __name__ == "__main__":
+    monitor, kallsyms = sys.argv[1], Path(sys.argv[2])
+    symbols = KernelSymbols(kallsyms.read_text() if kallsyms.exists() else "")
+    for line in describe(monitor_command(monitor, "info registers -a"), symbols):
+        print(line)
