@@ -66,7 +66,8 @@ for guest in $guests; do
     [ "$up" = ok ] && [ "$tests" = pass ] || failed=1
     printf '%-9s %-8s %-8s %s\n' "$guest" "$up" "$tests" "$((t1 - t0)), $((SECONDS - t1))"
     [ "$up" = ok ] || tail -n 15 "$run/$guest.up.log" | sed 's/^/    /'
-    [ "$tests" = - ] || tail -n 3 "$run/$guest.tests.log" | sed 's/^/    /'
+    [ "$tests" = - ] || grep -E '^(FAILED|ERROR) |(passed|failed|error).* in [0-9.]+s' "$run/$guest.tests.log" \
+        | sed 's/^/    /'
     inns env NODESAMPLER_LIBVIRT_DRIVER=qemu vagrant destroy -f "$guest" >/dev/null 2>&1 || true
 done
 exit $failed
