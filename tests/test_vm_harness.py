@@ -51,7 +51,7 @@ def test_the_guest_runs_exactly_the_kernel_tier() -> None:
 
 
 def test_scripts_parse() -> None:
-    for script in ("run-tests.sh", "build-box.sh"):
+    for script in ("run-tests.sh", "build-box.sh", "vagrant-up-test.sh"):
         subprocess.run(["bash", "-n", VAGRANT / script], check=True)
     for script in ("provision.sh", "guest-init.sh"):
         subprocess.run(["sh", "-n", VAGRANT / script], check=True)
