@@ -22,7 +22,7 @@ cache=${NODESAMPLER_VM_CACHE:-$root/.vm-cache}
 mirror=${NODESAMPLER_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 lines=${NODESAMPLER_VM_LINES:-"bookworm trixie"}
 hang_after=${NODESAMPLER_VM_HANG_SECONDS:-360}
-retry_hang=${NODESAMPLER_VM_RETRY_HANG:-1}
+hang_retries=${NODESAMPLER_VM_HANG_RETRIES:-2}
 mkdir -p "$cache"
 
 # What this harness needs on the host, installed by itself (it is not part of `make setup`).
@@ -79,14 +79,19 @@ boot() {  # image dir, out dir -> the tests' exit code, or "hung"; the serial lo
         -virtfs "local,path=$root,mount_tag=src,security_model=none,readonly=on" \
         -virtfs "local,path=$out,mount_tag=out,security_model=none" \
         -monitor "unix:$out/monitor.sock,server=on,wait=off" >"$log" 2>&1 </dev/null &
-    local qemu=$! size=-1 quiet=0
-    # A guest whose console has said nothing for 6 minutes is hung: a test
-    # stuck in userspace would have been failed by pytest-timeout after 5.
+    local qemu=$! size=-1 quiet=0 started=$SECONDS
+    # Hung: the kernel reports a lockup or an RCU stall; or the console has
+    # said nothing for $hang_after seconds (a test stuck in userspace would
+    # have been failed by pytest-timeout after 5 minutes); or the boot has
+    # run 20 minutes (a whole line takes about 4).
     while kill -0 "$qemu" 2>/dev/null; do
         sleep 10
         if [ "$(stat -c %s "$log")" = "$size" ]; then quiet=$((quiet + 10)); else size=$(stat -c %s "$log"); quiet=0; fi
-        if [ "$quiet" -ge "$hang_after" ]; then
+        if [ "$quiet" -ge "$hang_after" ] || [ $((SECONDS - started)) -ge 1200 ] \
+            || grep -a -q -E 'BUG: soft lockup|detected stalls on CPUs|blocked for more than' "$log"; then
             python3 vagrant/hung_guest.py "$out/monitor.sock" "$out/kallsyms" >"$out/hung.txt" 2>&1 || true
+            grep -a -m 1 -E 'BUG: soft lockup|detected stalls on CPUs|blocked for more than' "$log" \
+                | sed 's/^\[[ 0-9.]*\] //' >>"$out/hung.txt" || true
             kill "$qemu"; wait "$qemu" 2>/dev/null || true
             echo hung; return
         fi
@@ -111,12 +116,13 @@ for suite in $lines; do
     log="$out/serial.log"
     rc=$(boot "$dir" "$out")
     hung=""
-    if [ "$rc" = hung ] && [ "$retry_hang" = 1 ]; then
-        # Reported on its own line, and the first boot's output kept beside.
-        hung=$(paste -s -d ';' "$out/hung.txt")
-        rm -rf "$out.hung" && mv "$out" "$out.hung"
+    for retry in $(seq "$hang_retries"); do
+        [ "$rc" = hung ] || break
+        # Each hang reported on its own line; each hung boot's output kept.
+        hung="$hung$(paste -s -d ';' "$out/hung.txt")|"
+        rm -rf "$out.hung$retry" && mv "$out" "$out.hung$retry"
         rc=$(boot "$dir" "$out")
-    fi
+    done
     kernel=$(tagged KERNEL "$log" | cut -d' ' -f1)
     bcc=$(tagged KERNEL "$log" | sed -n 's/.*BCC=//p')
     backend=$(tagged BACKEND "$log")
@@ -126,7 +132,7 @@ for suite in $lines; do
     printf '%-9s %-22s %-16s %-7s %-6s %s\n' "$suite" "${kernel:--}" "${bcc:--}" "${backend%%:*}" "$result" \
         "$built, ${stages:-- - - }$((SECONDS - t0))"
     [ "${backend%%:*}" = bpf ] || echo "    backend: ${backend:-none reported}"
-    [ -z "$hung" ] || echo "    the first boot hung, booted again: $hung (log in $out.hung)"
+    [ -z "$hung" ] || echo "${hung%|}" | tr '|' '\n' | sed "s|^|    a boot hung, booted again: |"
     [ "$result" != HUNG ] || sed 's/^/    hung: /' "$out/hung.txt"
     tagged ACCURACY "$log" | python3 vagrant/accuracy_table.py || echo "    (accuracy figures unreadable)"
     sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -a -E '^(FAILED|ERROR) |(passed|failed|error).* in [0-9.]+s' | sed 's/^/    /'
