@@ -99,8 +99,6 @@ CFG
     qemu-img convert -O qcow2 "$disk" "$work/box.img"
     printf '{"provider": "libvirt", "format": "qcow2", "virtual_size": %d}\n' "$((disk_mib / 1024))" >"$work/metadata.json"
     tar -C "$work" -cf "$out/$name.box" metadata.json box.img
-    echo "$kver" >"$out/$name.kernel"
-    mv "$disk" "$out/$name.raw"  # for booting without Vagrant (tests, debugging)
     rm -rf "$work"
     echo "box $name ($kver) built in $((SECONDS - t0)) s: $out/$name.box"
     if command -v vagrant >/dev/null; then

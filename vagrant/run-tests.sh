@@ -2,19 +2,21 @@
 # `make vm-test`: the kernel test tier on real guest kernels, without Vagrant.
 #
 # For each kernel line (Debian 12: 6.1, Debian 13: 6.12): a Debian root made
-# with debootstrap (its kernel, that kernel's own headers, bcc and the test
-# tools from Debian), packed into an ext4 image with `mkfs.ext4 -d` (no loop
-# devices), prepared by vagrant/provision.sh (the packages come from its
-# list; it runs in the root through chroot) and cached by a hash of the
-# package list, provision.sh and this script. Then its kernel and initrd are
-# booted directly by QEMU under TCG (no hardware virtualisation here), with
-# the checkout shared read-only over 9p. A small init mounts what the tests
-# need, says which backend the agent would load, runs the kernel test tier
-# (the files marked `pytestmark = pytest.mark.kernel`), prints the exit code
-# and each accuracy comparison on the serial console, and powers off.
+# with debootstrap from vagrant/provision.sh's package list (its kernel, that
+# kernel's own headers, bcc and the test tools from Debian), provision.sh run
+# in it through chroot, packed into an ext4 image with `mkfs.ext4 -d` (no loop
+# devices) and cached by a hash of the package list, provision.sh and the
+# image's init. Then its kernel and initrd are booted directly by QEMU under
+# TCG (no hardware virtualisation here). The init only mounts the checkout
+# (read-only 9p) and runs vagrant/guest-init.sh from it, which says which
+# backend the agent would load, runs the kernel test tier (the files marked
+# `pytestmark = pytest.mark.kernel`), prints the exit code and each accuracy
+# comparison on the serial console, and powers off. A guest that hangs is
+# named (vagrant/hung_guest.py) and booted again.
 #
 # NODESAMPLER_VM_LINES (default "bookworm trixie"), NODESAMPLER_VM_CACHE
-# (default .vm-cache), NODESAMPLER_DEBIAN_MIRROR.
+# (default .vm-cache), NODESAMPLER_DEBIAN_MIRROR, NODESAMPLER_VM_HANG_SECONDS
+# (360), NODESAMPLER_VM_HANG_RETRIES (2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -25,7 +27,7 @@ hang_after=${NODESAMPLER_VM_HANG_SECONDS:-360}
 hang_retries=${NODESAMPLER_VM_HANG_RETRIES:-2}
 mkdir -p "$cache"
 
-# What this harness needs on the host, installed by itself (it is not part of `make setup`).
+# What this harness needs on the host, installed by itself (debootstrap is not part of `make setup`).
 missing=""
 for tool in debootstrap:debootstrap qemu-system-x86_64:qemu-system-x86 mkfs.ext4:e2fsprogs; do
     command -v "${tool%%:*}" >/dev/null || missing="$missing ${tool##*:}"
@@ -35,9 +37,14 @@ if [ -n "$missing" ]; then
 fi
 
 packages=$(sh vagrant/provision.sh --packages)
+# The image's whole init: everything else comes from the checkout at boot.
+init='#!/bin/sh
+mount -t proc proc /proc 2>/dev/null; mount -t sysfs sys /sys 2>/dev/null; mount -t tmpfs tmpfs /tmp
+mkdir -p /src && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 src /src
+exec sh /src/vagrant/guest-init.sh'
 
 image_dir() {  # suite -> where its image is cached
-    echo "$cache/$1-$( (echo "$1 $packages"; cat vagrant/provision.sh) | sha256sum | cut -c1-12)"
+    echo "$cache/$1-$( (echo "$1 $packages"; echo "$init"; cat vagrant/provision.sh) | sha256sum | cut -c1-12)"
 }
 
 build_image() {  # suite dir: rootfs.ext4, vmlinuz, initrd.img and build-seconds in dir
@@ -53,16 +60,8 @@ build_image() {  # suite dir: rootfs.ext4, vmlinuz, initrd.img and build-seconds
     rm "$dir/root/provision.sh"
     cp "$dir"/root/boot/vmlinuz-* "$dir/vmlinuz"
     cp "$dir"/root/boot/initrd.img-* "$dir/initrd.img"
-    # The image's init only reaches the checkout: what runs at boot is
-    # vagrant/guest-init.sh from there, so the image depends on nothing else.
-    cat >"$dir/root/init-tests" <<'INIT'
-#!/bin/sh
-mount -t proc proc /proc 2>/dev/null; mount -t sysfs sys /sys 2>/dev/null; mount -t tmpfs tmpfs /tmp
-mkdir -p /src && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 src /src
-exec sh /src/vagrant/guest-init.sh
-INIT
+    echo "$init" >"$dir/root/init-tests"
     chmod +x "$dir/root/init-tests"
-    echo "$kver" >"$dir/kernel-version"
     mkfs.ext4 -q -F -L root -d "$dir/root" "$dir/rootfs.ext4" 6G >/dev/null
     rm -rf "$dir/root"
     echo "$((SECONDS - t0))" >"$dir/build-seconds"
