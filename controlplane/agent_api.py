@@ -10,15 +10,17 @@ control plane does not know (register again); 413 a body over the limit.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from controlplane.history import EmbeddedHistory
-from controlplane.keys import METRICS, RECORDER, REGISTRY, SECRET
+from controlplane.keys import AUTHENTICATOR, METRICS, RECORDER, REGISTRY
+from controlplane.node_identity import Forbidden, NodeAuthenticator, Unauthenticated
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry, UnknownNode
-from nodesampler import tokens, wire
+from nodesampler import wire
 
 log = logging.getLogger(__name__)
 
@@ -64,15 +66,42 @@ async def counted(request: web.Request, handler: Handler) -> web.StreamResponse:
     return response
 
 
+class _RefusalLog:
+    """Why a token was refused, in the log: once a minute per reason, so that a
+    misconfigured fleet (or a scanner) is seen without flooding the log."""
+
+    EVERY_S = 60.0
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def log(self, status: int, reason: str, remote: str | None) -> None:
+        now = time.monotonic()
+        if now - self._last.get(reason, -self.EVERY_S) < self.EVERY_S:
+            return
+        if len(self._last) > 1000:
+            self._last.clear()
+        self._last[reason] = now
+        log.warning("token refused (%d) from %s: %s", status, remote, reason)
+
+
+_refusals = _RefusalLog()
+
+
 async def _checked_body(request: web.Request, parse: Callable[[bytes], wire.Json]) -> wire.Json | web.Response:
     """The request's body, authenticated, validated and spoken by its own node;
     or the answer refusing it (401, 400, 403)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
         return _error(401, "missing bearer token")
-    token_node = tokens.verify(request.app[SECRET], token.strip())
-    if token_node is None:
+    try:
+        token_node = await request.app[AUTHENTICATOR].node(token.strip())
+    except Unauthenticated as e:
+        _refusals.log(401, str(e), request.remote)
         return _error(401, "invalid token")
+    except Forbidden as e:
+        _refusals.log(403, str(e), request.remote)
+        return _error(403, str(e))
     try:
         body = parse(await request.read())
     except wire.WireError as e:
@@ -107,11 +136,12 @@ async def heartbeat(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
-def create_app(registry: NodeRegistry, secret: bytes, metrics: ControlPlaneMetrics | None = None,
+def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics: ControlPlaneMetrics | None = None,
                history: EmbeddedHistory | None = None) -> web.Application:  # fmt: skip
+    """`auth` verifies tokens; bytes are a cluster secret (HMAC node tokens only)."""
     app = web.Application(client_max_size=wire.MAX_BODY_BYTES, middlewares=[counted, no_tracebacks])
     app[REGISTRY] = registry
-    app[SECRET] = secret
+    app[AUTHENTICATOR] = auth if isinstance(auth, NodeAuthenticator) else NodeAuthenticator(secret=auth)
     app[METRICS] = metrics or ControlPlaneMetrics(registry)
     if history is not None:
         app[RECORDER] = history

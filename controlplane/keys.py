@@ -4,11 +4,12 @@ from aiohttp import web
 
 from controlplane.exposition import FleetExposition
 from controlplane.history import EmbeddedHistory
+from controlplane.node_identity import NodeAuthenticator
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry
 
 REGISTRY = web.AppKey("registry", NodeRegistry)
-SECRET = web.AppKey("secret", bytes)
+AUTHENTICATOR = web.AppKey("authenticator", NodeAuthenticator)
 METRICS = web.AppKey("metrics", ControlPlaneMetrics)
 EXPOSITION = web.AppKey("exposition", FleetExposition)
 RECORDER = web.AppKey("recorder", EmbeddedHistory)  # the embedded history, fed by heartbeats

@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("agent", help="sample this node and send a heartbeat per window to the control plane")
     a.add_argument("--control-plane", required=True, metavar="URL", help="the control plane's agent listener")
-    a.add_argument("--token-file", required=True, type=Path, metavar="PATH", help="this node's token")
+    a.add_argument("--token-file", required=True, type=Path, metavar="PATH",
+                   help="this node's token (HMAC or projected service-account token), re-read when it changes")
+    a.add_argument("--ca-file", type=Path, default=None, metavar="PATH",
+                   help="CA bundle (PEM) an https control plane's certificate must chain to (default: the system's)")
     a.add_argument("--node", default=None, help="this node's name (default: $NODE_NAME, else the host name)")
     a.add_argument("--config", type=Path, default=None, metavar="PATH",
                    help="TOML with the shards to watch, re-read when it changes (default: the busiest groups)")
@@ -91,7 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("controlplane", help="the fleet's registry, agent API, pages and /metrics")
     c.add_argument("--listen", required=True, metavar="ADDR", help="HOST:PORT for agents")
     c.add_argument("--pages-listen", required=True, metavar="ADDR", help="HOST:PORT for pages and /health")
-    c.add_argument("--secret-file", required=True, type=Path, metavar="PATH", help="the cluster secret")
+    c.add_argument("--secret-file", type=Path, metavar="PATH",
+                   help="the cluster secret, for HMAC node tokens (needed unless --k8s-jwks is given)")
+    c.add_argument("--tls-cert", type=Path, metavar="PATH", help="TLS certificate (PEM) of the agent listener")
+    c.add_argument("--tls-key", type=Path, metavar="PATH", help="its private key (PEM); both re-read when they change")
+    c.add_argument("--k8s-jwks", metavar="FILE_OR_URL",
+                   help="accept Kubernetes projected service-account tokens, verified with these issuer keys")
+    c.add_argument("--k8s-issuer", metavar="ISSUER", help="the service-account issuer (the tokens' iss)")
+    c.add_argument("--k8s-audience", default="nodesampler", metavar="AUD", help="the tokens' audience")
+    c.add_argument("--k8s-service-account", default="nodesampler/nodesampler-agent", metavar="NAMESPACE/NAME",
+                   help="the agents' service account (default nodesampler/nodesampler-agent)")
     c.add_argument("--stale-after", type=_positive(86400), default=60.0,
                    help="seconds after its last heartbeat that a node is stale (default 60)")
     c.add_argument("--prometheus", default=None, metavar="URL",
@@ -245,10 +257,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     import asyncio
+    import ssl
     import threading
 
     from nodesampler import wire
-    from sampler.agent import Agent, ConfigError, ConfigFile, default_node, read_token
+    from sampler import host_view
+    from sampler.agent import Agent, ConfigError, ConfigFile, TokenFile, default_node
+
+    logging.getLogger().setLevel(logging.INFO)
+    # First, while this is the only thread: later threads inherit the host's cgroup paths.
+    host_view.join_host_cgroup_namespace(args.proc_root)
 
     node = args.node or default_node()
     try:
@@ -258,9 +276,17 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if not args.control_plane.startswith(("http://", "https://")):
         _fail(EXIT_USAGE, f"--control-plane {args.control_plane!r}: expected an http:// or https:// URL")
     try:
-        token = read_token(args.token_file)
+        token = TokenFile(args.token_file)
     except (OSError, ValueError) as e:
         _fail(EXIT_USAGE, f"--token-file: {e}")
+    context = None
+    if args.ca_file is not None:
+        if not args.control_plane.startswith("https://"):
+            _fail(EXIT_USAGE, "--ca-file is for an https:// control plane")
+        try:
+            context = ssl.create_default_context(cafile=str(args.ca_file))
+        except (OSError, ssl.SSLError) as e:
+            _fail(EXIT_USAGE, f"--ca-file {args.ca_file}: {e}")
     config = None
     if args.config is not None:
         try:
@@ -277,16 +303,48 @@ def cmd_agent(args: argparse.Namespace) -> int:
         sampler.watches = config.watches
     logging.getLogger().setLevel(logging.INFO)
     try:
-        asyncio.run(Agent(sampler, args.control_plane, token, node, args.interval, stopping, config).run())
+        agent = Agent(sampler, args.control_plane, token, node, args.interval, stopping, config, context,
+                      host_view.host_name(args.proc_root))  # fmt: skip
+        asyncio.run(agent.run())
     finally:
         _close(sampler)
     return 0
 
 
+def _authenticator(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from controlplane import node_identity as ni
+    from nodesampler.tokens import TokenError, read_secret
+
+    if args.secret_file is None and args.k8s_jwks is None:
+        _fail(EXIT_USAGE, "--secret-file or --k8s-jwks (or both) is needed: nodes must prove who they are")
+    secret = None
+    if args.secret_file is not None:
+        try:
+            secret = read_secret(args.secret_file)
+        except TokenError as e:
+            _fail(EXIT_USAGE, str(e))
+    verifier = None
+    if args.k8s_jwks is not None:
+        if not args.k8s_issuer:
+            _fail(EXIT_USAGE, "--k8s-jwks needs --k8s-issuer (the tokens' iss)")
+        if not args.k8s_jwks.startswith(("http://", "https://")) and not Path(args.k8s_jwks).is_file():
+            _fail(EXIT_USAGE, f"--k8s-jwks {args.k8s_jwks}: no such file (or give an https:// URL)")
+        try:
+            namespace, name = ni.parse_service_account(args.k8s_service_account)
+        except ValueError as e:
+            _fail(EXIT_USAGE, f"--k8s-service-account {e}")
+        rules = ni.ServiceAccountRules(args.k8s_issuer, args.k8s_audience, namespace, name)
+        verifier = ni.ServiceAccountVerifier(ni.JwksSource(args.k8s_jwks), rules)
+    elif args.k8s_issuer:
+        _fail(EXIT_USAGE, "--k8s-issuer without --k8s-jwks: the issuer's keys are needed")
+    return ni.NodeAuthenticator(secret, verifier)
+
+
 def cmd_controlplane(args: argparse.Namespace) -> int:
     import asyncio
+    import ssl
 
-    from nodesampler.tokens import TokenError, read_secret
+    from controlplane.tls_files import ReloadingServerTLS
     from web.server import serve, split_address
 
     if args.prometheus is not None and not args.prometheus.startswith(("http://", "https://")):
@@ -296,13 +354,18 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
             split_address(value)
         except ValueError as e:
             _fail(EXIT_USAGE, f"{flag} {e}")
-    try:
-        secret = read_secret(args.secret_file)
-    except TokenError as e:
-        _fail(EXIT_USAGE, str(e))
+    auth = _authenticator(args)
+    tls = None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        _fail(EXIT_USAGE, "--tls-cert and --tls-key go together")
+    if args.tls_cert is not None:
+        try:
+            tls = ReloadingServerTLS(args.tls_cert, args.tls_key)
+        except (OSError, ssl.SSLError) as e:
+            _fail(EXIT_USAGE, f"--tls-cert/--tls-key: {e}")
     logging.getLogger().setLevel(logging.INFO)
     try:
-        asyncio.run(serve(args.listen, args.pages_listen, secret, args.stale_after, args.prometheus))
+        asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls))
     except OSError as e:  # the address is taken or not ours
         _fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

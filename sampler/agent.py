@@ -17,6 +17,7 @@ import platform
 import random
 import signal
 import socket
+import ssl
 import threading
 import tomllib
 from collections.abc import Callable
@@ -74,33 +75,84 @@ def parse_config(data: bytes, source: str = "config") -> list[GroupWatch]:
 
 
 class ConfigFile:
-    """The config file, re-read when it changes. A change that does not parse
-    is logged once and the previous shards stay in force."""
+    """The config file, re-read when it changes. A file that does not exist
+    is "no engines configured yet" (the busiest groups are reported) and is
+    watched until it appears: a ConfigMap mounted as optional. A change that
+    does not parse is logged once and the previous shards stay in force."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._seen: tuple[int, int] | None = None
-        self.watches = self._load()
+        self._seen: tuple[int, int, int] | None = None
+        self.watches: list[GroupWatch] | None = None
+        try:
+            self.watches = self._load()
+        except FileNotFoundError:
+            log.info("config %s does not exist (yet): reporting the busiest groups", path)
 
-    def _stamp(self) -> tuple[int, int]:
-        st = self.path.stat()
-        return st.st_mtime_ns, st.st_size
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()  # follows symlinks: a ConfigMap update swaps ..data, a new inode
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
 
     def _load(self) -> list[GroupWatch]:
         self._seen = self._stamp()
+        if self._seen is None:
+            raise FileNotFoundError(self.path)
         return parse_config(self.path.read_bytes(), str(self.path))
 
-    def changed(self) -> list[GroupWatch] | None:
-        """The new shards if the file changed and parses; None otherwise."""
+    def changed(self) -> bool:
+        """Whether `watches` changed: the file changed and parses, appeared, or went away."""
         try:
-            if self._stamp() == self._seen:
-                return None
+            stamp = self._stamp()
+            if stamp == self._seen:
+                return False
+            if stamp is None:
+                self._seen, self.watches = None, None
+                log.warning("config %s went away: reporting the busiest groups", self.path)
+                return True
             self.watches = self._load()
+        except FileNotFoundError:
+            return False  # gone between stat and read: the next look decides
         except (OSError, ConfigError) as e:
-            log.error("config not reloaded, keeping %d shards: %s", len(self.watches), e)
-            return None
-        log.info("config reloaded: %d shards", len(self.watches))
-        return self.watches
+            kept = "the busiest groups" if self.watches is None else f"{len(self.watches)} shards"
+            log.error("config not reloaded, keeping %s: %s", kept, e)
+            return False
+        log.info("config loaded: %d shards", len(self.watches))
+        return True
+
+
+class TokenFile:
+    """The node's bearer token, re-read when the file changes: the kubelet
+    rotates a projected service-account token well before it expires."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._seen: tuple[int, int, int] | None = None
+        self._token = ""
+        self.reload()
+
+    def reload(self) -> None:
+        st = self.path.stat()
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp == self._seen:
+            return
+        token = self.path.read_text().strip()
+        if not token:
+            raise ValueError(f"{self.path}: empty token file")
+        if not token.isascii() or not token.isprintable():
+            raise ValueError(f"{self.path}: the token must be printable ASCII")
+        if self._seen is not None:
+            log.info("token file %s changed: using the new token", self.path)
+        self._seen, self._token = stamp, token
+
+    def value(self) -> str:
+        try:
+            self.reload()
+        except (OSError, ValueError) as e:  # mid-rotation or removed: the last good token is still worth trying
+            log.warning("token file not re-read, keeping the last token: %s", e)
+        return self._token
 
 
 class NewestSummary:
@@ -142,17 +194,21 @@ class UnknownToControlPlane(DeliveryError):
 
 
 class HeartbeatClient:
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, token: str) -> None:
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, token: str | Callable[[], str]) -> None:
         self.session = session
         self.base_url = base_url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self.token = token if callable(token) else (lambda: token)
 
     async def _post(self, path: str, body: dict[str, Any]) -> None:
+        headers = {"Authorization": f"Bearer {self.token()}", "Content-Type": "application/json"}
         try:
-            async with self.session.post(self.base_url + path, data=wire.dumps(body), headers=self.headers) as r:
+            async with self.session.post(self.base_url + path, data=wire.dumps(body), headers=headers) as r:
                 if r.status == 200:
                     return
                 text = (await r.text())[:300]
+        except aiohttp.ClientConnectorCertificateError as e:
+            raise DeliveryError(f"TLS: the control plane's certificate is not trusted (--ca-file?): "
+                                f"{e.certificate_error}") from None  # fmt: skip
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise DeliveryError(f"{type(e).__name__}: {e}") from None
         if r.status == 404 and path == "/v1/heartbeat":
@@ -185,11 +241,11 @@ class Backoff:
         return failures
 
 
-def registration_body(sampler: WindowSampler, node: str) -> dict[str, Any]:
+def registration_body(sampler: WindowSampler, node: str, hostname: str | None = None) -> dict[str, Any]:
     gauges = sampler.gauges.read()
     body: dict[str, Any] = {
         "node": node,
-        "hostname": socket.gethostname(),
+        "hostname": hostname or socket.gethostname(),
         "kernel": platform.release(),
         "agent_version": __version__,
         "backend": sampler.backend.name,
@@ -205,12 +261,16 @@ def registration_body(sampler: WindowSampler, node: str) -> dict[str, Any]:
 
 
 class Agent:
-    def __init__(self, sampler: WindowSampler, client_url: str, token: str, node: str, interval: float,
-                 stopping: threading.Event, config: ConfigFile | None = None) -> None:  # fmt: skip
+    def __init__(self, sampler: WindowSampler, client_url: str, token: str | TokenFile, node: str, interval: float,
+                 stopping: threading.Event, config: ConfigFile | None = None,
+                 ssl_context: ssl.SSLContext | None = None, hostname: str | None = None) -> None:  # fmt: skip
         """`stopping` must also end the sampler's sleeps, so that SIGTERM
-        does not wait for the window in progress."""
-        self.sampler, self.url, self.token, self.node = sampler, client_url, token, node
-        self.interval, self.config = interval, config
+        does not wait for the window in progress. `ssl_context` verifies an
+        https control plane (default: the system's CAs)."""
+        self.sampler, self.url, self.node = sampler, client_url, node
+        self.token = token.value if isinstance(token, TokenFile) else token
+        self.interval, self.config, self.ssl_context = interval, config, ssl_context
+        self.hostname = hostname  # the host's, read through pid 1 when in a container
         self.stopping = stopping
         self.mailbox = NewestSummary()
         self.sent = 0
@@ -220,8 +280,8 @@ class Agent:
     def _sample_forever(self, loop: asyncio.AbstractEventLoop) -> None:
         self.sampler.prime(0)
         while not self.stopping.is_set():
-            if self.config is not None and (watches := self.config.changed()) is not None:
-                self.sampler.watches = watches
+            if self.config is not None and self.config.changed():
+                self.sampler.watches = self.config.watches
             try:
                 summary = self.sampler.run_window(self.interval)
             except Exception:  # a bug must not end sampling silently; the next window tries again
@@ -241,7 +301,7 @@ class Agent:
         while True:
             try:
                 if not registered:
-                    await client.register(registration_body(self.sampler, self.node))
+                    await client.register(registration_body(self.sampler, self.node, self.hostname))
                     registered = True
                     log.info("registered with %s as %s", self.url, self.node)
                 await client.heartbeat(summary)
@@ -270,7 +330,8 @@ class Agent:
             loop.add_signal_handler(sig, stop.set)
         thread = threading.Thread(target=self._sample_forever, args=(loop,), name="sampler", daemon=True)
         timeout = aiohttp.ClientTimeout(total=max(5.0, min(30.0, 2 * self.interval)))
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        connector = aiohttp.TCPConnector(ssl=self.ssl_context) if self.ssl_context else None
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             if self.sampler.gpus is not None:
                 await loop.run_in_executor(None, self.sampler.gpus.wait_ready, 60.0)
             thread.start()
@@ -282,13 +343,6 @@ class Agent:
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)
             await loop.run_in_executor(None, thread.join)
-
-
-def read_token(path: Path) -> str:
-    token = path.read_text().strip()
-    if not token:
-        raise ValueError(f"{path}: empty token file")
-    return token
 
 
 def default_node() -> str:

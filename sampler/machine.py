@@ -103,8 +103,24 @@ class MachineGaugeReader:
             out["disks"] = disks
         return out
 
+    def _mount_table(self) -> tuple[bytes | None, str]:
+        """The host's mount table and the prefix that reaches its mount points.
+
+        Pid 1 of the proc root is the host's init: in a container its mount
+        table is the host's, and `/proc/1/root` enters the host's mount
+        namespace, so statvfs sees the host's disks, not the container's
+        overlay. Where pid 1's root cannot be entered (not root, a fake
+        tree), the agent's own table, reached directly."""
+        root = self._proc / "1" / "root"
+        try:
+            os.statvfs(root)
+            info = procfs.read_bytes(self._proc / "1" / "mountinfo")
+        except OSError:
+            return self._read("self/mountinfo"), ""
+        return info, str(root)
+
     def read_disks(self) -> list[dict[str, Any]] | None:
-        info = self._read("self/mountinfo")
+        info, prefix = self._mount_table()
         fs = self._read("filesystems")
         if info is None or fs is None:
             return None
@@ -116,7 +132,7 @@ class MachineGaugeReader:
         disks = []
         for m in mounts:
             try:
-                st = os.statvfs(m.mount_point)
+                st = os.statvfs(prefix + m.mount_point)
             except OSError as e:
                 self._log(logging.INFO, f"disk {m.mount_point} left out: {e.strerror}")
                 continue

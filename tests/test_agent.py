@@ -63,14 +63,14 @@ def test_config_change_is_picked_up_and_a_bad_one_is_not(tmp_path: Path) -> None
     path = tmp_path / "agent.toml"
     path.write_bytes(CONFIG)
     cfg = ConfigFile(path)
-    assert cfg.changed() is None  # unchanged
+    assert not cfg.changed()  # unchanged
     path.write_bytes(b'[[shard]]\nid = "only"\nselect = "pid:1"\n')
     os.utime(path, ns=(1, 1))  # a distinct stamp whatever the filesystem's time resolution
-    new = cfg.changed()
-    assert new is not None and [w.id for w in new] == ["only"]
+    assert cfg.changed()
+    assert cfg.watches is not None and [w.id for w in cfg.watches] == ["only"]
     path.write_bytes(b"[[shard]\n")
     os.utime(path, ns=(2, 2))
-    assert cfg.changed() is None
+    assert not cfg.changed()
     assert [w.id for w in cfg.watches] == ["only"]
 
 

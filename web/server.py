@@ -5,6 +5,7 @@ registry (and the embedded history), until SIGTERM or SIGINT. It lives in
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 
@@ -12,8 +13,10 @@ from aiohttp import web
 
 from controlplane import agent_api, pages_api
 from controlplane.history import EmbeddedHistory
+from controlplane.node_identity import NodeAuthenticator
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry
+from controlplane.tls_files import ReloadingServerTLS
 from web.pages import add_pages
 
 log = logging.getLogger(__name__)
@@ -30,8 +33,20 @@ def split_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def serve(agent_listen: str, pages_listen: str, secret: bytes, stale_after: float,
-                prometheus_url: str | None = None) -> None:  # fmt: skip
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
+async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, stale_after: float,
+                prometheus_url: str | None = None, tls: ReloadingServerTLS | None = None) -> None:  # fmt: skip
+    if tls is None and not is_loopback(split_address(agent_listen)[0]):
+        log.warning("agent listener %s has no TLS: bearer tokens cross the network in clear text "
+                    "(--tls-cert and --tls-key)", agent_listen)  # fmt: skip
     registry = NodeRegistry(stale_after)
     own = ControlPlaneMetrics(registry)
     # The embedded history is fed only when the pages read it (no --prometheus).
@@ -40,15 +55,18 @@ async def serve(agent_listen: str, pages_listen: str, secret: bytes, stale_after
     add_pages(pages, history, prometheus_url)
     runners = []
     try:
-        for app, address in ((agent_api.create_app(registry, secret, own, history), agent_listen),
-                             (pages, pages_listen)):  # fmt: skip
+        for app, address, context in ((agent_api.create_app(registry, auth, own, history), agent_listen,
+                                       tls.context if tls else None), (pages, pages_listen, None)):  # fmt: skip
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             runners.append(runner)
             host, port = split_address(address)
-            await web.TCPSite(runner, host, port).start()
-        log.info("control plane: agents on %s, pages on %s", agent_listen, pages_listen)
-        print(f"nodesampler control plane: agents on http://{agent_listen}, pages on http://{pages_listen}/",
+            await web.TCPSite(runner, host, port, ssl_context=context).start()
+        if auth.service_accounts is not None:
+            await auth.service_accounts.keys.refresh()  # a failure is logged; tokens are refused until keys load
+        scheme = "https" if tls else "http"
+        log.info("control plane: agents on %s://%s, pages on %s", scheme, agent_listen, pages_listen)
+        print(f"nodesampler control plane: agents on {scheme}://{agent_listen}, pages on http://{pages_listen}/",
               flush=True)  # fmt: skip
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
