@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--duration", type=_positive(3600), default=5.0, help="the window, seconds (default 5)")
     s.add_argument("--json", action="store_true", help="print the heartbeat summary as JSON")
     s.add_argument("--proc-root", type=Path, default=Path("/proc"), help="the procfs to read (default /proc)")
+    s.add_argument("--host-root", type=Path, default=None, metavar="DIR",
+                   help="the host's / mounted in this container: disks are measured through it")
     s.add_argument("--kernel-headers", type=Path, default=None, metavar="DIR",
                    help="a kernel source tree for the kernel backend, when /lib/modules/$(uname -r) has none")
     s.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
@@ -88,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--interval", type=_positive(3600), default=5.0, help="seconds per heartbeat (default 5)")
     a.add_argument("--backend", choices=("auto", "bpf", "proc"), default="auto")
     a.add_argument("--proc-root", type=Path, default=Path("/proc"), help="the procfs to read (default /proc)")
+    a.add_argument("--host-root", type=Path, default=None, metavar="DIR",
+                   help="the host's / mounted in this container: disks are measured through it")
     a.add_argument("--kernel-headers", type=Path, default=None, metavar="DIR",
                    help="a kernel source tree for the kernel backend, when /lib/modules/$(uname -r) has none")
 
@@ -135,6 +139,7 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     gpu_grace: float = 0.0,
     sleep: Callable[[float], None] | None = None,
     node: str | None = None,
+    host_root: Path | None = None,
 ):
     from sampler.backend import BackendUnavailable, open_backend
     from sampler.nvml import GpuReader
@@ -143,6 +148,8 @@ def _make_sampler(  # type: ignore[no-untyped-def]
 
     if not proc.is_dir():
         _fail(EXIT_USAGE, f"--proc-root {proc}: not a directory")
+    if host_root is not None and not host_root.is_dir():
+        _fail(EXIT_USAGE, f"--host-root {host_root}: not a directory")
     names = [n for n, _ in groups]
     if len(set(names)) != len(names):
         _fail(EXIT_USAGE, "--group: each NAME may be given once")
@@ -152,7 +159,7 @@ def _make_sampler(  # type: ignore[no-untyped-def]
         _fail(EXIT_BACKEND, f"backend {backend} unavailable: {e}")
     watches = [GroupWatch(name, GroupSelector.parse(sel)) for name, sel in groups] or None
     return WindowSampler(proc, choice, group_sampler, watches, hz=hz, node=node, gpus=GpuReader(),
-                         gpu_grace=gpu_grace, sleep=sleep or time.sleep)  # fmt: skip
+                         gpu_grace=gpu_grace, sleep=sleep or time.sleep, host_root=host_root)  # fmt: skip
 
 
 def _close(sampler) -> None:  # type: ignore[no-untyped-def]
@@ -189,7 +196,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if args.print_bpf:
         return _print_bpf(args.proc_root)
     # One window: it may wait for NVML to start (seconds per GPU) and to answer.
-    sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root, args.kernel_headers, gpu_grace=5.0)
+    sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root, args.kernel_headers, gpu_grace=5.0,
+                            host_root=args.host_root)  # fmt: skip
     try:
         sampler.gpus.wait_ready(30.0)
         sampler.prime(min(1.0, args.duration))
@@ -298,7 +306,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     def sleep(seconds: float) -> None:
         stopping.wait(seconds)
 
-    sampler = _make_sampler(args.backend, [], args.hz, args.proc_root, args.kernel_headers, sleep=sleep, node=node)
+    sampler = _make_sampler(args.backend, [], args.hz, args.proc_root, args.kernel_headers, sleep=sleep, node=node,
+                            host_root=args.host_root)  # fmt: skip
     if config is not None:
         sampler.watches = config.watches
     logging.getLogger().setLevel(logging.INFO)

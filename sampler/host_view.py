@@ -4,7 +4,10 @@ In a privileged pod with `hostPID` the agent shares the host's processes but
 not its name (UTS namespace), its cgroup namespace (a private one shows other
 processes' cgroup paths relative to the container's own cgroup, as
 `/../../kubepods/...`) or its mounts. Pid 1 of `--proc-root` is the host's
-init, so its namespaces are the host's:
+init, so its namespaces are the host's. Where pid 1 cannot be inspected (a
+protected init), pid 2, when it is the kernel's `kthreadd`, is in the
+kernel's initial namespaces, which on a machine (not a node in a container)
+are the host's:
 - the host's name is read inside pid 1's UTS namespace, on a thread of its own
   (setns changes only the calling thread);
 - the agent joins pid 1's cgroup namespace before it starts any thread, so
@@ -33,12 +36,33 @@ CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
 
 
-def _same_namespace(proc: Path, kind: str) -> bool | None:
-    """Whether pid 1 of `proc` is in the agent's own `kind` namespace; None if unknown."""
+def host_namespace(proc: Path, kind: str) -> Path | None:
+    """The handle of the host's `kind` namespace, or None if none can be inspected."""
+    for pid in ("1", "2"):
+        if pid == "2":
+            try:
+                if (proc / "2" / "comm").read_text().strip() != "kthreadd":
+                    continue
+            except OSError:
+                continue
+        path = proc / pid / "ns" / kind
+        try:
+            os.readlink(path)
+        except OSError:
+            continue
+        return path
+    return None
+
+
+def _same_namespace(proc: Path, kind: str) -> tuple[bool | None, Path | None]:
+    """Whether the host's `kind` namespace is the agent's own (None if unknown), and its handle."""
+    path = host_namespace(proc, kind)
+    if path is None:
+        return None, None
     try:
-        return os.readlink(proc / "1" / "ns" / kind) == os.readlink(f"/proc/self/ns/{kind}")
+        return os.readlink(path) == os.readlink(f"/proc/self/ns/{kind}"), path
     except OSError:
-        return None
+        return None, None
 
 
 def _setns(path: Path, nstype: int) -> None:
@@ -53,17 +77,18 @@ def _setns(path: Path, nstype: int) -> None:
 
 
 def host_name(proc: Path) -> str:
-    """The host's name: pid 1's UTS namespace, else the agent's own."""
-    if _same_namespace(proc, "uts") is not False:
+    """The host's name: from the host's UTS namespace, else the agent's own."""
+    same, path = _same_namespace(proc, "uts")
+    if same is not False or path is None:
         return socket.gethostname()
     result: list[str] = []
 
     def read() -> None:
         try:
-            _setns(proc / "1" / "ns" / "uts", CLONE_NEWUTS)
+            _setns(path, CLONE_NEWUTS)
             result.append(os.uname().nodename)
         except OSError as e:
-            log.warning("host name not read from pid 1's UTS namespace (%s): using the container's", e)
+            log.warning("host name not read from the host's UTS namespace (%s): using the container's", e)
 
     t = threading.Thread(target=read, name="host-uts")  # the thread ends in the host's namespace, harmlessly
     t.start()
@@ -72,10 +97,10 @@ def host_name(proc: Path) -> str:
 
 
 def join_host_cgroup_namespace(proc: Path) -> bool:
-    """Enter pid 1's cgroup namespace; call before any thread starts (threads
+    """Enter the host's cgroup namespace; call before any thread starts (threads
     made later inherit it). True if the agent now sees host cgroup paths."""
-    same = _same_namespace(proc, "cgroup")
-    if same is None:
+    same, path = _same_namespace(proc, "cgroup")
+    if same is None or path is None:
         return False
     if same:
         return True
@@ -83,9 +108,9 @@ def join_host_cgroup_namespace(proc: Path) -> bool:
         log.warning("not joining the host's cgroup namespace: threads are already running")
         return False
     try:
-        _setns(proc / "1" / "ns" / "cgroup", CLONE_NEWCGROUP)
+        _setns(path, CLONE_NEWCGROUP)
     except OSError as e:
-        log.warning("cgroup paths are the container's, not the host's: cannot join pid 1's cgroup namespace: %s", e)
+        log.warning("cgroup paths are the container's, not the host's: cannot join %s: %s", path, e)
         return False
     log.info("joined the host's cgroup namespace: cgroup paths are the host's")
     return True

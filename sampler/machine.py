@@ -66,8 +66,9 @@ class MachineGaugeReader:
     """Load, memory, CPU count and disks: each read on its own, each absent
     when its file is missing or malformed."""
 
-    def __init__(self, proc: Path) -> None:
+    def __init__(self, proc: Path, host_root: Path | None = None) -> None:
         self._proc = proc
+        self._host_root = host_root
         self._log = _LogOnce()
 
     def _read(self, name: str) -> bytes | None:
@@ -106,18 +107,22 @@ class MachineGaugeReader:
     def _mount_table(self) -> tuple[bytes | None, str]:
         """The host's mount table and the prefix that reaches its mount points.
 
-        Pid 1 of the proc root is the host's init: in a container its mount
-        table is the host's, and `/proc/1/root` enters the host's mount
-        namespace, so statvfs sees the host's disks, not the container's
-        overlay. Where pid 1's root cannot be entered (not root, a fake
-        tree), the agent's own table, reached directly."""
-        root = self._proc / "1" / "root"
+        Pid 1 of the proc root is the host's init (the agent is in the host's
+        PID namespace), so its mount table is the host's, not the container's
+        overlay. Its mount points are reached through `host_root` (the host's
+        / mounted into the container, as node_exporter's `--path.rootfs`) or,
+        without one, through `/proc/1/root`. Where neither can be entered
+        (not root, a fake tree, a protected pid 1), the agent's own table,
+        reached directly: on a host that is the host's."""
+        root = self._host_root if self._host_root is not None else self._proc / "1" / "root"
         try:
             os.statvfs(root)
             info = procfs.read_bytes(self._proc / "1" / "mountinfo")
-        except OSError:
+        except OSError as e:
+            if self._host_root is not None:
+                self._log(logging.WARNING, f"host disks not read through {root} ({e}): the agent's own mounts")
             return self._read("self/mountinfo"), ""
-        return info, str(root)
+        return info, str(root).rstrip("/")
 
     def read_disks(self) -> list[dict[str, Any]] | None:
         info, prefix = self._mount_table()

@@ -37,6 +37,7 @@ class WindowSampler:
         sleep: Callable[[float], None] = time.sleep,
         gpus: GpuReader | None = None,
         gpu_grace: float = 0.0,
+        host_root: Path | None = None,
     ) -> None:
         if hz <= 0:
             raise ValueError("hz must be positive")
@@ -47,7 +48,7 @@ class WindowSampler:
         self.node = node or socket.gethostname()
         self._clock, self._wall, self._sleep = clock, wall_clock, sleep
         self.cpu = MachineCpuSampler(proc)
-        self.gauges = MachineGaugeReader(proc)
+        self.gauges = MachineGaugeReader(proc, host_root)
         self.pressure = PressureReader(proc)
         self.runqueue = RunQueueWaitSampler(proc)
         self.groups = groups
