@@ -1,15 +1,19 @@
 # The two commands: `make up` and `make test`. Both start with `make setup`.
-.PHONY: setup up test lint unit vm-test vagrant-test
+.PHONY: setup setup-test up test lint unit vm-test vagrant-test image
 
 VENV := .venv/bin
 
+# What running needs; setup-test adds what only the tests need (browser, QEMU, Prometheus, podman).
 setup:
 	@bash deploy/host-setup.sh
+
+setup-test:
+	@bash deploy/host-setup.sh test
 
 up: setup
 	$(VENV)/nodesampler up
 
-lint: setup
+lint: setup-test
 	$(VENV)/ruff check .
 	$(VENV)/mypy
 
@@ -17,10 +21,14 @@ test: lint
 	$(VENV)/pytest -q
 
 # The kernel tests on real guest kernels (Debian 12 and 13) under QEMU: see vagrant/run-tests.sh.
-vm-test: setup
+vm-test: setup-test
 	bash vagrant/run-tests.sh
 
 # The same guests through Vagrant and libvirt (qemu driver), in a network
 # namespace of their own, from boxes built offline: see vagrant/vagrant-up-test.sh.
 vagrant-test:
 	bash vagrant/vagrant-up-test.sh
+
+# The agent and control plane image (podman; BUILDER=docker works too), from wheels built here.
+image: setup
+	bash deploy/build-image.sh

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# `make setup`: install what this host lacks to run and test nodesampler, and
-# nothing when nothing is missing. Debian/Ubuntu, as root for the apt part.
+# `make setup` (deploy/host-setup.sh): install what this host lacks to run
+# nodesampler, and nothing when nothing is missing. `make test` runs it with
+# `test`: also what only the tests need. Debian/Ubuntu, as root for the apt part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode=${1:-run}
 
 arch=$(dpkg --print-architecture)
 # python3-bpfcc: bcc has no PyPI release, so the virtualenv sees the system's.
 # linux-headers-$arch: bcc compiles programs at run time against kernel headers.
-# iproute2 and nftables: the fleet test builds its own network of namespaces.
-# prometheus (with promtool): the export is checked by a real Prometheus.
-# chromium: the page tests drive a real headless browser (playwright, without its own browser download).
-# qemu-system-x86: the VM harness's hang report is tested against a real QEMU monitor.
-packages="python3-venv python3-pip python3-bpfcc linux-headers-$arch iproute2 nftables prometheus chromium qemu-system-x86"
+packages="python3-venv python3-pip python3-bpfcc linux-headers-$arch"
+extra=""
+if [ "$mode" = test ]; then
+    # iproute2 and nftables: the fleet test builds its own network of namespaces.
+    # prometheus (with promtool): the export is checked by a real Prometheus.
+    # chromium: the page tests drive a real headless browser (playwright, without its own browser download).
+    # qemu-system-x86: the VM harness's hang report is tested against a real QEMU monitor.
+    # podman, runc, debootstrap: the image is built here (its base made with
+    # debootstrap: no registry) and the manifests' pods run in it (runc: crun
+    # refuses hybrid cgroup hosts).
+    packages="$packages iproute2 nftables prometheus chromium qemu-system-x86 podman runc debootstrap"
+    extra="[test]"
+fi
 missing=""
 for p in $packages; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -44,9 +54,9 @@ fi
 if [ ! -x .venv/bin/python ]; then
     /usr/bin/python3 -m venv --system-site-packages .venv
 fi
-stamp=".venv/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)"
-if [ ! -e "$stamp" ]; then
-    .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
-    rm -f .venv/.installed-*
+stamp=".venv/.installed$extra-$(cat pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -e "$stamp" ] && [ ! -e ".venv/.installed[test]-${stamp##*-}" ]; then
+    .venv/bin/pip install -q --disable-pip-version-check -e ".$extra"
+    rm -f .venv/.installed*
     touch "$stamp"
 fi

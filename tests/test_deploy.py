@@ -7,18 +7,33 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from typing import Any
 
 import yaml
+
+from tests.podman_pods import find, manifests
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
+def test_kustomization_applies_every_manifest_once() -> None:
+    k = yaml.safe_load((DEPLOY / "kubernetes" / "kustomization.yaml").read_text())
+    files = {p.name for p in (DEPLOY / "kubernetes").glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(k["resources"]) == files - {"tls-secret.example.yaml"}  # the keys are the operator's
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in manifests()}
+    assert kinds >= {("Namespace", "nodesampler"), ("ServiceAccount", "nodesampler-agent"),
+                     ("DaemonSet", "nodesampler-agent"), ("ServiceAccount", "nodesampler-controlplane"),
+                     ("ClusterRoleBinding", "nodesampler-controlplane-issuer-discovery"),
+                     ("Deployment", "nodesampler-controlplane"), ("Service", "nodesampler-controlplane"),
+                     ("Service", "nodesampler-pages"), ("NetworkPolicy", "nodesampler-controlplane"),
+                     ("ServiceMonitor", "nodesampler")}  # fmt: skip
+    for d in manifests():
+        if d["kind"] not in ("Namespace", "ClusterRoleBinding"):
+            assert d["metadata"]["namespace"] == "nodesampler", d["metadata"]["name"]
+
+
 def test_daemonset() -> None:
-    ds: dict[str, Any] = yaml.safe_load((DEPLOY / "daemonset.yaml").read_text())
-    assert ds["kind"] == "DaemonSet"
-    pod = ds["spec"]["template"]["spec"]
-    assert pod["hostPID"] is True
+    pod = find("DaemonSet", "nodesampler-agent")["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True and pod["serviceAccountName"] == "nodesampler-agent"
     [agent] = pod["containers"]
     assert agent["securityContext"]["privileged"] is True
     assert agent["command"] == ["nodesampler", "agent"]
@@ -27,19 +42,48 @@ def test_daemonset() -> None:
     for path in ("/sys", "/lib/modules", "/usr/src"):
         assert mounts[path]["readOnly"] is True
         assert volumes[mounts[path]["name"]]["hostPath"]["path"] == path
+    assert volumes[mounts["/host"]["name"]]["hostPath"]["path"] == "/" and mounts["/host"]["readOnly"] is True
+    args = dict(a.removeprefix("--").split("=", 1) for a in agent["args"])
+    assert args["host-root"] == "/host" and args["node"] == "$(NODE_NAME)"
+    assert args["control-plane"].startswith("https://nodesampler-controlplane.nodesampler.svc:")
     env = {e["name"]: e for e in agent["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    assert "--node=$(NODE_NAME)" in agent["args"]
-    token_arg = next(a for a in agent["args"] if a.startswith("--token-file="))
-    token_mount = next(m for m in agent["volumeMounts"] if token_arg.split("=", 1)[1].startswith(m["mountPath"]))
-    assert "secret" in volumes[token_mount["name"]]
+    # The token is the pod's own, projected for our audience: no per-node Secret.
+    token = next(m for m in agent["volumeMounts"] if args["token-file"].startswith(m["mountPath"] + "/"))
+    [source] = volumes[token["name"]]["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == "nodesampler"
+    ca = next(m for m in agent["volumeMounts"] if args["ca-file"].startswith(m["mountPath"] + "/"))
+    assert volumes[ca["name"]]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # never the key
+    config = next(m for m in agent["volumeMounts"] if args["config"].startswith(m["mountPath"] + "/"))
+    assert volumes[config["name"]]["configMap"]["optional"] is True
+
+
+def test_controlplane_verifies_the_agents_account() -> None:
+    pod = find("Deployment", "nodesampler-controlplane")["spec"]["template"]["spec"]
+    [cp] = pod["containers"]
+    args = dict(a.removeprefix("--").split("=", 1) for a in cp["args"])
+    namespace, name = args["k8s-service-account"].split("/")
+    agent_sa = find("ServiceAccount", "nodesampler-agent")["metadata"]
+    assert (namespace, name) == (agent_sa["namespace"], agent_sa["name"])
+    assert args["k8s-audience"] == "nodesampler" and "tls-cert" in args and "secret-file" not in args
+    binding = find("ClusterRoleBinding", "nodesampler-controlplane-issuer-discovery")
+    assert binding["roleRef"]["name"] == "system:service-account-issuer-discovery"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                    "namespace": "nodesampler"}]  # fmt: skip
+    policy = find("NetworkPolicy", "nodesampler-controlplane")["spec"]
+    agent_port = int(args["listen"].rsplit(":", 1)[1])
+    [agents_rule] = [r for r in policy["ingress"] if r["ports"][0]["port"] == agent_port]
+    assert agents_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nodesampler-agent"}}}]
 
 
 def test_dockerfile() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
-    assert text.startswith("#") and "\nFROM debian:" in text
-    assert "python3-bpfcc" in text and "--system-site-packages" in text
-    assert "COPY bpf bpf" in text
+    assert text.startswith("#") and "\nFROM ${BASE}" in text and "ARG BASE=debian:" in text
+    assert "python3-bpfcc" in text and "--system-site-packages" in text and "--no-index" in text
+    pins = [line for line in (DEPLOY / "image-requirements.txt").read_text().splitlines()
+            if line and not line.startswith("#")]  # fmt: skip
+    assert pins and all("==" in p for p in pins)
+    assert {"numpy", "aiohttp", "PyJWT", "cryptography"} <= {p.split("==")[0] for p in pins}
 
 
 def test_systemd_unit() -> None:

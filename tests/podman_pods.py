@@ -1,0 +1,235 @@
+"""The shipped manifests' pods, run for real with podman.
+
+podman 4.3's `kube play` knows no DaemonSet, so this maps a pod spec taken
+from the YAML onto `podman run`, field by field, as the kubelet would: the
+command and its args (with `$(VAR)` expanded from the env), the env (the
+downward API's `spec.nodeName` from the node the test plays), privileged /
+hostPID / user / read-only root / capabilities, memory and CPU limits, and
+every volume: host paths as they are, Secrets, ConfigMaps and projected
+service-account tokens as files the test writes the way the kubelet does
+(a timestamped directory behind a `..data` symlink swapped atomically on
+update). Networking is the host's: the cluster's Service names are added
+to the containers' /etc/hosts as 127.0.0.1.
+
+A field this mapping does not know fails the test: a manifest that grows
+one must grow the mapping too, never be run half-understood.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+KUBERNETES = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+POD_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+# This host's hard nofile limit is 20,000: a container may not ask for more.
+ULIMITS = ["--ulimit", "nofile=16384:16384", "--ulimit", "nproc=16384:16384"]
+
+KNOWN_POD = {"serviceAccountName", "automountServiceAccountToken", "hostPID", "priorityClassName",
+             "terminationGracePeriodSeconds", "tolerations", "containers", "volumes", "securityContext"}  # fmt: skip
+KNOWN_CONTAINER = {"name", "image", "command", "args", "env", "securityContext", "resources", "volumeMounts",
+                   "ports", "readinessProbe", "livenessProbe"}  # fmt: skip
+
+
+def manifests() -> list[dict[str, Any]]:
+    """Every object `kubectl apply -k deploy/kubernetes` would apply."""
+    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+    docs: list[dict[str, Any]] = []
+    for name in kustomization["resources"]:
+        docs.extend(d for d in yaml.safe_load_all((KUBERNETES / name).read_text()) if d)
+    return docs
+
+
+def find(kind: str, name: str) -> dict[str, Any]:
+    [doc] = [d for d in manifests() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def quantity_bytes(q: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "K": 10**3, "M": 10**6, "G": 10**9}
+    m = re.fullmatch(r"(\d+)([KMG]i?)?", q)
+    assert m, f"quantity {q!r}"
+    return int(m.group(1)) * units.get(m.group(2) or "", 1)
+
+
+def quantity_cpus(q: str) -> float:
+    return int(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+class KubeletFiles:
+    """A Secret / ConfigMap / projected volume's files, written as the kubelet's
+    atomic writer does: `..TIMESTAMP/` holds them, `..data` points at it, and
+    each file is a symlink through `..data`. `update` swaps `..data` at once."""
+
+    def __init__(self, root: Path, files: dict[str, bytes], mode: int = 0o644) -> None:
+        self.root, self.mode = root, mode
+        root.mkdir(parents=True, exist_ok=True)
+        root.chmod(0o755)
+        self.update(files)
+
+    def update(self, files: dict[str, bytes]) -> None:
+        stamp = self.root / f"..{time.time_ns()}"
+        stamp.mkdir()
+        stamp.chmod(0o755)
+        for name, data in files.items():
+            (stamp / name).write_bytes(data)
+            (stamp / name).chmod(self.mode)
+        tmp = self.root / "..data_tmp"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(stamp.name)
+        old = (self.root / "..data").resolve() if (self.root / "..data").is_symlink() else None
+        os.replace(tmp, self.root / "..data")
+        for entry in self.root.iterdir():
+            if not entry.name.startswith("..") and entry.name not in files:
+                entry.unlink()  # a key that went away
+        for name in files:
+            if not (self.root / name).is_symlink():
+                (self.root / name).symlink_to(f"..data/{name}")
+        if old is not None and old != stamp:
+            shutil.rmtree(old)
+
+
+@dataclass
+class PlayedPod:
+    """What the test gives a pod that the cluster would: its node, the
+    Secrets' and ConfigMaps' data, service-account tokens by audience."""
+
+    node: str
+    secrets: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    config_maps: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    sa_tokens: dict[str, str] = field(default_factory=dict)  # audience -> token ("" audience: the API server's)
+    cluster_ca: bytes = b""
+    hosts: dict[str, str] = field(default_factory=dict)  # Service DNS name -> address
+    volumes: dict[str, KubeletFiles] = field(default_factory=dict)  # filled by podman_run
+
+    def file_volume(self, spec: dict[str, Any], where: Path) -> KubeletFiles | None:
+        """The files of a Secret, ConfigMap or projected volume; None for a missing optional one."""
+        if "secret" in spec:
+            src = spec["secret"]
+            data = self.secrets.get(src["secretName"])
+            if data is None:
+                assert src.get("optional"), f"Secret {src['secretName']} is not given and not optional"
+                return None
+            return KubeletFiles(where, _items(data, src.get("items")))
+        if "configMap" in spec:
+            src = spec["configMap"]
+            data = self.config_maps.get(src["name"])
+            if data is None:
+                assert src.get("optional"), f"ConfigMap {src['name']} is not given and not optional"
+                return KubeletFiles(where, {})  # the kubelet mounts an empty directory
+            return KubeletFiles(where, _items(data, src.get("items")))
+        if "projected" in spec:
+            files: dict[str, bytes] = {}
+            for source in spec["projected"]["sources"]:
+                [(kind, src)] = source.items()
+                assert kind == "serviceAccountToken", f"projected source {kind} not mapped"
+                assert 600 <= src["expirationSeconds"] <= 86400  # what the API server grants
+                files[src["path"]] = self.sa_tokens[src["audience"]].encode()
+            return KubeletFiles(where, files, mode=0o600)
+        raise AssertionError(f"volume {spec['name']}: kind not mapped: {sorted(spec)}")
+
+
+def _items(data: dict[str, bytes], items: list[dict[str, str]] | None) -> dict[str, bytes]:
+    if items is None:
+        return dict(data)
+    return {i["path"]: data[i["key"]] for i in items}
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    # The kubelet expands $(VAR) from the container's env; $$(VAR) escapes.
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def podman_run(pod: dict[str, Any], played: PlayedPod, name: str, work: Path, image: str,
+               extra: Iterable[str] = ()) -> list[str]:  # fmt: skip
+    """`podman run -d ...` for the pod's one container, as the pod spec says."""
+    unknown = set(pod) - KNOWN_POD
+    assert not unknown, f"pod spec fields not mapped: {unknown}"
+    [c] = pod["containers"]
+    unknown = set(c) - KNOWN_CONTAINER
+    assert not unknown, f"container fields not mapped: {unknown}"
+    assert c["image"] == image, f"the manifest runs {c['image']}, the build made {image}"
+    argv = ["podman", "run", "-d", "--name", name, "--runtime", "runc", *ULIMITS, "--network", "host"]
+    for host, address in played.hosts.items():
+        argv += ["--add-host", f"{host}:{address}"]
+    if pod.get("hostPID"):
+        argv += ["--pid", "host"]
+    pod_sc = pod.get("securityContext", {})
+    sc = c.get("securityContext", {})
+    if sc.get("privileged"):
+        argv.append("--privileged")
+    user = sc.get("runAsUser", pod_sc.get("runAsUser"))
+    if user is not None:
+        argv += ["--user", f"{user}:{sc.get('runAsGroup', pod_sc.get('runAsGroup', user))}"]
+    if sc.get("readOnlyRootFilesystem"):
+        argv.append("--read-only")
+    if sc.get("allowPrivilegeEscalation") is False:
+        argv += ["--security-opt", "no-new-privileges"]
+    for cap in sc.get("capabilities", {}).get("drop", []):
+        argv += ["--cap-drop", cap]
+    limits = c.get("resources", {}).get("limits", {})
+    if "memory" in limits:
+        argv += ["--memory", str(quantity_bytes(limits["memory"]))]
+    if "cpu" in limits:
+        argv += ["--cpus", str(quantity_cpus(limits["cpu"]))]
+    env: dict[str, str] = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        else:
+            path = e["valueFrom"]["fieldRef"]["fieldPath"]
+            assert path == "spec.nodeName", f"downward API field {path} not mapped"
+            env[e["name"]] = played.node
+    for k, v in env.items():
+        argv += ["--env", f"{k}={v}"]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for m in c.get("volumeMounts", []):
+        spec = volumes[m["name"]]
+        options = ["ro"] if m.get("readOnly") else ["rw"]
+        if m.get("mountPropagation") == "HostToContainer":
+            options.append("rslave")
+        if "hostPath" in spec:
+            source = Path(spec["hostPath"]["path"])
+        else:
+            files = played.file_volume(spec, work / name / m["name"])
+            if files is None:
+                continue  # a missing optional Secret: no mount
+            played.volumes[m["name"]] = files
+            source = files.root
+        argv += ["--volume", f"{source}:{m['mountPath']}:{','.join(options)}"]
+    if pod.get("automountServiceAccountToken", True):
+        sa = KubeletFiles(work / name / "serviceaccount", {"token": played.sa_tokens[""].encode(),
+                                                           "ca.crt": played.cluster_ca,
+                                                           "namespace": b"nodesampler"})  # fmt: skip
+        argv += ["--volume", f"{sa.root}:{POD_SA_DIR}:ro"]
+    command = [_expand(a, env) for a in c.get("command", [])]
+    args = [_expand(a, env) for a in c.get("args", [])]
+    if command:
+        argv += ["--entrypoint", command[0]]
+    argv += [*extra, image, *command[1:], *args]
+    return argv
+
+
+def start(argv: list[str]) -> str:
+    subprocess.run(["podman", "rm", "-f", "-t", "0", argv[argv.index("--name") + 1]], capture_output=True)
+    r = subprocess.run(argv, capture_output=True, text=True)
+    assert r.returncode == 0, f"{' '.join(argv)}\n{r.stderr}"
+    return r.stdout.strip()
+
+
+def logs(name: str) -> str:
+    r = subprocess.run(["podman", "logs", name], capture_output=True, text=True)
+    return r.stdout + r.stderr
+
+
+def remove(name: str) -> None:
+    subprocess.run(["podman", "rm", "-f", "-t", "5", name], capture_output=True)

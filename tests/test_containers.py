@@ -1,0 +1,358 @@
+"""The product as deployed: the image built here, the control plane's and the
+agent's pods run with podman exactly as deploy/kubernetes says (see
+podman_pods.py), two agents as two nodes, each with its own projected
+service-account token signed by a test issuer whose keys the control plane
+fetches as it would from the API server.
+
+Root, podman and a kernel backend that loads are needed;
+NODESAMPLER_REQUIRE_CONTAINERS=1 (CI) fails instead of skipping without them.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import os
+import re
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodesampler import __version__
+from sampler.machine import MachineGaugeReader
+from tests import podman_pods as pods
+from tests.certs import TestCA
+from tests.issuer import TestIssuer
+from tests.workloads import QUARTER_WORKERS, group_cpu_seconds, start_group
+
+pytestmark = pytest.mark.container
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIRED = os.environ.get("NODESAMPLER_REQUIRE_CONTAINERS") == "1"
+CP_HOST = "nodesampler-controlplane.nodesampler.svc"
+API_HOST = "kubernetes.default.svc"
+ENGINE_TAG = "nodesampler-test-engine"
+WAIT_S = 120.0
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+def _unavailable(reason: str) -> None:
+    if REQUIRED:
+        pytest.fail(f"NODESAMPLER_REQUIRE_CONTAINERS=1 and {reason}")
+    pytest.skip(reason)
+
+
+def until(what: str, check: Callable[[], Any], timeout: float = WAIT_S, every: float = 0.5) -> Any:
+    """Poll `check` until it returns something true. Polling is the only way
+    to await another process's state here: the containers offer no event."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every)
+
+
+class IssuerServer:
+    """The API server's `/openid/v1/jwks`, over TLS as `kubernetes.default.svc`,
+    answering only a bearer token (the control plane's own)."""
+
+    def __init__(self, issuer: TestIssuer, ca: TestCA, work: Path, token: str) -> None:
+        cert, key = work / "api.crt", work / "api.key"
+        ca.issue(cert, key, [API_HOST])
+        self.seen: list[str] = []
+        jwks = json.dumps(issuer.jwks()).encode()
+        seen = self.seen
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                seen.append(self.headers.get("Authorization", ""))
+                ok = self.path == "/openid/v1/jwks" and self.headers.get("Authorization") == f"Bearer {token}"
+                body = jwks if ok else b'{"kind":"Status","code":401}'
+                self.send_response(200 if ok else 401)
+                self.send_header("Content-Type", "application/jwk-set+json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 443), Handler)
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert, key)
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class CpuTruth:
+    """The kernel's account of a process group's CPU seconds, recorded with
+    wall-clock stamps at 20 Hz, read back at any window's edges."""
+
+    def __init__(self, pgid: int) -> None:
+        self.pgid = pgid
+        self.points: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.points.append((time.time(), group_cpu_seconds(self.pgid)))
+
+    def at(self, t: float) -> float | None:
+        for (t0, s0), (t1, s1) in zip(self.points, self.points[1:], strict=False):
+            if t0 <= t <= t1:
+                return s0 + (s1 - s0) * (t - t0) / (t1 - t0)
+        return None
+
+    def cores(self, start: float, end: float) -> float | None:
+        a, b = self.at(start), self.at(end)
+        return None if a is None or b is None else (b - a) / (end - start)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
+
+
+def get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return str(r.read().decode())
+
+
+class Cluster:
+    """The control plane and two agents' pods, and what the test knows of them."""
+
+    def __init__(self, work: Path, image: str) -> None:
+        self.work, self.image = work, image
+        self.issuer = TestIssuer(kid="cluster-key-1")
+        self.cluster_ca = TestCA("test cluster CA")
+        self.tls_ca = TestCA("nodesampler CA")
+        cert, key = work / "tls.crt", work / "tls.key"
+        self.tls_ca.issue(cert, key, [CP_HOST])
+        self.tls = {"tls.crt": cert.read_bytes(), "tls.key": key.read_bytes(),
+                    "ca.crt": self.tls_ca.cert.public_bytes(_pem())}  # fmt: skip
+        self.cp_token = self.issuer.token(None, account="nodesampler-controlplane")
+        self.api = IssuerServer(self.issuer, self.cluster_ca, work, self.cp_token)
+        self.names: list[str] = []
+        self.played: dict[str, pods.PlayedPod] = {}
+        self.pages = "http://127.0.0.1:8080"
+
+    def hosts(self) -> dict[str, str]:
+        return {CP_HOST: "127.0.0.1", API_HOST: "127.0.0.1"}
+
+    def start_controlplane(self) -> None:
+        deployment = pods.find("Deployment", "nodesampler-controlplane")
+        played = pods.PlayedPod(node="node-cp", secrets={"nodesampler-controlplane-tls": self.tls},
+                                sa_tokens={"": self.cp_token}, hosts=self.hosts(),
+                                cluster_ca=self.cluster_ca.cert.public_bytes(_pem()))  # fmt: skip
+        self._run(deployment["spec"]["template"]["spec"], played, "nodesampler-test-cp")
+        until("the control plane's /health", self._healthy)
+
+    def _healthy(self) -> bool:
+        try:
+            return bool(get_json(f"{self.pages}/health")["status"] == "ok")
+        except OSError:
+            return False
+
+    def start_agent(self, node: str, token: str, config: bytes | None = None, ca: bytes | None = None) -> str:
+        ds = pods.find("DaemonSet", "nodesampler-agent")
+        tls = dict(self.tls) if ca is None else {**self.tls, "ca.crt": ca}
+        played = pods.PlayedPod(node=node, secrets={"nodesampler-controlplane-tls": tls},
+                                config_maps={} if config is None else {"nodesampler-agent": {"agent.toml": config}},
+                                sa_tokens={"nodesampler": token}, hosts=self.hosts())  # fmt: skip
+        name = f"nodesampler-test-agent-{node}"
+        self._run(ds["spec"]["template"]["spec"], played, name)
+        return name
+
+    def _run(self, pod: dict[str, Any], played: pods.PlayedPod, name: str) -> None:
+        argv = pods.podman_run(pod, played, name, self.work, self.image)
+        (self.work / f"{name}.argv").write_text(" ".join(argv))
+        pods.start(argv)
+        self.names.append(name)
+        self.played[name] = played
+
+    def node(self, name: str) -> dict[str, Any] | None:
+        for n in get_json(f"{self.pages}/api/nodes")["nodes"]:
+            if n["node"] == name:
+                return dict(n)
+        return None
+
+    def heartbeat(self, name: str, after_seq: int = 0) -> dict[str, Any] | None:
+        n = self.node(name)
+        hb = n and n["state"] == "fresh" and n["heartbeat"]
+        return hb if hb and hb["seq"] > after_seq else None
+
+    def close(self) -> None:
+        ARTIFACTS.mkdir(exist_ok=True)
+        for name in self.names:
+            (ARTIFACTS / f"{name}.log").write_text(pods.logs(name))
+            pods.remove(name)
+        self.api.close()
+
+
+def _pem() -> Any:
+    from cryptography.hazmat.primitives import serialization
+
+    return serialization.Encoding.PEM
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    if os.geteuid() != 0:
+        _unavailable("the container tests need root")
+    if shutil.which("podman") is None:
+        _unavailable("podman is not installed (make test installs it)")
+    r = subprocess.run(["bash", str(ROOT / "deploy" / "build-image.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[subprocess.Popen[str]]:
+    p = start_group(QUARTER_WORKERS, ENGINE_TAG)
+    yield p
+    os.killpg(p.pid, 9)
+    p.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("cluster"), image)
+    try:
+        c.start_controlplane()
+        yield c
+    finally:
+        c.close()
+
+
+ENGINE_CONFIG = f"""
+[[shard]]
+id = "engine"
+model = "test-model"
+replica = "r1"
+select = "cmdline:{ENGINE_TAG}"
+""".encode()
+
+
+def test_the_manifests_image_is_this_version(image: str) -> None:
+    assert image == f"nodesampler:{__version__}"
+
+
+def test_two_nodes_each_speaking_for_itself(cluster: Cluster, engine: subprocess.Popen[str]) -> None:
+    t0 = time.time()
+    # node-a's first token expires within the test; the "kubelet" rotates it.
+    short = cluster.issuer.token("node-a", ttl=15, now=t0)
+    a = cluster.start_agent("node-a", short)
+    b = cluster.start_agent("node-b", cluster.issuer.token("node-b"), config=ENGINE_CONFIG)
+    truth = CpuTruth(engine.pid)
+    try:
+        hb_a = until("node-a's first heartbeat", lambda: cluster.heartbeat("node-a"))
+        until("node-b's first heartbeat", lambda: cluster.heartbeat("node-b"))
+        cluster.played[a].volumes["token"].update({"token": cluster.issuer.token("node-a").encode()})
+
+        metrics = get_text(f"{cluster.pages}/metrics")
+        for node in ("node-a", "node-b"):
+            assert f'llmgw_node_up{{node="{node}"}} 1\n' in metrics
+        # The control plane fetched the issuer's keys with its own token.
+        assert cluster.api.seen and set(cluster.api.seen) == {f"Bearer {cluster.cp_token}"}
+
+        # Each agent saw the host, through the container: its name, its disks, the kernel backend.
+        reg = cluster.node("node-a")["registration"]  # type: ignore[index]
+        assert reg["hostname"] == socket.gethostname()
+        assert reg["backend"] == "bpf", reg.get("backend_reason")
+        host_disks = MachineGaugeReader(Path("/proc")).read_disks()
+        assert host_disks is not None
+        assert {d["mount"]: d["bytes"] for d in hb_a["machine"]["disks"]} == {d["mount"]: d["bytes"]
+                                                                             for d in host_disks}  # fmt: skip
+
+        # Without a ConfigMap node-a reports the busiest groups; node-b its shard.
+        assert all(s["id"].startswith("pgid:") for s in hb_a["shards"])
+        hb_b = until("a node-b window with the engine's truth on both edges", lambda: _judged(cluster, truth))
+        [shard] = hb_b["shards"]
+        assert shard["id"] == "engine" and shard["model"] == "test-model"
+        w = hb_b["window"]
+        cores = truth.cores(w["start"], w["end"])
+        assert cores is not None and abs(shard["cpu_cores"]["mean"] - cores) <= 0.05 + 0.02 * cores, (shard, cores)
+        assert shard["cpu_cores"]["max"] >= shard["cpu_cores"]["mean"]
+
+        # A ConfigMap edit is picked up.
+        cluster.played[b].volumes["config"].update({"agent.toml": ENGINE_CONFIG.replace(b'"engine"', b'"edited"')})
+        until("node-b's edited shard", lambda: (hb := cluster.heartbeat("node-b")) and
+              [s["id"] for s in hb["shards"]] == ["edited"])  # fmt: skip
+
+        # node-a's first token has expired (with the leeway): its heartbeats go on with the rotated one.
+        until("a node-a heartbeat after its first token expired",
+              lambda: (hb := cluster.heartbeat("node-a")) and hb["window"]["end"] > t0 + 15 + 30 + 1)  # fmt: skip
+        assert "changed: using the new token" in pods.logs(a)
+        refused = re.findall(r'nodesampler_requests_rejected_total\{kind="heartbeat",reason="(\w+)"\} (\S+)',
+                             get_text(f"{cluster.pages}/metrics"))  # fmt: skip
+        assert all(float(n) == 0 for _, n in refused), refused
+    finally:
+        truth.stop()
+
+
+def _judged(cluster: Cluster, truth: CpuTruth) -> dict[str, Any] | None:
+    hb = cluster.heartbeat("node-b")
+    if not hb or not hb["shards"] or hb["window"]["samples"] < 10:
+        return None
+    w = hb["window"]
+    return hb if truth.cores(w["start"], w["end"]) is not None else None
+
+
+def _post(path: str, body: dict[str, Any], token: str, cluster: Cluster) -> int:
+    """POST to the agent port over TLS, verifying the Service's name (which
+    resolves to loopback only inside the containers)."""
+    context = ssl.create_default_context(cadata=cluster.tls["ca.crt"].decode())
+    conn = http.client.HTTPSConnection(CP_HOST, 8081, context=context, timeout=10)
+    conn.sock = context.wrap_socket(socket.create_connection(("127.0.0.1", 8081), timeout=10),
+                                    server_hostname=CP_HOST)  # fmt: skip
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Authorization": f"Bearer {token}",
+                                                                  "Content-Type": "application/json"})  # fmt: skip
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_tokens_that_are_not_this_nodes_are_refused(cluster: Cluster) -> None:
+    body = {"node": "node-b", "hostname": "x", "kernel": "6.1", "agent_version": __version__, "backend": "proc"}
+    i = cluster.issuer
+    assert _post("/v1/register", body, i.token("node-a"), cluster) == 403  # node A's token, node B's body
+    assert _post("/v1/register", body, i.token("node-b", ttl=-600), cluster) == 401  # expired
+    assert _post("/v1/register", body, i.token("node-b", audience="kubernetes"), cluster) == 401
+    assert _post("/v1/register", body, i.token("node-b", account="default"), cluster) == 401
+    assert _post("/v1/register", body, TestIssuer(kid="stranger").token("node-b"), cluster) == 401
+    assert _post("/v1/register", body, i.token(None), cluster) == 403  # before Kubernetes 1.30
+    assert "names no node" in pods.logs("nodesampler-test-cp")
+
+
+def test_a_wrong_ca_is_refused_and_said_once(cluster: Cluster) -> None:
+    other = TestCA("not the control plane's CA").cert.public_bytes(_pem())
+    name = cluster.start_agent("node-c", cluster.issuer.token("node-c"), ca=other)
+    line = until("the agent's TLS complaint",
+                 lambda: [x for x in pods.logs(name).splitlines() if "certificate" in x])  # fmt: skip
+    assert len(line) == 1 and "not trusted" in line[0], line
+    assert cluster.node("node-c") is None
