@@ -191,10 +191,12 @@ def _stop_on_sigterm() -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
+    from sampler import host_view
     from sampler.summary_text import render
 
     if args.print_bpf:
         return _print_bpf(args.proc_root)
+    host_view.join_host_cgroup_namespace(args.proc_root)  # as the agent: the host's cgroup paths
     # One window: it may wait for NVML to start (seconds per GPU) and to answer.
     sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root, args.kernel_headers, gpu_grace=5.0,
                             host_root=args.host_root)  # fmt: skip
@@ -326,6 +328,8 @@ def _authenticator(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     if args.secret_file is None and args.k8s_jwks is None:
         _fail(EXIT_USAGE, "--secret-file or --k8s-jwks (or both) is needed: nodes must prove who they are")
+    if args.k8s_issuer and args.k8s_jwks is None:
+        _fail(EXIT_USAGE, "--k8s-issuer without --k8s-jwks: the issuer's keys are needed")
     secret = None
     if args.secret_file is not None:
         try:
@@ -344,8 +348,6 @@ def _authenticator(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             _fail(EXIT_USAGE, f"--k8s-service-account {e}")
         rules = ni.ServiceAccountRules(args.k8s_issuer, args.k8s_audience, namespace, name)
         verifier = ni.ServiceAccountVerifier(ni.JwksSource(args.k8s_jwks), rules)
-    elif args.k8s_issuer:
-        _fail(EXIT_USAGE, "--k8s-issuer without --k8s-jwks: the issuer's keys are needed")
     return ni.NodeAuthenticator(secret, verifier)
 
 

@@ -158,7 +158,10 @@ def podman_run(pod: dict[str, Any], played: PlayedPod, name: str, work: Path, im
     unknown = set(c) - KNOWN_CONTAINER
     assert not unknown, f"container fields not mapped: {unknown}"
     assert c["image"] == image, f"the manifest runs {c['image']}, the build made {image}"
-    argv = ["podman", "run", "-d", "--name", name, "--runtime", "runc", *ULIMITS, "--network", "host"]
+    # A private cgroup namespace, as containerd gives every container on a
+    # cgroup v2 node (the harder case: the agent must join the host's).
+    argv = ["podman", "run", "-d", "--name", name, "--runtime", "runc", *ULIMITS, "--network", "host",
+            "--cgroupns", "private"]  # fmt: skip
     for host, address in played.hosts.items():
         argv += ["--add-host", f"{host}:{address}"]
     if pod.get("hostPID"):

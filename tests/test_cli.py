@@ -12,6 +12,8 @@ import pytest
 
 from tests.fakeproc import FakeProc
 
+CP = ["controlplane", "--listen", "127.0.0.1:0", "--pages-listen", "127.0.0.1:0"]
+
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "nodesampler", *args], capture_output=True, text=True, timeout=60)
@@ -38,6 +40,21 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (["sample", "--backend", "ebpf"], "invalid choice"),
         (["sample", "--proc-root", "/nonexistent/proc"], "not a directory"),
         (["sample", "--bogus"], "unrecognized"),
+        (["sample", "--host-root", "/nonexistent/host"], "not a directory"),
+        (CP, "--secret-file or --k8s-jwks"),
+        ([*CP, "--k8s-jwks", "/etc/hostname"], "--k8s-issuer"),
+        ([*CP, "--k8s-jwks", "/nonexistent/jwks.json", "--k8s-issuer", "https://x"], "no such file"),
+        ([*CP, "--k8s-jwks", "https://x/jwks", "--k8s-issuer", "https://x", "--k8s-service-account", "nope"],
+         "NAMESPACE/NAME"),
+        ([*CP, "--secret-file", "/etc/hostname", "--k8s-issuer", "https://x"], "without --k8s-jwks"),
+        ([*CP, "--k8s-jwks", "https://x/jwks", "--k8s-issuer", "https://x", "--tls-cert", "/etc/hostname"],
+         "go together"),
+        ([*CP, "--k8s-jwks", "https://x/jwks", "--k8s-issuer", "https://x", "--tls-cert", "/etc/hostname",
+          "--tls-key", "/etc/hostname"], "--tls-cert/--tls-key"),
+        (["agent", "--control-plane", "http://cp:8081", "--token-file", "/etc/hostname", "--ca-file", "/etc/hostname"],
+         "https://"),
+        (["agent", "--control-plane", "https://cp:8081", "--token-file", "/etc/hostname", "--ca-file",
+          "/nonexistent/ca.crt"], "--ca-file"),
     ],
 )
 def test_misuse_is_one_line_and_exit_2(args: list[str], reason: str) -> None:
@@ -117,3 +134,18 @@ def test_sample_on_a_node_without_nvml_has_no_gpus() -> None:
     assert json.loads(r.stdout)["gpus"] == []  # measured: no GPUs, unlike a missing key
     text = run("sample", "--duration", "0.2", "--backend", "proc").stdout
     assert "GPU      none" in text
+
+
+def test_a_listener_off_loopback_without_tls_warns_once(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("a cluster secret of some length")
+    cp = subprocess.Popen([sys.executable, "-m", "nodesampler", "controlplane", "--listen", "0.0.0.0:0",
+                           "--pages-listen", "127.0.0.1:0", "--secret-file", str(secret)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert cp.stdout is not None and "control plane" in cp.stdout.readline()  # up: the warning came before
+    finally:
+        cp.terminate()
+        _, err = cp.communicate(timeout=30)
+    warnings = [line for line in err.splitlines() if "clear text" in line]
+    assert len(warnings) == 1 and "0.0.0.0:0" in warnings[0] and "--tls-cert" in warnings[0]
