@@ -49,8 +49,13 @@ if [ "${NODESAMPLER_DEBOOTSTRAP:-0}" = 1 ] || ! "$builder" image exists "$base" 
 fi
 
 echo "build-image: $image" >&2
+old=$("$builder" image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)
 runtime=()
 [ "$builder" = podman ] && runtime=(--runtime runc)  # crun refuses hybrid cgroup hosts
 "$builder" build "${runtime[@]}" --network=host --pull=never --label "nodesampler.inputs=$inputs" \
     -t "$image" "$ctx" >&2
+# The image this one replaced, now nameless: gone, so rebuilds do not fill the disk.
+if [ -n "$old" ] && [ "$old" != "$("$builder" image inspect --format '{{.Id}}' "$image")" ]; then
+    "$builder" rmi "$old" >/dev/null 2>&1 || true
+fi
 echo "$image"
