@@ -86,6 +86,7 @@ class JwksSource:
         self._keys: dict[str, jwt.PyJWK] = {}
         self._last_try: float | None = None
         self._lock = asyncio.Lock()
+        self._session: aiohttp.ClientSession | None = None  # one for the process's life, made on first use
 
     async def _read_file(self) -> bytes:
         return Path(self.location).read_bytes()
@@ -96,13 +97,18 @@ class JwksSource:
         if sa_token.exists():
             headers["Authorization"] = f"Bearer {sa_token.read_text().strip()}"
         ca = self._sa_dir / "ca.crt"
-        context = ssl.create_default_context(cafile=str(ca) if ca.exists() else None)
-        timeout = aiohttp.ClientTimeout(total=10)
-        async with aiohttp.ClientSession(timeout=timeout) as session, \
-                session.get(self.location, headers=headers, ssl=context) as r:  # fmt: skip
+        context = ssl.create_default_context(cafile=str(ca) if ca.exists() else None)  # re-read: it may rotate
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        async with self._session.get(self.location, headers=headers, ssl=context) as r:
             if r.status != 200:
                 raise OSError(f"HTTP {r.status}")
             return await r.read()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     @staticmethod
     def parse(data: bytes) -> dict[str, jwt.PyJWK]:

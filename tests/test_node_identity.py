@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import jwt
 import pytest
+from aiohttp import web
 
 from controlplane.node_identity import (
     REFETCH_EVERY_S,
@@ -191,3 +193,31 @@ async def test_hmac_and_service_account_tokens_side_by_side(issuer: TestIssuer, 
     assert looks_like_jwt(issuer.token("gpu-17")) and not looks_like_jwt(tokens.node_token(SECRET, "a.b"))
     with pytest.raises(ValueError):
         NodeAuthenticator()
+
+
+async def test_jwks_from_a_url_with_the_pods_own_token(aiohttp_server: Any, issuer: TestIssuer,
+                                                       tmp_path: Path) -> None:  # fmt: skip
+    seen: list[str] = []
+
+    async def jwks(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization", ""))
+        if request.headers.get("Authorization") != "Bearer my-own-token":
+            return web.json_response({"code": 401}, status=401)
+        return web.json_response(issuer.jwks())
+
+    app = web.Application()
+    app.router.add_get("/openid/v1/jwks", jwks)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("/openid/v1/jwks"))
+    (tmp_path / "token").write_text("my-own-token\n")
+    source = JwksSource(url, sa_dir=tmp_path)
+    try:
+        assert await source.refresh() and await source.key("k1") is not None
+        assert seen == ["Bearer my-own-token"]
+    finally:
+        await source.close()
+    anonymous = JwksSource(url, sa_dir=tmp_path / "elsewhere")  # no token mounted: refused, and said
+    try:
+        assert await anonymous.refresh() is False and await anonymous.key("k1") is None
+    finally:
+        await anonymous.close()

@@ -76,3 +76,5 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     finally:
         for runner in runners:
             await runner.cleanup()
+        if auth.service_accounts is not None:
+            await auth.service_accounts.keys.close()
