@@ -131,6 +131,7 @@ class TokenFile:
         self.path = path
         self._seen: tuple[int, int, int] | None = None
         self._token = ""
+        self._problem: str | None = None  # said once, not once a heartbeat
         self.reload()
 
     def reload(self) -> None:
@@ -150,8 +151,11 @@ class TokenFile:
     def value(self) -> str:
         try:
             self.reload()
+            self._problem = None
         except (OSError, ValueError) as e:  # mid-rotation or removed: the last good token is still worth trying
-            log.warning("token file not re-read, keeping the last token: %s", e)
+            if str(e) != self._problem:
+                log.warning("token file not re-read, keeping the last token: %s", e)
+                self._problem = str(e)
         return self._token
 
 
