@@ -30,18 +30,20 @@ class ProcParseError(ValueError):
 
 
 def read_bytes(path: str | Path) -> bytes:
-    # os.open/os.read on a str path: no buffered file object and no Path
-    # joining, which together cost more than the read itself (8 us against
-    # 2.3 us a /proc/<pid>/stat here). One read takes a small file whole.
+    """The whole file, to its end. A seq_file (mountinfo, a long cmdline)
+    hands out a page or so per read, so a short read is not the end: only an
+    empty one is (as psutil reads). os.open/os.read on a str path: no
+    buffered file object and no Path joining, which together cost more than
+    the read itself (8 us against 2.3 us a /proc/<pid>/stat here)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         data = os.read(fd, 8192)
-        if len(data) < 8192:
+        if not data:
             return data
         chunks = [data]
         while chunk := os.read(fd, 65536):
             chunks.append(chunk)
-        return b"".join(chunks)
+        return data if len(chunks) == 1 else b"".join(chunks)
     finally:
         os.close(fd)
 

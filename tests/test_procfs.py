@@ -1,3 +1,6 @@
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,3 +107,31 @@ def test_vanished_process_is_process_gone(tmp_path: Path) -> None:
 
 def test_list_pids_of_missing_proc(tmp_path: Path) -> None:
     assert procfs.list_pids(tmp_path / "nope") == []
+
+
+def test_whole_files_over_a_page_are_read_to_their_end(tmp_path: Path) -> None:
+    """A seq_file hands out about a page per read: a short read is not the end.
+    Real files: a private mount namespace crowded with 150 tmpfs mounts, and a
+    process whose command line is 100 kB."""
+    if os.geteuid() != 0:
+        pytest.skip("a private mount namespace needs root")
+    script = (
+        "set -e; for i in $(seq 150); do mkdir -p $0/m$i; mount -t tmpfs -o size=4k t$i $0/m$i; done; "
+        "cat /proc/self/mountinfo > $0/expected; "
+        f"{sys.executable} -c 'import sys; from sampler import procfs; "
+        "sys.stdout.buffer.write(procfs.read_bytes(\"/proc/self/mountinfo\"))' > $0/got"
+    )
+    subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(tmp_path)], check=True,
+                   cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    expected = (tmp_path / "expected").read_bytes()
+    assert len(expected) > 16384 and expected.count(b"\n") > 150
+    got = (tmp_path / "got").read_bytes()
+    # The same table but for `cat`'s and python's own lines being the same: compare mount points.
+    assert [line.split()[4] for line in got.splitlines()] == [line.split()[4] for line in expected.splitlines()]
+    long = subprocess.Popen(["sleep", "60", *(["x" * 1000] * 100)])
+    try:
+        data = procfs.read_bytes(f"/proc/{long.pid}/cmdline")
+        assert data == Path(f"/proc/{long.pid}/cmdline").read_bytes() and len(data) > 100_000
+    finally:
+        long.kill()
+        long.wait()
