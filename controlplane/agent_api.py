@@ -10,6 +10,7 @@ control plane does not know (register again); 413 a body over the limit.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -90,7 +91,8 @@ _refusals = _RefusalLog()
 
 async def _checked_body(request: web.Request, parse: Callable[[bytes], wire.Json]) -> wire.Json | web.Response:
     """The request's body, authenticated, validated and spoken by its own node;
-    or the answer refusing it (401, 400, 403)."""
+    or the answer refusing it (401, 400, 403). `parse` may leave out bad
+    entries of a list (see `_parse_keeping`)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
         return _error(401, "missing bearer token")
@@ -111,8 +113,28 @@ async def _checked_body(request: web.Request, parse: Callable[[bytes], wire.Json
     return body
 
 
+_INDEX_ON = re.compile(r"\[\d+\].*")
+
+
+def _parse_keeping(parse: Callable[[bytes, wire.Dropped], wire.Json],
+                   dropped: wire.Dropped) -> Callable[[bytes], wire.Json]:  # fmt: skip
+    return lambda data: parse(data, dropped)
+
+
+def _answer(request: web.Request, body: dict[str, object], dropped: wire.Dropped) -> web.Response:
+    """200, naming the entries left out; each counted by its list and reason."""
+    if dropped:
+        counter = request.app[METRICS].items_dropped
+        for d in dropped:
+            which = _INDEX_ON.sub("", d["field"])  # "shards[7].command" -> "shards": a bounded label
+            counter.labels(f"{which}: {d['reason']}").inc()
+        body["dropped"] = dropped[:100]
+    return web.json_response(body)
+
+
 async def register(request: web.Request) -> web.Response:
-    registration = await _checked_body(request, wire.parse_registration)
+    dropped: wire.Dropped = []
+    registration = await _checked_body(request, _parse_keeping(wire.parse_registration, dropped))
     if isinstance(registration, web.Response):
         return registration
     registry: NodeRegistry = request.app[REGISTRY]
@@ -120,11 +142,12 @@ async def register(request: web.Request) -> web.Response:
     registry.register(registration)
     if not known:
         log.info("node %s registered", registration["node"])
-    return web.json_response({"node": registration["node"], "stale_after": registry.stale_after})
+    return _answer(request, {"node": registration["node"], "stale_after": registry.stale_after}, dropped)
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    hb = await _checked_body(request, wire.parse_heartbeat)
+    dropped: wire.Dropped = []
+    hb = await _checked_body(request, _parse_keeping(wire.parse_heartbeat, dropped))
     if isinstance(hb, web.Response):
         return hb
     try:
@@ -133,7 +156,7 @@ async def heartbeat(request: web.Request) -> web.Response:
         return _error(404, "unknown node: register again")
     if (history := request.app.get(RECORDER)) is not None:
         history.record(hb["node"], hb)
-    return web.json_response({"ok": True})
+    return _answer(request, {"ok": True}, dropped)
 
 
 def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics: ControlPlaneMetrics | None = None,

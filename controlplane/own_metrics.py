@@ -23,6 +23,9 @@ class ControlPlaneMetrics:
                                 ["kind"], registry=self.prometheus)  # fmt: skip
         self.rejected = Counter("nodesampler_requests_rejected", "Agent requests refused, by kind and reason",
                                 ["kind", "reason"], registry=self.prometheus)  # fmt: skip
+        self.items_dropped = Counter("nodesampler_heartbeat_items_dropped",
+                                     "Entries of accepted bodies left out (a shard, disk or GPU), by list and reason",
+                                     ["reason"], registry=self.prometheus)  # fmt: skip
         for kind in ("register", "heartbeat"):
             self.accepted.labels(kind)
             for reason in REJECT_REASONS:

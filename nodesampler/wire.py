@@ -1,10 +1,16 @@
-"""The wire format: registration and heartbeat bodies, validated in one pass.
+"""The wire format: what may cross it, for both sides.
 
-Both sides import this module: the agent builds what it sends from it, the
-control plane accepts nothing it has not checked. A body is JSON; every field
-is checked for type, range, finiteness, length and characters, and every list
-for its length. The first problem found is raised as `WireError(field,
-reason)`, which the control plane answers with 400.
+The agent fits what it sends to it (`fit_heartbeat`, `fit_registration`):
+text from the machine (process names, mount points, GPU names) is made
+printable by escaping, and lists are trimmed to their limits, most important
+first, with a count of what was left out. The control plane accepts nothing
+it has not checked (`parse_heartbeat`, `parse_registration`): every field for
+type, range, finiteness, length and characters, every list for its length.
+
+Identity, structure and the machine's numbers are strict: the first problem
+is raised as `WireError(field, reason)`, answered 400. One bad entry of a
+list (a shard, a disk, a GPU) costs that entry alone: it is left out, and
+named with its reason in the `dropped` list the parser is given.
 
 Keys this version does not know are ignored (a newer agent may add keys;
 none may be renamed). A value may be `null` or absent wherever the summary
@@ -144,21 +150,42 @@ def _disk(value: Any, field: Field) -> Json:
             "used_bytes": _bytes(d.get("used_bytes"), (field, "used_bytes"))}  # fmt: skip
 
 
-def _disks(value: Any, field: Field) -> list[Json]:
-    return [_disk(d, (field, i)) for i, d in enumerate(items(value, field, MAX_DISKS))]
+Dropped = list[dict[str, str]]  # {"field": ..., "reason": ...} of each entry left out
 
 
-def _machine(value: Any, field: Field) -> Json:
+def _each(value: Any, field: Field, limit: int, check: Callable[[Any, Field], Json],
+          dropped: Dropped | None) -> list[Json]:  # fmt: skip
+    """A list's entries, each checked on its own: with `dropped`, a bad entry
+    is left out and named there; without, it fails the whole body."""
+    out = []
+    for i, v in enumerate(items(value, field, limit)):
+        try:
+            out.append(check(v, (field, i)))
+        except WireError as e:
+            if dropped is None:
+                raise
+            dropped.append({"field": e.field, "reason": e.reason})
+    return out
+
+
+def _disks(value: Any, field: Field, dropped: Dropped | None = None) -> list[Json]:
+    return _each(value, field, MAX_DISKS, _disk, dropped)
+
+
+def _machine(value: Any, field: Field, dropped: Dropped | None = None) -> Json:
     m = obj(value, field)
     out: Json = {}
     optional(m, "cpus", field, lambda v, f: integer(v, f, 1, 1 << 20), out)
     optional(m, "cpu_percent", field, _stats(0.0, 100.0), out)
+    optional(m, "cpu_steal_percent", field, _stats(0.0, 100.0), out)
     if m.get("load") is not None:
         load = obj(m["load"], (field, "load"))
         out["load"] = {k: number(load.get(k), (field, "load", k), 0.0, 1e7) for k in ("1m", "5m", "15m")}
     for key in ("memory_bytes", "memory_used_bytes", "memory_available_bytes"):
         optional(m, key, field, _bytes, out)
-    optional(m, "disks", field, _disks, out)
+    if m.get("disks") is not None:
+        out["disks"] = _disks(m["disks"], (field, "disks"), dropped)
+    optional(m, "disks_left_out", field, lambda v, f: integer(v, f, 0, 1 << 31), out)
     if m.get("pressure") is not None:
         pressure = obj(m["pressure"], (field, "pressure"))
         out["pressure"] = {}
@@ -238,8 +265,8 @@ def _gpu(value: Any, field: Field) -> Json:
     return out
 
 
-def _gpus(value: Any, field: Field) -> list[Json]:
-    return [_gpu(g, (field, i)) for i, g in enumerate(items(value, field, MAX_GPUS))]
+def _gpus(value: Any, field: Field, dropped: Dropped | None = None) -> list[Json]:
+    return _each(value, field, MAX_GPUS, _gpu, dropped)
 
 
 def _decode(data: bytes) -> Json:
@@ -257,19 +284,21 @@ def _no_constant(text: str) -> Any:
     raise ValueError(f"{text} is not a number")
 
 
-def parse_registration(data: bytes) -> Json:
+def parse_registration(data: bytes, dropped: Dropped | None = None) -> Json:
     b = _decode(data)
     out: Json = {"node": node_id(b.get("node"))}
     for key in ("hostname", "kernel", "agent_version", "backend", "backend_reason"):
         optional(b, key, "", _text, out)
     optional(b, "cpus", "", lambda v, f: integer(v, f, 1, 1 << 20), out)
     optional(b, "memory_bytes", "", _bytes, out)
-    optional(b, "disks", "", _disks, out)
-    optional(b, "gpus", "", _gpus, out)
+    if b.get("disks") is not None:
+        out["disks"] = _disks(b["disks"], "disks", dropped)
+    if b.get("gpus") is not None:
+        out["gpus"] = _gpus(b["gpus"], "gpus", dropped)
     return out
 
 
-def parse_heartbeat(data: bytes) -> Json:
+def parse_heartbeat(data: bytes, dropped: Dropped | None = None) -> Json:
     b = _decode(data)
     out: Json = {"node": node_id(b.get("node")), "seq": integer(b.get("seq"), "seq", 0, 2**62)}
     backend = b.get("backend")
@@ -281,15 +310,109 @@ def parse_heartbeat(data: bytes) -> Json:
     start = number(w.get("start"), "window.start", 0.0, 1e11)
     out["window"] = {"start": start, "end": number(w.get("end"), "window.end", start, 1e11),
                      "samples": integer(w.get("samples"), "window.samples", 0, 10_000_000)}  # fmt: skip
-    out["machine"] = _machine(b.get("machine"), "machine")
-    shards = items(b.get("shards", []), "shards", MAX_SHARDS)
-    out["shards"] = [_shard(s, ("shards", i)) for i, s in enumerate(shards)]
-    ids = [s["id"] for s in out["shards"]]
+    out["machine"] = _machine(b.get("machine"), "machine", dropped)
+    shards = _each(b.get("shards", []), "shards", MAX_SHARDS, _shard, dropped)
+    ids = [s["id"] for s in shards]
     if len(set(ids)) != len(ids):
-        raise WireError("shards", "shard ids must be unique")
-    optional(b, "gpus", "", _gpus, out)
+        if dropped is None:
+            raise WireError("shards", "shard ids must be unique")
+        first: dict[str, Json] = {}
+        for s in shards:
+            if s["id"] in first:
+                dropped.append({"field": "shards", "reason": "shard ids must be unique"})
+            else:
+                first[s["id"]] = s
+        shards = list(first.values())
+    out["shards"] = shards
+    optional(b, "shards_left_out", "", lambda v, f: integer(v, f, 0, 1 << 31), out)
+    if b.get("gpus") is not None:
+        out["gpus"] = _gpus(b["gpus"], "gpus", dropped)
     optional(b, "gpu_error", "", _text, out)
     return out
+
+
+# --- what the agent sends -------------------------------------------------------
+
+
+def printable(text: str | None, limit: int = MAX_TEXT) -> str | None:
+    """Machine text as it may cross the wire: every character that is not
+    printable escaped as Python writes it (a tab as `\\t`, a non-breaking
+    space as `\\xa0`), never dropped, so two names that differ still differ;
+    cut to `limit` characters with an ellipsis. None for nothing to say."""
+    if not text:
+        return None
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def _fit_text(src: Json, keys: tuple[str, ...], limit: int) -> None:
+    for key in keys:
+        if isinstance(src.get(key), str):
+            if (text := printable(src[key], limit)) is None:
+                del src[key]
+            else:
+                src[key] = text
+
+
+def _fit_disks(disks: list[Json]) -> tuple[list[Json], int]:
+    for d in disks:
+        d["mount"] = printable(d.get("mount")) or "?"
+    if len(disks) <= MAX_DISKS:
+        return disks, 0
+    kept = sorted(disks, key=lambda d: -d.get("bytes", 0))[:MAX_DISKS]  # the largest
+    return kept, len(disks) - MAX_DISKS
+
+
+def _fit_gpus(gpus: list[Json]) -> list[Json]:
+    for g in gpus[:MAX_GPUS]:
+        _fit_text(g, ("name",), MAX_NAME)
+        _fit_text(g, ("uuid", "pci_bus_id", "driver_version"), MAX_TEXT)
+    return gpus[:MAX_GPUS]
+
+
+def fit_registration(body: Json) -> Json:
+    """A registration made fit for the wire, in place."""
+    _fit_text(body, ("hostname", "kernel", "agent_version", "backend_reason"), MAX_TEXT)
+    if isinstance(body.get("disks"), list):
+        body["disks"], _ = _fit_disks(body["disks"])
+    if isinstance(body.get("gpus"), list):
+        body["gpus"] = _fit_gpus(body["gpus"])
+    return body
+
+
+def fit_heartbeat(summary: Json) -> Json:
+    """A window's summary made fit for the wire, in place: text escaped and
+    cut, lists trimmed (the busiest shards, the largest disks), and what was
+    left out counted (`shards_left_out`, `machine.disks_left_out`)."""
+    _fit_text(summary, ("backend_reason", "gpu_error"), MAX_TEXT)
+    machine = summary.get("machine")
+    if isinstance(machine, dict) and isinstance(machine.get("disks"), list):
+        machine["disks"], left_out = _fit_disks(machine["disks"])
+        if left_out:
+            machine["disks_left_out"] = left_out
+    shards = summary.get("shards")
+    if isinstance(shards, list):
+        if len(shards) > MAX_SHARDS:
+            busiest = sorted(shards, key=lambda s: -((s.get("cpu_cores") or {}).get("mean") or 0.0))
+            summary["shards_left_out"] = len(shards) - MAX_SHARDS
+            shards = summary["shards"] = busiest[:MAX_SHARDS]
+        seen: set[str] = set()
+        for s in shards:
+            sid = base = printable(s.get("id"), MAX_NAME) or "?"
+            n = 0
+            while sid in seen:  # cut names may meet: keep each shard, and its id unique
+                n += 1
+                sid = base[: MAX_NAME - len(f"~{n}")] + f"~{n}"
+            seen.add(sid)
+            s["id"] = sid
+            _fit_text(s, ("model", "replica"), MAX_NAME)
+            _fit_text(s, ("selector", "command"), MAX_TEXT)
+            if isinstance(s.get("pgids"), list) and len(s["pgids"]) > MAX_PGIDS:
+                s["pgids"] = s["pgids"][:MAX_PGIDS]
+    if isinstance(summary.get("gpus"), list):
+        summary["gpus"] = _fit_gpus(summary["gpus"])
+    return summary
 
 
 def dumps(body: Json) -> bytes:

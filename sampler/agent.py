@@ -11,6 +11,7 @@ control plane went away, came back, restarted), not one per retry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import platform
@@ -202,12 +203,15 @@ class HeartbeatClient:
         self.session = session
         self.base_url = base_url.rstrip("/")
         self.token = token if callable(token) else (lambda: token)
+        self._dropped_said: set[str] = set()
 
     async def _post(self, path: str, body: dict[str, Any]) -> None:
         headers = {"Authorization": f"Bearer {self.token()}", "Content-Type": "application/json"}
         try:
             async with self.session.post(self.base_url + path, data=wire.dumps(body), headers=headers) as r:
                 if r.status == 200:
+                    with contextlib.suppress(ValueError):  # accepted; an answer we cannot read says no more
+                        self._say_dropped(await r.json(content_type=None))
                     return
                 text = (await r.text())[:300]
         except aiohttp.ClientConnectorCertificateError as e:
@@ -218,6 +222,15 @@ class HeartbeatClient:
         if r.status == 404 and path == "/v1/heartbeat":
             raise UnknownToControlPlane(text)
         raise DeliveryError(f"HTTP {r.status}: {text}")
+
+    def _say_dropped(self, answer: Any) -> None:
+        """What the control plane left out of an accepted body: once per reason."""
+        dropped = answer.get("dropped") if isinstance(answer, dict) else None
+        for d in dropped if isinstance(dropped, list) else []:
+            reason = str(d.get("reason"))[:200] if isinstance(d, dict) else "?"
+            if reason not in self._dropped_said and len(self._dropped_said) < 100:
+                self._dropped_said.add(reason)
+                log.warning("the control plane left out %s: %s", str(d.get("field"))[:100], reason)
 
     async def register(self, registration: dict[str, Any]) -> None:
         await self._post("/v1/register", registration)
@@ -261,7 +274,7 @@ def registration_body(sampler: WindowSampler, node: str, hostname: str | None = 
             body[key] = gauges[key]
     if sampler.gpus is not None and (inventory := sampler.gpus.inventory()) is not None:
         body["gpus"] = inventory
-    return body
+    return wire.fit_registration(body)
 
 
 class Agent:

@@ -31,19 +31,29 @@ class _LogOnce:
 
 
 class MachineCpuSampler:
-    """CPU utilisation across all cores between two readings of /proc/stat.
+    """CPU utilisation across all cores between two readings of /proc/stat,
+    and the share stolen by the hypervisor (`steal`, apart: a guest's CPU
+    that the host gave to someone else was not busy with our work).
 
     The first reading has nothing to compare with and yields None; so does a
-    reading where any counter went backwards (CPU hot-unplug, a virtualised
-    /proc), rather than a negative or a made-up value.
+    reading where a busy counter went backwards (CPU hot-unplug, a
+    virtualised /proc), rather than a negative or a made-up value. iowait
+    alone may go backwards (the kernel documents it: a CPU's idle time is
+    moved between idle and iowait after the fact), so idle and iowait are
+    judged as their sum; steal going backwards costs the steal figure only.
     """
+
+    # user nice system irq softirq: the busy counters, each must not go backwards
+    BUSY_FIELDS = (0, 1, 2, 5, 6)
 
     def __init__(self, proc: Path) -> None:
         self._path = proc / "stat"
         self._prev: procfs.CpuTimes | None = None
         self._log = _LogOnce()
+        self.steal: float | None = None  # the last sample's stolen share, percent
 
     def sample(self) -> float | None:
+        self.steal = None
         try:
             cur = procfs.parse_cpu_times(procfs.read_bytes(self._path))
         except (OSError, procfs.ProcParseError) as e:
@@ -53,12 +63,17 @@ class MachineCpuSampler:
         prev, self._prev = self._prev, cur
         if prev is None:
             return None
-        if len(cur.fields) != len(prev.fields) or any(c < p for c, p in zip(cur.fields, prev.fields, strict=True)):
+        if len(cur.fields) != len(prev.fields) or cur.idle < prev.idle or any(
+            c < p for i, (c, p) in enumerate(zip(cur.fields, prev.fields, strict=True)) if i in self.BUSY_FIELDS
+        ):
             log.debug("/proc/stat counters went backwards; no CPU value for this sample")
             return None
-        d_total = cur.total - prev.total
+        d_steal = cur.steal - prev.steal
+        d_total = (cur.busy - prev.busy) + (cur.idle - prev.idle) + max(0, d_steal)
         if d_total <= 0:
             return None  # no tick elapsed: nothing measured, not 0% busy
+        if d_steal >= 0:
+            self.steal = 100.0 * d_steal / d_total
         return 100.0 * (cur.busy - prev.busy) / d_total
 
 

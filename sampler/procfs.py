@@ -72,13 +72,14 @@ def list_pids(proc: Path) -> list[int]:
 class CpuTimes:
     """The aggregate `cpu` line of /proc/stat, in USER_HZ ticks."""
 
-    busy: int
+    busy: int  # user nice system irq softirq
     idle: int  # idle + iowait: a core waiting on the disk is not doing work
+    steal: int  # time the hypervisor ran someone else: neither busy nor idle here
     fields: tuple[int, ...]  # the first eight counters, to spot any going backwards
 
     @property
     def total(self) -> int:
-        return self.busy + self.idle
+        return self.busy + self.idle + self.steal
 
 
 def parse_cpu_times(data: bytes) -> CpuTimes:
@@ -94,7 +95,8 @@ def parse_cpu_times(data: bytes) -> CpuTimes:
     except ValueError:
         raise ProcParseError(f"/proc/stat: non-numeric cpu counter: {line[:80]!r}") from None
     idle = values[3] + (values[4] if len(values) > 4 else 0)
-    return CpuTimes(busy=sum(values) - idle, idle=idle, fields=values)
+    steal = values[7] if len(values) > 7 else 0
+    return CpuTimes(busy=sum(values) - idle - steal, idle=idle, steal=steal, fields=values)
 
 
 def count_cpus(data: bytes) -> int:
@@ -182,7 +184,9 @@ def parse_mountinfo(data: bytes) -> list[Mount]:
         if not line:
             continue
         left, sep, right = line.partition(b" - ")
-        lf, rf = left.split(), right.split()
+        # Single spaces part the fields: the kernel escapes only space, tab,
+        # newline and backslash in a path, so a \v, \f or \r is part of a name.
+        lf, rf = left.split(b" "), right.split(b" ")
         if not sep or len(lf) < 5 or not rf:
             raise ProcParseError(f"mountinfo: {line[:120]!r}")
         mounts.append(Mount(device=lf[2].decode(), mount_point=_unescape_mount(lf[4]), fstype=rf[0].decode()))

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nodesampler import wire
 from sampler.backend import BackendChoice, GroupSampler
 from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from sampler.nvml import GpuReader, GpuReading
@@ -93,6 +94,7 @@ class WindowSampler:
         pressure_start, pressure_at = self.pressure.read(), self._clock()
         n = max(1, round(seconds * self.hz))
         machine = RateSeries(n)
+        steal = RateSeries(n)
         shards = {w.id: RateSeries(n) for w in self.groups.watches}
         # A sample covers the time since the one before it, which may have been
         # the previous window's last: its weight must say so.
@@ -111,6 +113,7 @@ class WindowSampler:
             for wid, r in readings.items():
                 shards[wid].add(r.cores, now - last)
             machine.add(cpu, now - last)
+            steal.add(self.cpu.steal, now - last)
             last = now
             if k == max(1, gpu_at) and self.gpus is not None:
                 self.gpus.request(self._members)
@@ -125,6 +128,8 @@ class WindowSampler:
         }
         m: dict[str, Any] = self.gauges.read()
         m["cpu_percent"] = machine.summary()
+        if (stolen := steal.summary()) is not None:
+            m["cpu_steal_percent"] = stolen
         pressure = PressureReader.share(pressure_start, self.pressure.read(), self._clock() - pressure_at)
         if pressure is not None:
             m["pressure"] = pressure
@@ -141,7 +146,7 @@ class WindowSampler:
             self._add_gpus(summary, self.gpus.take())
         if cost := self._program_cost():
             summary["bpf"] = cost
-        return summary
+        return wire.fit_heartbeat(summary)  # machine text escaped, lists within the wire's limits
 
     def _waits(self) -> dict[str, dict[str, Any] | None]:
         """Each engine's waits for a CPU in this window: the kernel histogram where

@@ -19,6 +19,7 @@ def _heartbeat(node: str, gpus: list[dict[str, Any]] | None, shards: list[dict[s
         "node": node, "seq": 7, "backend": "bpf",
         "window": {"start": 1764445200.0, "end": 1764445205.0, "samples": 50},
         "machine": {"cpus": 64, "cpu_percent": {"mean": 37.5, "p95": 80.125, "max": 100.0},
+                    "cpu_steal_percent": {"mean": 1.5, "p95": 4.0, "max": 6.25},
                     "load": {"1m": 0.5, "5m": 0.4, "15m": 0.3}, "memory_bytes": 512 * GiB,
                     "memory_used_bytes": 100 * GiB, "memory_available_bytes": 412 * GiB,
                     "disks": [{"mount": "/", "bytes": 1000 * GiB, "used_bytes": 250 * GiB},

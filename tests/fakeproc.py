@@ -41,9 +41,10 @@ class FakeProc:
             "MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    4000000 kB\n"
         )
 
-    def set_cpu(self, *, user: int, idle: int, system: int = 0, iowait: int = 0, guest: int = 0, cpus: int = 2) -> None:
+    def set_cpu(self, *, user: int, idle: int, system: int = 0, iowait: int = 0, guest: int = 0, cpus: int = 2,
+                steal: int = 0) -> None:  # fmt: skip
         # guest time is inside user already; the kernel repeats it in the guest column.
-        lines = [f"cpu  {user} 0 {system} {idle} {iowait} 0 0 0 {guest} 0"]
+        lines = [f"cpu  {user} 0 {system} {idle} {iowait} 0 0 {steal} {guest} 0"]
         lines += [f"cpu{i} 0 0 0 0 0 0 0 0 0 0" for i in range(cpus)]
         lines += ["intr 12345 0 0", "ctxt 999", "btime 1700000000", "processes 4242"]
         (self.root / "stat").write_text("\n".join(lines) + "\n")

@@ -161,3 +161,32 @@ def test_agent_rides_out_a_30_s_outage_alone_without_growing(fleet: Fleet) -> No
     fleet.agent.send_signal(signal.SIGTERM)
     assert fleet.agent.wait(timeout=30) == 0  # SIGTERM stops it cleanly
     assert "Traceback" not in fleet.agent_log()
+
+
+def test_a_process_with_a_hostile_name_leaves_the_node_fresh(fleet: Fleet) -> None:
+    """Any local user can write a tab or a non-breaking space into its own comm:
+    the agent escapes it; every heartbeat is accepted; the page and /metrics show it."""
+    code = ("open('/proc/self/comm', 'wb').write('bz\\t\\xa0x'.encode())\nprint('ready', flush=True)\n"
+            "while True:\n    pass\n")  # fmt: skip
+    busy = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, process_group=0)
+    try:
+        assert busy.stdout is not None and busy.stdout.readline() == b"ready\n"
+        fleet.start_control_plane()
+        fleet.start_agent()
+
+        def shows_it(nodes: list[dict[str, Any]]) -> bool:
+            return fresh_with_seq(nodes, above=2) and any(
+                s.get("command") == "bz\\t\\xa0x" for s in nodes[0]["heartbeat"]["shards"])
+
+        [node] = fleet.wait_for(shows_it)
+        assert node["heartbeats"] == node["heartbeat"]["seq"]  # not one refused
+        [shard] = [s for s in node["heartbeat"]["shards"] if s.get("command") == "bz\\t\\xa0x"]
+        base = f"http://127.0.0.1:{fleet.pages_port}"
+        with urllib.request.urlopen(f"{base}/node/n1", timeout=5) as r:
+            assert "bz\\t\\xa0x" in r.read().decode()
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
+            assert f'shard="{shard["id"]}"' in r.read().decode()
+        assert "left out" not in fleet.agent_log()
+    finally:
+        busy.kill()
+        busy.wait()

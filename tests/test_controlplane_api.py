@@ -118,9 +118,14 @@ BAD_HEARTBEATS: list[tuple[str, Any]] = [
     ("window.start", "yesterday"), ("window.end", 1.0),  # before the start
     ("machine.cpus", 0), ("machine.memory_bytes", -5), ("machine.load.1m", -1.0),
     ("machine.cpu_percent.mean", 150.0), ("machine.disks", [{"mount": "/", "bytes": 1}] * 200),
+    ("shards", [{"id": f"s{i}"} for i in range(10_000)]), ("gpus", [{"index": 0}] * 65), ("shards", {"id": "s"}),
+]  # fmt: skip
+
+# One bad entry of a list costs that entry alone.
+BAD_ITEMS: list[tuple[str, Any]] = [
     ("shards[0].id", "tab\there"), ("shards[0].model", "x" * 129), ("shards[0].model", "\x1b[31mred"),
-    ("shards[0].cpu_cores.max", -0.1), ("shards", [{"id": f"s{i}"} for i in range(10_000)]),
-    ("gpus[0].temperature_celsius", 1e9), ("gpus[0].lost", "yes"), ("gpus", [{"index": 0}] * 65),
+    ("shards[0].cpu_cores.max", -0.1), ("shards[0]", "not an object"),
+    ("gpus[0].temperature_celsius", 1e9), ("gpus[0].lost", "yes"), ("machine.disks[0].mount", "a\nb"),
 ]  # fmt: skip
 
 
@@ -148,6 +153,40 @@ async def test_bad_field_is_400_naming_it_and_changes_nothing(
     assert status == 400, body
     assert body["field"].split(".")[0].split("[")[0] == path.split(".")[0].split("[")[0]
     assert registry.get("gpu-17") == before
+
+
+@pytest.mark.parametrize(("path", "value"), BAD_ITEMS)
+async def test_a_bad_entry_is_left_out_and_the_rest_accepted(
+    agents: TestClient, registry: NodeRegistry, path: str, value: Any
+) -> None:
+    await post(agents, "/v1/register", registration())
+    body = with_field(heartbeat(), path, value)
+    body["shards"].append({"id": "s1", "cpu_cores": {"mean": 2.0, "p95": 2.0, "max": 2.0}})
+    status, answer = await post(agents, "/v1/heartbeat", body)
+    assert status == 200, answer
+    [dropped] = answer["dropped"]
+    assert dropped["field"].startswith(path.split(".")[0].split("[")[0]) and dropped["reason"]
+    state = registry.get("gpu-17")
+    assert state is not None and state.heartbeat is not None
+    kept = state.heartbeat
+    which = path.split("[")[0]
+    entries = kept["machine"]["disks"] if which == "machine.disks" else kept[which]
+    assert len(entries) == len(body["machine"]["disks"] if which == "machine.disks" else body[which]) - 1
+    assert [s["id"] for s in kept["shards"]] == (["s1"] if which == "shards" else ["s0", "s1"])
+    metrics = agents.server.app[agent_api.METRICS].items_dropped
+    [sample] = [m for m in metrics.collect()[0].samples if m.name.endswith("_total")]
+    assert sample.value == 1 and "[" not in sample.labels["reason"]  # the index is not a label value
+
+
+async def test_duplicate_shard_ids_keep_the_first(agents: TestClient, registry: NodeRegistry) -> None:
+    await post(agents, "/v1/register", registration())
+    body = heartbeat()
+    body["shards"].append(dict(body["shards"][0], memory_bytes=99))
+    status, answer = await post(agents, "/v1/heartbeat", body)
+    assert status == 200 and answer["dropped"] == [{"field": "shards", "reason": "shard ids must be unique"}]
+    state = registry.get("gpu-17")
+    assert state is not None and state.heartbeat is not None
+    assert [(s["id"], s["memory_bytes"]) for s in state.heartbeat["shards"]] == [("s0", 10)]
 
 
 @pytest.mark.parametrize("data", [b"", b"{", b"[]", b'"x"', b"null", b'{"node": NaN}', b'{"seq": Infinity}'])
@@ -265,3 +304,11 @@ async def test_a_slow_client_does_not_hold_up_the_others(agents: TestClient) -> 
     status_line = await asyncio.wait_for(reader.readline(), timeout=30)
     assert status_line.startswith(b"HTTP/1.1 401")  # no token: refused, and not before it finished
     writer.close()
+
+
+def test_duplicates_keep_their_order() -> None:
+    body = heartbeat()
+    body["shards"] = [dict(body["shards"][0], id=i) for i in ("a", "b", "a", "c")]
+    dropped: wire.Dropped = []
+    assert [s["id"] for s in wire.parse_heartbeat(wire.dumps(body), dropped)["shards"]] == ["a", "b", "c"]
+    assert len(dropped) == 1

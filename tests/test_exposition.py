@@ -26,7 +26,7 @@ CONTRACT: dict[str, set[str]] = {
     "llmgw_node_up": set(), "llmgw_node_info": {"hostname", "kernel", "agent_version", "backend"},
     "llmgw_node_cpus": set(), "llmgw_node_cpu_utilization_percent": set(),
     "llmgw_node_cpu_utilization_p95_percent": set(), "llmgw_node_cpu_utilization_max_percent": set(),
-    "llmgw_node_load": {"window"}, "llmgw_node_memory_bytes": set(), "llmgw_node_memory_used_bytes": set(),
+    "llmgw_node_cpu_steal_percent": set(), "llmgw_node_load": {"window"}, "llmgw_node_memory_bytes": set(), "llmgw_node_memory_used_bytes": set(),
     "llmgw_node_memory_available_bytes": set(), "llmgw_node_disk_bytes": {"mount"},
     "llmgw_node_disk_used_bytes": {"mount"}, "llmgw_shard_cpu_cores": {"model", "replica", "shard"},
     "llmgw_shard_cpu_cores_max": {"model", "replica", "shard"},

@@ -30,6 +30,24 @@ def test_counter_going_backwards_reports_nothing_for_that_sample(proc: FakeProc)
     assert s.sample() == pytest.approx(50.0)
 
 
+def test_steal_is_apart_and_not_busy(proc: FakeProc) -> None:
+    s = MachineCpuSampler(proc.root)
+    proc.set_cpu(user=1000, idle=1000, steal=100)
+    s.sample()
+    proc.set_cpu(user=1030, idle=1040, steal=130)  # busy 30, idle 40, stolen 30 of 100
+    assert s.sample() == pytest.approx(30.0) and s.steal == pytest.approx(30.0)
+    proc.set_cpu(user=1060, idle=1080, steal=120)  # steal backwards: that figure alone is lost
+    assert s.sample() == pytest.approx(100 * 30 / 70) and s.steal is None
+
+
+def test_iowait_going_backwards_costs_no_sample(proc: FakeProc) -> None:
+    s = MachineCpuSampler(proc.root)
+    proc.set_cpu(user=1000, idle=1000, iowait=50)
+    s.sample()
+    proc.set_cpu(user=1050, idle=1060, iowait=40)  # iowait -10 moved into idle: idle+iowait +50
+    assert s.sample() == pytest.approx(50.0)
+
+
 def test_no_tick_elapsed_is_not_an_idle_machine(proc: FakeProc) -> None:
     s = MachineCpuSampler(proc.root)
     s.sample()

@@ -1,0 +1,124 @@
+"""What the agent sends fits the wire: the machine's text escaped, never
+dropped; lists trimmed to the wire's limits, most important first; and,
+for hostile process trees, whatever the window sampler emits is accepted
+whole by the control plane's parser."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nodesampler import wire
+from sampler.backend import BackendChoice
+from sampler.proc_groups import ProcGroupSampler
+from sampler.selectors import GroupSelector, GroupWatch
+from sampler.window_sampler import WindowSampler
+from tests.fakeproc import FakeClock, FakeProc
+
+
+def test_printable_escapes_and_keeps_names_apart() -> None:
+    names = ["vllm\tserve", "vllm\xa0serve", "vllm serve", "\x1b[31mred", "a\nb", "a\\nb", "\u200bzero", "ok"]
+    out = [wire.printable(n) for n in names]
+    assert all(o is not None and o.isprintable() for o in out)
+    assert out[0] == "vllm\\tserve" and out[1] == "vllm\\xa0serve" and out[-1] == "ok"
+    assert len(set(out)) == len(out) - 1  # "a\nb" escaped reads as the literal "a\\nb": the one meeting
+    assert wire.printable("") is None and wire.printable(None) is None
+    long = wire.printable("x" * 1000, 128)
+    assert long is not None and len(long) == 128 and long.endswith("\u2026")
+
+
+def _shard(i: int, cores: float) -> dict[str, Any]:
+    return {"id": f"s{i}", "cpu_cores": {"mean": cores, "p95": cores, "max": cores}}
+
+
+def test_lists_are_trimmed_most_important_first() -> None:
+    shards = [_shard(i, float(i % 7)) for i in range(300)]
+    disks = [{"mount": f"/m{i}", "bytes": i, "used_bytes": 0} for i in range(200)]
+    summary = wire.fit_heartbeat({"shards": shards, "machine": {"disks": disks}})
+    assert len(summary["shards"]) == wire.MAX_SHARDS and summary["shards_left_out"] == 300 - wire.MAX_SHARDS
+    kept = {s["id"] for s in summary["shards"]}
+    assert all(f"s{i}" in kept for i in range(300) if i % 7 >= 2)  # the busiest are all there
+    assert summary["machine"]["disks_left_out"] == 200 - wire.MAX_DISKS
+    assert min(d["bytes"] for d in summary["machine"]["disks"]) == 200 - wire.MAX_DISKS  # the largest
+
+
+def test_ids_cut_to_the_same_text_stay_apart() -> None:
+    shards = [{"id": "x" * 200 + str(i)} for i in range(12)]
+    ids = [s["id"] for s in wire.fit_heartbeat({"shards": shards})["shards"]]
+    assert len(set(ids)) == 12 and all(len(i) <= wire.MAX_NAME for i in ids)
+
+
+HOSTILE = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00/"), min_size=1, max_size=40)
+
+
+def _mounts(proc: FakeProc, where: Path, names: list[str]) -> None:
+    """A mountinfo of one ext4 disk per name (each its own device), written as the kernel escapes it."""
+    lines = []
+    for i, name in enumerate(names):
+        d = where / f"{i}-{name}"
+        d.mkdir(parents=True, exist_ok=True)
+        escaped = "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in str(d))
+        lines.append(f"{30 + i} 1 254:{i} / {escaped} rw - ext4 /dev/vd{i} rw")
+    (proc.root / "self").mkdir(exist_ok=True)
+    (proc.root / "self" / "mountinfo").write_text("\n".join(lines) + "\n")
+    (proc.root / "filesystems").write_text("nodev\ttmpfs\n\text4\n")
+
+
+def _window(proc: FakeProc, watches: list[GroupWatch] | None) -> dict[str, Any]:
+    clock = FakeClock()
+
+    def sleep(seconds: float) -> None:
+        clock.advance(seconds)
+
+    sampler = WindowSampler(proc.root, BackendChoice("proc", "a test tree"), ProcGroupSampler(proc.root, clock),
+                            watches, hz=10, node="n1", clock=clock, sleep=sleep)  # fmt: skip
+    sampler.prime(1.0)
+    return sampler.run_window(1.0)
+
+
+def _accepted_whole(summary: dict[str, Any]) -> dict[str, Any]:
+    dropped: wire.Dropped = []
+    parsed = wire.parse_heartbeat(wire.dumps(summary), dropped)
+    assert dropped == [], dropped
+    assert [s["id"] for s in parsed["shards"]] == [s["id"] for s in summary["shards"]]
+    assert len(parsed["machine"].get("disks", [])) == len(summary["machine"].get("disks", []))
+    return parsed
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(comms=st.lists(HOSTILE, min_size=1, max_size=12), mounts=st.lists(HOSTILE, max_size=6))
+def test_hostile_trees_are_accepted_whole(tmp_path_factory: Any, comms: list[str], mounts: list[str]) -> None:
+    tmp = tmp_path_factory.mktemp("hostile")
+    proc = FakeProc(tmp / "proc")
+    for i, comm in enumerate(comms):
+        proc.add(100 + i, comm=comm, cmdline=comm + " --served-model " + comm, utime=10 * i)
+    _mounts(proc, tmp / "mnt", mounts)
+    summary = _window(proc, None)  # the busiest groups, named by their hostile commands
+    parsed = _accepted_whole(summary)
+    assert all(s.get("command", "x").isprintable() for s in parsed["shards"])
+    watches = [GroupWatch(f"w{i}", GroupSelector.parse(f"pid:{100 + i}")) for i in range(len(comms))]
+    _accepted_whole(_window(proc, watches))
+
+
+def test_a_crowded_hostile_machine_is_accepted_whole(tmp_path: Path) -> None:
+    """10,000 processes with every control character in their names, 500
+    mounts with odd names, 300 watched shards: one body the control plane
+    takes whole, trimmed to its limits with what was left out counted."""
+    proc = FakeProc(tmp_path / "proc")
+    controls = "".join(chr(c) for c in [*range(1, 32), 127, *range(0x80, 0xA1), 0x2028, 0x200B, 0xFEFF])
+    for i in range(10_000):
+        c = controls[i % len(controls)]
+        proc.add(1000 + i, comm=f"e{c}{i % 97}", cmdline=f"engine{c} --id {i}", utime=i % 500)
+    names = [f"vol{chr(9 + i % 5)}{'x' * (i % 300)}\u00a0{i}" for i in range(500)]
+    _mounts(proc, tmp_path / "mnt", [n[:200] for n in names])
+    watches = [GroupWatch(f"shard-{i}", GroupSelector.parse(f"pid:{1000 + i * 7}")) for i in range(300)]
+    summary = _window(proc, watches)
+    parsed = _accepted_whole(summary)
+    assert len(parsed["shards"]) == wire.MAX_SHARDS and parsed["shards_left_out"] == 300 - wire.MAX_SHARDS
+    disks = parsed["machine"]["disks"]
+    assert len(disks) == wire.MAX_DISKS and parsed["machine"]["disks_left_out"] == 500 - wire.MAX_DISKS
+    assert all(d["mount"].isprintable() for d in disks)
+    assert len(wire.dumps(summary)) <= wire.MAX_BODY_BYTES
