@@ -361,7 +361,7 @@ class BpfGroupSampler:
         for i, w in enumerate(self._watches.values()):
             valid = elapsed is not None and elapsed > 0 and not w.fresh and bool(w.pids)
             w.fresh = False
-            out[w.watch.id] = GroupReading(float(used_s[i]) / elapsed if valid and elapsed else None, None)
+            out[w.watch.id] = GroupReading(float(used_s[i]) / elapsed if valid and elapsed else None, None, elapsed)
         return out
 
     def memory(self) -> dict[str, int | None]:

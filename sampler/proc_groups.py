@@ -68,6 +68,9 @@ class GroupReading:
 
     cores: float | None
     memory_bytes: int | None
+    # The time the rate covers, by the group sampler's own clock: the weight
+    # of this sample, whatever delayed it (a stall inside the read included).
+    seconds: float | None = None
 
 
 class ProcGroupSampler:
@@ -180,7 +183,7 @@ class ProcGroupSampler:
         if not valid:
             return GroupReading(None, memory)
         assert elapsed is not None
-        return GroupReading(used / USER_HZ / elapsed, memory)
+        return GroupReading(used / USER_HZ / elapsed, memory, elapsed)
 
     @staticmethod
     def _member_gone(state: _WatchState, pid: int, m: _Member) -> None:

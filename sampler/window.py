@@ -1,10 +1,17 @@
 """A window of samples in numpy arrays, and its summary.
 
 Rates (machine CPU percent, a group's cores) are kept per sample with the
-sample's length, so the window's mean is time-weighted (the total used over
-the total time, even if a sample came late), and p95 and max show the bursts
-that the mean hides. A sample that measured nothing is NaN and is left out of
-every statistic; a window with no measured sample has no statistic at all.
+sample's length, so every figure is time-weighted: the mean is the total used
+over the total time, and p95 is the value that the samples at or below it
+cover 95% of the measured time with (a late sample that covers three slots
+counts three times). p95 and max show the bursts that the mean hides.
+
+A sample shorter than its counter's resolution (`min_seconds`: one clock tick
+for /proc's counters) is not turned into a rate: one 10 ms tick seen in 50 us
+would read as 200 cores. It is merged into the next sample (and the window's
+last such one into the sample before it). A sample that measured nothing is
+NaN and is left out of every statistic; a window with no measured sample has
+no statistic at all.
 """
 
 from __future__ import annotations
@@ -19,15 +26,25 @@ class RateSeries:
     """Per-sample values of one rate and each sample's length in seconds."""
 
     capacity: int
+    min_seconds: float = 0.0
     values: np.ndarray = field(init=False)
     seconds: np.ndarray = field(init=False)
     n: int = 0
+    _carry: tuple[float, float] | None = field(default=None, init=False)  # a short sample's (amount, seconds)
 
     def __post_init__(self) -> None:
         self.values = np.full(self.capacity, np.nan)
         self.seconds = np.zeros(self.capacity)
 
     def add(self, value: float | None, seconds: float) -> None:
+        if value is not None and self._carry is not None:
+            amount, carried = self._carry
+            value = (value * seconds + amount) / (seconds + carried)
+            seconds += carried
+        self._carry = None
+        if value is not None and 0 < seconds < self.min_seconds:
+            self._carry = (value * seconds, seconds)
+            return
         if self.n == self.capacity:  # a window that ran long: grow rather than drop
             self.values = np.concatenate([self.values, np.full(self.capacity, np.nan)])
             self.seconds = np.concatenate([self.seconds, np.zeros(self.capacity)])
@@ -37,13 +54,23 @@ class RateSeries:
         self.n += 1
 
     def summary(self) -> dict[str, float] | None:
-        v, w = self.values[: self.n], self.seconds[: self.n]
+        v, w = self.values[: self.n].copy(), self.seconds[: self.n].copy()
+        if self._carry is not None:  # the window's last sample was short: into the one before it
+            amount, carried = self._carry
+            if self.n and not np.isnan(v[-1]):
+                v[-1] = (v[-1] * w[-1] + amount) / (w[-1] + carried)
+                w[-1] += carried
+            elif not self.n:
+                v, w = np.array([amount / carried]), np.array([carried])
         ok = ~np.isnan(v) & (w > 0)
         if not ok.any():
             return None
         v, w = v[ok], w[ok]
+        order = np.argsort(v, kind="stable")
+        covered = np.cumsum(w[order])
+        p95 = v[order][min(int(np.searchsorted(covered, 0.95 * covered[-1] - 1e-12)), len(v) - 1)]
         return {
             "mean": round(float(np.average(v, weights=w)), 4),
-            "p95": round(float(np.percentile(v, 95)), 4),
+            "p95": round(float(p95), 4),
             "max": round(float(v.max()), 4),
         }

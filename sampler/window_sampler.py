@@ -17,6 +17,7 @@ from nodesampler import wire
 from sampler.backend import BackendChoice, GroupSampler
 from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from sampler.nvml import GpuReader, GpuReading
+from sampler.proc_groups import USER_HZ
 from sampler.runqueue import RunQueueWaitSampler
 from sampler.selectors import GroupSelector, GroupWatch, ProcessTable, busiest_groups
 from sampler.window import RateSeries
@@ -93,17 +94,22 @@ class WindowSampler:
         self._discover()
         pressure_start, pressure_at = self.pressure.read(), self._clock()
         n = max(1, round(seconds * self.hz))
-        machine = RateSeries(n)
-        steal = RateSeries(n)
-        shards = {w.id: RateSeries(n) for w in self.groups.watches}
+        # /proc's counters move in clock ticks: a shorter sample is merged, not made a rate.
+        tick = 1.0 / USER_HZ
+        machine, steal = RateSeries(n, tick), RateSeries(n, tick)
+        shard_tick = tick if self.backend.name == "proc" else 0.0
+        shards = {w.id: RateSeries(n, shard_tick) for w in self.groups.watches}
         # A sample covers the time since the one before it, which may have been
         # the previous window's last: its weight must say so.
         last = start if self._last_sample_at is None else self._last_sample_at
         # The GPU reading is asked for before the window ends, on NVML's own
         # thread, and taken at the end only if it is ready: a slow or hung
         # driver costs this window its GPU figures, never its cadence.
-        gpu_at = n - max(1, round(min(0.5, seconds / 2) * self.hz))
-        for k in range(1, n + 1):
+        gpu_at = max(1, n - max(1, round(min(0.5, seconds / 2) * self.hz)))
+        gpu_asked = False
+        taken = 0
+        k = 1  # the slot: sample k is due at start + k / hz
+        while True:
             delay = start + k / self.hz - self._clock()
             if delay > 0:
                 self._sleep(delay)
@@ -111,12 +117,20 @@ class WindowSampler:
             cpu = self.cpu.sample()
             readings = self.groups.sample()
             for wid, r in readings.items():
-                shards[wid].add(r.cores, now - last)
+                shards[wid].add(r.cores, now - last if r.seconds is None else r.seconds)
             machine.add(cpu, now - last)
             steal.add(self.cpu.steal, now - last)
             last = now
-            if k == max(1, gpu_at) and self.gpus is not None:
+            taken += 1
+            if k >= gpu_at and not gpu_asked and self.gpus is not None:
                 self.gpus.request(self._members)
+                gpu_asked = True
+            if k >= n:
+                break
+            # Behind schedule (a slow walk, a GC pause, a busy CPU): the slots
+            # missed are skipped, not taken back to back; the next sample's
+            # weight covers the gap. The window's last slot is always taken.
+            k = min(n, max(k + 1, int((now - start) * self.hz + 1e-6) + 1))
         self._last_sample_at = last
         self._seq += 1
         summary: dict[str, Any] = {
@@ -124,7 +138,7 @@ class WindowSampler:
             "seq": self._seq,
             "backend": self.backend.name,
             "backend_reason": self.backend.reason,
-            "window": {"start": start_wall, "end": self._wall(), "samples": n},
+            "window": {"start": start_wall, "end": self._wall(), "samples": taken},
         }
         m: dict[str, Any] = self.gauges.read()
         m["cpu_percent"] = machine.summary()

@@ -21,7 +21,7 @@ from sampler.proc_groups import ProcGroupSampler
 from sampler.selectors import GroupSelector, GroupWatch, ProcessTable
 from sampler.window_sampler import WindowSampler
 from tests.conftest import REQUIRE_BPF, AccuracyLog
-from tests.workloads import BURN_ONE_CORE, FORKER, PROC, QUARTER_WORKERS, GroupTruth, start_group
+from tests.workloads import BURN_ONE_CORE, FORKER, PROC, QUARTER_WORKERS, GroupTruth, group_cpu_seconds, start_group
 
 pytestmark = pytest.mark.kernel
 
@@ -43,27 +43,34 @@ def windows_against_truth(
     after the sampler's own reading at each window's edge (the priming sample,
     then every window's last), so both cover the same interval: read after the
     window returned, a bursty group's phase and a slow machine (emulation) move
-    the truth by percents."""
-    per_window = round(WINDOW_S * HZ)
-    truth = GroupTruth(pgid)
-    edges: list[float] = []
-    sample, calls = groups.sample, 0
+    the truth by percents. A window's last sample is the one at or after its
+    final slot (a sampler that fell behind skips slots, so samples are not
+    counted)."""
+    edges: list[tuple[float, float]] = []  # (time, the group's CPU seconds) at each window's edge
+    at_edge: tuple[float, float] | None = None
+    final_slot = 0.0
+    sample = groups.sample
 
     def sample_then_truth() -> dict[str, Any]:
-        nonlocal calls
+        nonlocal at_edge
         readings = sample()
-        if calls % per_window == 0:
-            edges.append(truth.cores())
-        calls += 1
+        if (now := time.monotonic()) >= final_slot:
+            at_edge = (now, group_cpu_seconds(pgid))
         return readings
 
     monkeypatch.setattr(groups, "sample", sample_then_truth)
     ws = WindowSampler(PROC, BackendChoice("bpf", None), groups, [watch(pgid)], hz=HZ)
     ws.prime(0)
+    assert at_edge is not None
+    edges.append(at_edge)
     out = []
     for _ in range(n):
+        final_slot, at_edge = time.monotonic() + WINDOW_S, None
         [shard] = ws.run_window(WINDOW_S)["shards"]
-        out.append((shard["cpu_cores"]["mean"], edges[-1]))
+        assert at_edge is not None
+        (t0, s0), (t1, s1) = edges[-1], at_edge
+        edges.append(at_edge)
+        out.append((shard["cpu_cores"]["mean"], (s1 - s0) / (t1 - t0)))
     return out
 
 
@@ -386,3 +393,16 @@ def test_waits_for_a_cpu_from_the_kernel_histogram(
         accuracy.record("wait per slice vs schedstat", k["mean"], f["mean"], 0.2)
         assert k["mean"] == pytest.approx(f["mean"], rel=0.2), (k, f)
         assert k["total"] > 5 * alone["total"]
+
+
+def test_a_300_ms_stall_on_the_real_clock(
+    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
+) -> None:
+    from tests.test_live_proc import window_with_a_stall
+
+    p = start_group(QUARTER_WORKERS)
+    group.append(p)
+    stats, truth = window_with_a_stall(bpf_groups, "bpf", p.pid)
+    accuracy.record("window mean with a 300 ms stall", stats["mean"], truth, 0.05)
+    assert stats["mean"] == pytest.approx(truth, rel=0.05)
+    assert stats["p95"] <= 1.5 and stats["max"] <= 1.5, stats

@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from typing import Any
 
 import pytest
 
@@ -81,3 +83,40 @@ def test_sample_command_reports_the_busy_group(group: list[subprocess.Popen[str]
         assert shard["memory_bytes"] > 0
     # One of two cores busy at least.
     assert summary["machine"]["cpu_percent"]["mean"] > 40
+
+
+def stall_once(groups: Any, at_call: int, seconds: float = 0.3) -> None:
+    """The group sampler stalls once for `seconds` (a GC pause, a slow walk), for real."""
+    sample, calls = groups.sample, 0
+
+    def stalling() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == at_call:
+            time.sleep(seconds)
+        return sample()
+
+    groups.sample = stalling
+
+
+def window_with_a_stall(groups: Any, backend: str, pgid: int) -> tuple[dict[str, float], float]:
+    watches = [GroupWatch("w", GroupSelector.parse(f"pgid:{pgid}"))]
+    sampler = WindowSampler(PROC, BackendChoice(backend, None), groups, watches, hz=10)
+    sampler.prime(0)
+    stall_once(groups, at_call=12)
+    truth = GroupTruth(pgid)
+    summary = sampler.run_window(WINDOW_S)
+    cores = truth.cores()
+    [shard] = summary["shards"]
+    assert summary["window"]["samples"] < WINDOW_S * 10  # slots skipped, not bunched
+    return shard["cpu_cores"], cores
+
+
+def test_a_300_ms_stall_on_the_real_clock(group: list[subprocess.Popen[str]]) -> None:
+    """Three workers each busy a quarter of the time: no sample may read more
+    than they can use; the mean stays the kernel's account."""
+    p = start_group(QUARTER_WORKERS)
+    group.append(p)
+    stats, truth = window_with_a_stall(ProcGroupSampler(PROC), "proc", p.pid)
+    assert stats["mean"] == pytest.approx(truth, rel=0.10)
+    assert stats["p95"] <= 1.5 and stats["max"] <= 1.5, stats  # 0.75 a sample, give or take the ticks

@@ -128,7 +128,8 @@ def test_whole_files_over_a_page_are_read_to_their_end(tmp_path: Path) -> None:
     got = (tmp_path / "got").read_bytes()
     # The same table but for `cat`'s and python's own lines being the same: compare mount points.
     assert [line.split()[4] for line in got.splitlines()] == [line.split()[4] for line in expected.splitlines()]
-    long = subprocess.Popen(["sleep", "60", *(["x" * 1000] * 100)])
+    long = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", *(["x" * 1000] * 100)],
+                            stdin=subprocess.PIPE)  # fmt: skip
     try:
         data = procfs.read_bytes(f"/proc/{long.pid}/cmdline")
         assert data == Path(f"/proc/{long.pid}/cmdline").read_bytes() and len(data) > 100_000

@@ -11,16 +11,32 @@ import bisect
 import re
 import socket
 import sys
+import time
 from pathlib import Path
 
 INTERRUPT_FLAG = 0x200
 
 
+def _connect(path: str, timeout: float) -> socket.socket:
+    # QEMU binds the socket (the file appears) a moment before it listens:
+    # a connection refused in between is retried, within the timeout.
+    deadline = time.monotonic() + timeout
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+            return s
+        except ConnectionRefusedError:
+            s.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def monitor_command(path: str, command: str, timeout: float = 10.0) -> str:
     """One human-monitor command over QEMU's `-monitor unix:...` socket."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(path)
+    with _connect(path, timeout) as s:
         s.sendall(command.encode() + b"\n")
         out = b""
         try:
