@@ -117,3 +117,41 @@ def test_pressure_of_each_resource_the_kernel_has(proc: FakeProc) -> None:
 
 def test_pressure_absent_without_psi(tmp_path: Path) -> None:
     assert PressureReader(tmp_path).read() is None
+
+
+def test_a_disk_mounted_after_150_tmpfs_mounts_is_reported(tmp_path: Path) -> None:
+    """A Kubernetes node has hundreds of mounts (every pod's volumes): in a
+    private mount namespace, 150 tmpfs mounts and then a real ext4 disk (a
+    loop device); the sampler, run inside, reports the disk at its size."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None or not Path("/dev/loop-control").exists():
+        pytest.skip("needs root, mkfs.ext4 and loop devices")
+    image = tmp_path / "disk.img"
+    with image.open("wb") as f:
+        f.truncate(64 * 2**20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    # The sampler's own mount table (a proc root without pid 1: the namespace's, not the host's).
+    view = tmp_path / "proc"
+    view.mkdir()
+    (view / "self").symlink_to("/proc/self")
+    (view / "filesystems").symlink_to("/proc/filesystems")
+    probe = ("import json, os, sys; from pathlib import Path; from sampler.machine import MachineGaugeReader; "
+             f"d = {{x['mount']: x for x in MachineGaugeReader(Path('{view}')).read_disks()}}; "
+             "st = os.statvfs(sys.argv[1]); "
+             "print(json.dumps([d.get(sys.argv[1]), st.f_blocks * st.f_frsize]))")  # fmt: skip
+    script = (
+        "set -e; for i in $(seq 150); do mkdir -p $0/m$i; mount -t tmpfs -o size=4k t$i $0/m$i; done; "
+        "mkdir -p $0/disk; mount -o loop $1 $0/disk; "
+        f"{sys.executable} -c \"{probe}\" $0/disk"
+    )
+    r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(tmp_path), str(image)],
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    disk, size = json.loads(r.stdout)
+    assert disk is not None, "the disk after 150 mounts is missing"
+    assert disk["bytes"] == size and 50 * 2**20 < size < 64 * 2**20
