@@ -272,7 +272,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     from nodesampler import wire
     from sampler import host_view
-    from sampler.agent import Agent, ConfigError, ConfigFile, TokenFile, default_node
+    from sampler.agent import Agent, AgentFailed, ConfigError, ConfigFile, TokenFile, default_node
 
     logging.getLogger().setLevel(logging.INFO)
     # First, while this is the only thread: later threads inherit the host's cgroup paths.
@@ -317,6 +317,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
         agent = Agent(sampler, args.control_plane, token, node, args.interval, stopping, config, context,
                       host_view.host_name(args.proc_root))  # fmt: skip
         asyncio.run(agent.run())
+    except AgentFailed as e:
+        # The traceback is in the log already: one line more, and the supervisor restarts us.
+        print(f"nodesampler: error: {e}", file=sys.stderr)
+        return 1
     finally:
         _close(sampler)
     return 0

@@ -194,6 +194,15 @@ class DeliveryError(Exception):
     pass
 
 
+class AgentFailed(Exception):
+    """A part of the agent died (the sampling thread, the sender): the process
+    exits non-zero, with the traceback in the log, and its supervisor (the
+    DaemonSet, systemd) starts it again."""
+
+
+WINDOW_FAILURES_BEFORE_EXIT = 3  # one failed window is retried; three in a row is a broken agent
+
+
 class UnknownToControlPlane(DeliveryError):
     """404: the control plane does not know this node (it restarted)."""
 
@@ -259,7 +268,8 @@ class Backoff:
 
 
 def registration_body(sampler: WindowSampler, node: str, hostname: str | None = None) -> dict[str, Any]:
-    gauges = sampler.gauges.read()
+    # The gauges of the last window: no /proc or statvfs here, on the event loop (a hung mount would stall it).
+    gauges = sampler.last_gauges
     body: dict[str, Any] = {
         "node": node,
         "hostname": hostname or socket.gethostname(),
@@ -291,18 +301,37 @@ class Agent:
         self.stopping = stopping
         self.mailbox = NewestSummary()
         self.sent = 0
+        self.sleep = asyncio.sleep  # the sender's waits: a test may count them
 
     # --- the sampling thread -----------------------------------------------------
 
-    def _sample_forever(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _sample_forever(self, loop: asyncio.AbstractEventLoop, died: asyncio.Future[None]) -> None:
+        try:
+            self._sample_windows(loop)
+        except BaseException as e:
+            log.exception("the sampling thread died")
+            failure = AgentFailed(f"the sampling thread died: {e!r}")
+
+            def report() -> None:
+                if not died.done():
+                    died.set_exception(failure)
+
+            loop.call_soon_threadsafe(report)
+
+    def _sample_windows(self, loop: asyncio.AbstractEventLoop) -> None:
         self.sampler.prime(0)
+        failures = 0
         while not self.stopping.is_set():
             if self.config is not None and self.config.changed():
                 self.sampler.watches = self.config.watches
             try:
                 summary = self.sampler.run_window(self.interval)
-            except Exception:  # a bug must not end sampling silently; the next window tries again
-                log.exception("window failed")
+                failures = 0
+            except Exception:
+                failures += 1
+                if failures >= WINDOW_FAILURES_BEFORE_EXIT:
+                    raise
+                log.exception("window failed (%d in a row); the next window tries again", failures)
                 self.stopping.wait(self.interval)
                 continue
             if not self.stopping.is_set():
@@ -314,6 +343,7 @@ class Agent:
         backoff = Backoff()
         registered = False
         down_since_reason: str | None = None
+        unknown_again = False  # a 404 right after registering: not a restart, something else is wrong
         summary = await self.mailbox.get()
         while True:
             try:
@@ -323,15 +353,21 @@ class Agent:
                     log.info("registered with %s as %s", self.url, self.node)
                 await client.heartbeat(summary)
                 self.sent += 1
+                unknown_again = False
             except UnknownToControlPlane:
-                log.warning("control plane does not know this node (it restarted): registering again")
+                if not unknown_again:
+                    log.warning("control plane does not know this node (it restarted): registering again")
+                    unknown_again = True
+                    registered = False
+                    continue  # at once, with the same summary
                 registered = False
-                continue  # at once, with the same summary
+                await self.sleep(backoff.next_delay())  # 404 again at once: back off like any retry
+                continue
             except DeliveryError as e:
                 if down_since_reason is None:
                     log.warning("control plane unreachable (%s); retrying with backoff", e)
                     down_since_reason = str(e)
-                await asyncio.sleep(backoff.next_delay())
+                await self.sleep(backoff.next_delay())
                 summary = self.mailbox.newer() or summary  # only the newest is worth sending
                 continue
             if down_since_reason is not None:
@@ -345,7 +381,9 @@ class Agent:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        thread = threading.Thread(target=self._sample_forever, args=(loop,), name="sampler", daemon=True)
+        sampler_died: asyncio.Future[None] = loop.create_future()
+        thread = threading.Thread(target=self._sample_forever, args=(loop, sampler_died), name="sampler",
+                                  daemon=True)  # fmt: skip
         timeout = aiohttp.ClientTimeout(total=max(5.0, min(30.0, 2 * self.interval)))
         connector = aiohttp.TCPConnector(ssl=self.ssl_context) if self.ssl_context else None
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
@@ -354,12 +392,22 @@ class Agent:
             thread.start()
             sender = asyncio.create_task(self._deliver(HeartbeatClient(session, self.url, self.token)))
             stopped = asyncio.create_task(stop.wait())
-            await asyncio.wait({sender, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            watched: set[asyncio.Future[Any]] = {sender, stopped, sampler_died}
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            failure: BaseException | None = None
+            if sampler_died.done():
+                failure = sampler_died.exception()
+            elif sender.done() and not sender.cancelled() and (e := sender.exception()) is not None:
+                log.error("the heartbeat sender died", exc_info=e)
+                failure = AgentFailed(f"the heartbeat sender died: {e!r}")
             log.info("stopping")
             self.stopping.set()
             sender.cancel()
-            await asyncio.gather(sender, return_exceptions=True)
+            stopped.cancel()
+            await asyncio.gather(sender, stopped, return_exceptions=True)
             await loop.run_in_executor(None, thread.join)
+            if failure is not None:
+                raise failure
 
 
 def default_node() -> str:

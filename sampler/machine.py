@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +80,59 @@ class MachineCpuSampler:
         return 100.0 * (cur.busy - prev.busy) / d_total
 
 
+class MountProbe:
+    """statvfs of mount points, each on a thread of its own with one deadline
+    for them all: statvfs on a hung network mount blocks (uninterruptibly)
+    until the server answers, and must cost neither the sampling thread nor
+    the event loop more than the deadline. A mount that did not answer is said
+    once, and skipped (its call still waiting) until it answers; then said again."""
+
+    def __init__(self, statvfs: Callable[[str], os.statvfs_result] = os.statvfs, deadline: float = 1.0) -> None:
+        self._statvfs, self.deadline = statvfs, deadline
+        self._waiting: dict[str, threading.Event] = {}  # mount -> its call, still not returned
+
+    def measure(self, paths: list[str]) -> dict[str, os.statvfs_result | OSError]:
+        """Each path's statvfs or its error; a path that did not answer in time is absent."""
+        calls: dict[str, tuple[threading.Event, list[Any]]] = {}
+        for path in paths:
+            if (waiting := self._waiting.get(path)) is not None and not waiting.is_set():
+                continue  # still hung: skipped until it answers
+            done, result = threading.Event(), list[Any]()
+            # A daemon thread: one stuck in a hung mount must not hold the process at exit.
+            threading.Thread(target=self._call, args=(path, done, result), name="statvfs", daemon=True).start()
+            calls[path] = (done, result)
+        deadline = time.monotonic() + self.deadline
+        out: dict[str, os.statvfs_result | OSError] = {}
+        for path, (done, result) in calls.items():
+            if done.wait(max(0.0, deadline - time.monotonic())):
+                if self._waiting.pop(path, None) is not None:
+                    log.warning("disk %s answers again", path)
+                out[path] = result[0]
+            elif path not in self._waiting:
+                log.warning("disk %s did not answer within %.1f s: left out until it does", path, self.deadline)
+                self._waiting[path] = done
+            else:
+                self._waiting[path] = done
+        return out
+
+    def _call(self, path: str, done: threading.Event, result: list[Any]) -> None:
+        try:
+            result.append(self._statvfs(path))
+        except OSError as e:
+            result.append(e)
+        finally:
+            done.set()
+
+
 class MachineGaugeReader:
     """Load, memory, CPU count and disks: each read on its own, each absent
     when its file is missing or malformed."""
 
-    def __init__(self, proc: Path, host_root: Path | None = None) -> None:
+    def __init__(self, proc: Path, host_root: Path | None = None, mounts: MountProbe | None = None) -> None:
         self._proc = proc
         self._host_root = host_root
         self._log = _LogOnce()
+        self.mounts = mounts or MountProbe()
 
     def _read(self, name: str) -> bytes | None:
         try:
@@ -150,11 +198,13 @@ class MachineGaugeReader:
             self._log(logging.WARNING, str(e))
             return None
         disks = []
+        measured = self.mounts.measure([prefix + m.mount_point for m in mounts])
         for m in mounts:
-            try:
-                st = os.statvfs(prefix + m.mount_point)
-            except OSError as e:
-                self._log(logging.INFO, f"disk {m.mount_point} left out: {e.strerror}")
+            st = measured.get(prefix + m.mount_point)
+            if st is None:
+                continue  # did not answer in time (said once by the probe)
+            if isinstance(st, OSError):
+                self._log(logging.INFO, f"disk {m.mount_point} left out: {st.strerror}")
                 continue
             total = st.f_blocks * st.f_frsize
             if total == 0:

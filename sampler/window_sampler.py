@@ -64,6 +64,7 @@ class WindowSampler:
         self._program_stats: dict[str, tuple[int, int]] = {}
         self._wait_cumulative: dict[str, float] = {}
         self._seq = 0
+        self.last_gauges: dict[str, Any] = {}
 
     def prime(self, seconds: float) -> None:
         """Take the first readings, so that the first window has something to
@@ -141,6 +142,7 @@ class WindowSampler:
             "window": {"start": start_wall, "end": self._wall(), "samples": taken},
         }
         m: dict[str, Any] = self.gauges.read()
+        self.last_gauges = dict(m)  # for registration, which must not read disks on the event loop
         m["cpu_percent"] = machine.summary()
         if (stolen := steal.summary()) is not None:
             m["cpu_steal_percent"] = stolen
