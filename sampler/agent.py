@@ -344,12 +344,18 @@ class Agent:
         registered = False
         down_since_reason: str | None = None
         unknown_again = False  # a 404 right after registering: not a restart, something else is wrong
+        registered_gpus: list[dict[str, Any]] | None = None
         summary = await self.mailbox.get()
         while True:
+            gpus = self.sampler.gpus.inventory() if self.sampler.gpus is not None else None
+            if registered and gpus != registered_gpus:
+                log.info("the GPUs changed (NVML loaded late, or a card came or went): registering again")
+                registered = False
             try:
                 if not registered:
-                    await client.register(registration_body(self.sampler, self.node, self.hostname))
-                    registered = True
+                    body = registration_body(self.sampler, self.node, self.hostname)
+                    await client.register(body)
+                    registered, registered_gpus = True, gpus
                     log.info("registered with %s as %s", self.url, self.node)
                 await client.heartbeat(summary)
                 self.sent += 1

@@ -31,10 +31,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class GpuReading:
-    gpus: list[dict[str, Any]]
+    gpus: list[dict[str, Any]] | None  # None: not measured (NVML not loaded), `error` says why
     # shard id -> GPU memory of its processes on all cards; None: not measured
     shard_memory: dict[str, int | None]
     seconds: float  # time spent in NVML for this reading
+    error: str | None = None
+
+
+INIT_RETRY_START_S = 1.0
+INIT_RETRY_CAP_S = 60.0  # a driver that loads late, or a library mounted in later, is seen within a minute
 
 
 @dataclass
@@ -68,6 +73,10 @@ class GpuReader:
         self._cards: list[_Card] = []
         self._driver: str | None = None
         self._needs_init = True
+        self._loaded = False
+        self._load_error: str | None = None
+        self._next_init_at = 0.0
+        self._init_delay = INIT_RETRY_START_S
         self._pending: concurrent.futures.Future[GpuReading] | None = None
         self._pending_since = 0.0
         self._warned_stuck = False
@@ -79,29 +88,29 @@ class GpuReader:
         return (self._nvml.NVMLError,) if self._nvml is not None else ()
 
     def _init(self) -> None:
+        """Load NVML and find the cards. A failure (no library, a driver not
+        loaded yet) is not "no GPUs": it is retried, with backoff capped at a
+        minute, and until then each reading says why it has no GPUs."""
+        self._needs_init = False
+        self._cards = []  # a failed (re-)initialisation leaves no stale handles behind
         if self._nvml is None:
             try:
                 import pynvml
 
                 self._nvml = pynvml
             except ImportError:
-                log.info("no GPUs: nvidia-ml-py is not installed")
-                self._needs_init = False
+                self._not_loaded("nvidia-ml-py is not installed")
                 return
         nv = self._nvml
         try:
             nv.nvmlInit()
         except nv.NVMLError as e:
-            # A CPU node: no library or no driver. One line, once.
-            log.info("no GPUs: NVML unavailable (%s)", e)
-            self._needs_init = False
+            self._not_loaded(str(e))
             return
-        self._needs_init = False
         try:
             self._driver = _text(nv.nvmlSystemGetDriverVersion())
         except nv.NVMLError:
             self._driver = None
-        self._cards = []
         for index in range(nv.nvmlDeviceGetCount()):
             try:
                 h = nv.nvmlDeviceGetHandleByIndex(index)
@@ -110,6 +119,16 @@ class GpuReader:
                 log.warning("GPU %d left out: %s", index, e)
                 continue
             self._cards.append(self._describe(_Card(index, h, uuid, None, None, None)))
+        if self._load_error is not None:
+            log.warning("NVML loaded (it was not: %s): %d GPUs", self._load_error, len(self._cards))
+        self._loaded, self._load_error, self._init_delay = True, None, INIT_RETRY_START_S
+
+    def _not_loaded(self, reason: str) -> None:
+        if self._load_error is None:
+            log.info("GPUs not measured: NVML not loaded (%s); trying again, at most a minute apart", reason)
+        self._loaded, self._load_error = False, reason
+        self._next_init_at = self._clock() + self._init_delay
+        self._init_delay = min(INIT_RETRY_CAP_S, self._init_delay * 2)
 
     def _describe(self, card: _Card) -> _Card:
         nv, h = self._nvml, card.handle
@@ -122,8 +141,9 @@ class GpuReader:
         return card
 
     def _reinit(self) -> None:
-        with contextlib.suppress(self._nvml.NVMLError):
-            self._nvml.nvmlShutdown()
+        if self._nvml is not None and self._loaded:
+            with contextlib.suppress(self._nvml.NVMLError):
+                self._nvml.nvmlShutdown()
         self._init()
 
     def _field(self, card: _Card, name: str, read: Callable[[], Any]) -> Any:
@@ -207,8 +227,11 @@ class GpuReader:
 
     def _read(self, members: dict[str, set[int]]) -> GpuReading:
         started = self._clock()
-        if self._needs_init:
+        if self._needs_init or (not self._loaded and started >= self._next_init_at):
             self._reinit()
+        if not self._loaded:
+            return GpuReading(None, dict.fromkeys(members), self._clock() - started,
+                              f"NVML not loaded yet: {self._load_error}")  # fmt: skip
         gpus: list[dict[str, Any]] = []
         used: dict[str, int] = dict.fromkeys(members, 0)
         answered = False
@@ -246,8 +269,8 @@ class GpuReader:
             return False
 
     def inventory(self) -> list[dict[str, Any]] | None:
-        """What registration carries; None until NVML has initialised."""
-        if not self._init_future.done():
+        """What registration carries; None until NVML has loaded."""
+        if not self._init_future.done() or not self._loaded:
             return None
         return [
             {k: v for k, v in {"index": c.index, "uuid": c.uuid, "name": c.name,

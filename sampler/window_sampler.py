@@ -183,9 +183,10 @@ class WindowSampler:
 
     @staticmethod
     def _add_gpus(summary: dict[str, Any], reading: GpuReading | None) -> None:
-        if reading is None:
+        if reading is None or reading.gpus is None:
             # Not measured: no "gpus" at all, which would read as a node without GPUs.
-            summary["gpu_error"] = "NVML did not answer before the window ended"
+            summary["gpu_error"] = reading.error if reading is not None else \
+                "NVML did not answer before the window ended"  # fmt: skip
             return
         summary["gpus"] = reading.gpus
         summary["gpu_read_seconds"] = round(reading.seconds, 4)

@@ -7,6 +7,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pynvml
 import pytest
@@ -131,16 +132,48 @@ def test_lost_gpu_is_absent_the_rest_go_on_and_it_comes_back(readers: list[GpuRe
     assert "lost" not in gpus[2] and gpus[2]["temperature_celsius"] == 61
 
 
-def test_cpu_node_has_no_gpus_and_says_so_once(readers: list[GpuReader], caplog: pytest.LogCaptureFixture) -> None:
+def test_no_nvml_is_not_measured_not_no_gpus(readers: list[GpuReader], caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="sampler.nvml"):
         r = open_reader(FakeNvml([], library=False), readers)
         for _ in range(3):
             reading = read(r, {"s0": {1}})
-            assert reading.gpus == []
+            assert reading.gpus is None and reading.error is not None and "not loaded" in reading.error
             assert reading.shard_memory == {"s0": None}  # not measured, not 0
-    assert r.inventory() == []
-    said = [rec.message for rec in caplog.records if "no GPUs" in rec.message]
+    assert r.inventory() is None
+    said = [rec.message for rec in caplog.records if "NVML not loaded" in rec.message]
     assert len(said) == 1 and "Library Not Found" in said[0]
+
+
+def test_a_library_that_appears_later_is_found_within_a_minute(
+    readers: list[GpuReader], caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml = FakeNvml([FakeCard(0), FakeCard(1)], library=False)
+    attempts = 0
+    init = nvml.nvmlInit
+
+    def counted() -> None:
+        nonlocal attempts
+        attempts += 1
+        init()
+
+    nvml.nvmlInit = counted  # type: ignore[method-assign]
+    clock = FakeClock()
+    r = GpuReader(nvml, clock=clock)
+    readers.append(r)
+    assert r.wait_ready(10)
+    seen: list[list[dict[str, Any]] | None] = []
+    for _ in range(40):  # 40 windows of 5 s: the retries back off 1, 2, 4 ... 60 s apart
+        clock.advance(5.0)
+        seen.append(read(r).gpus)
+    assert all(g is None for g in seen)  # never "no GPUs": not measured
+    assert 5 <= attempts <= 10  # backed off, not every window
+    nvml.library = True  # the driver's library is mounted in
+    clock.advance(60.0)
+    reading = read(r)
+    assert reading.gpus is not None and len(reading.gpus) == 2
+    inventory = r.inventory()
+    assert inventory is not None and len(inventory) == 2
+    assert any("NVML loaded" in rec.message for rec in caplog.records)
 
 
 def test_process_memory_not_available_is_not_zero(readers: list[GpuReader]) -> None:
