@@ -203,6 +203,10 @@ class AgentFailed(Exception):
 WINDOW_FAILURES_BEFORE_EXIT = 3  # one failed window is retried; three in a row is a broken agent
 
 
+class Refused(DeliveryError):
+    """The control plane answered, and refused (400, 401, 403, 413): not "unreachable"."""
+
+
 class UnknownToControlPlane(DeliveryError):
     """404: the control plane does not know this node (it restarted)."""
 
@@ -230,6 +234,8 @@ class HeartbeatClient:
             raise DeliveryError(f"{type(e).__name__}: {e}") from None
         if r.status == 404 and path == "/v1/heartbeat":
             raise UnknownToControlPlane(text)
+        if 400 <= r.status < 500:
+            raise Refused(f"{path} refused, HTTP {r.status}: {text}")
         raise DeliveryError(f"HTTP {r.status}: {text}")
 
     def _say_dropped(self, answer: Any) -> None:
@@ -371,7 +377,8 @@ class Agent:
                 continue
             except DeliveryError as e:
                 if down_since_reason is None:
-                    log.warning("control plane unreachable (%s); retrying with backoff", e)
+                    what = "refused the request" if isinstance(e, Refused) else "unreachable"
+                    log.warning("control plane %s (%s); retrying with backoff", what, e)
                     down_since_reason = str(e)
                 await self.sleep(backoff.next_delay())
                 summary = self.mailbox.newer() or summary  # only the newest is worth sending

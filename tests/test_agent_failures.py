@@ -170,3 +170,28 @@ def test_registration_reads_no_disk_on_the_event_loop(tmp_path: Path) -> None:
     body = agent_module.registration_body(agent.sampler, "n1")
     assert body["cpus"] == 2 and body["memory_bytes"] == 10
 
+
+
+async def test_a_refusal_is_said_as_a_refusal_not_unreachable(tmp_path: Path, caplog: Any) -> None:
+    from controlplane import agent_api
+    from controlplane.registry import NodeRegistry
+
+    server = TestServer(agent_api.create_app(NodeRegistry(60), b"another cluster's secret, long"))
+    await server.start_server()
+    agent = make_agent(tmp_path, str(server.make_url("/")))
+    waits: list[float] = []
+
+    async def recorded(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) >= 3:
+            raise asyncio.CancelledError
+
+    agent.sleep = recorded  # type: ignore[method-assign]
+    caplog.set_level(logging.WARNING)
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(_deliver_once(agent), 30)
+    finally:
+        await server.close()
+    said = [r.message for r in caplog.records if "control plane" in r.message]
+    assert len(said) == 1 and "refused the request" in said[0] and "401" in said[0], said
