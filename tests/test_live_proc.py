@@ -22,7 +22,7 @@ from sampler.backend import BackendChoice
 from sampler.proc_groups import ProcGroupSampler
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window_sampler import WindowSampler
-from tests.workloads import BURN_ONE_CORE, FORKER, PROC, QUARTER_WORKERS, GroupTruth, start_group
+from tests.workloads import BURN_ONE_CORE, FORKER, PROC, QUARTER_WORKERS, GroupTruth, group_cpu_seconds, start_group
 
 pytestmark = pytest.mark.live
 
@@ -85,31 +85,35 @@ def test_sample_command_reports_the_busy_group(group: list[subprocess.Popen[str]
     assert summary["machine"]["cpu_percent"]["mean"] > 40
 
 
-def stall_once(groups: Any, at_call: int, seconds: float = 0.3) -> None:
-    """The group sampler stalls once for `seconds` (a GC pause, a slow walk), for real."""
-    sample, calls = groups.sample, 0
+def window_with_a_stall(groups: Any, backend: str, pgid: int) -> tuple[dict[str, float], float]:
+    """One window in which the group sampler stalls once for 300 ms, for real
+    (a GC pause, a slow walk), and the kernel's account over the same
+    interval: read right after the sampler's own readings at the window's two
+    edges (the priming sample, and the sample at or after the final slot)."""
+    edges: list[tuple[float, float]] = []
+    final_slot, calls = 0.0, 0
+    sample = groups.sample
 
     def stalling() -> Any:
         nonlocal calls
         calls += 1
-        if calls == at_call:
-            time.sleep(seconds)
-        return sample()
+        if calls == 12:
+            time.sleep(0.3)
+        readings = sample()
+        if (now := time.monotonic()) >= final_slot:
+            edges.append((now, group_cpu_seconds(pgid)))
+        return readings
 
     groups.sample = stalling
-
-
-def window_with_a_stall(groups: Any, backend: str, pgid: int) -> tuple[dict[str, float], float]:
     watches = [GroupWatch("w", GroupSelector.parse(f"pgid:{pgid}"))]
     sampler = WindowSampler(PROC, BackendChoice(backend, None), groups, watches, hz=10)
     sampler.prime(0)
-    stall_once(groups, at_call=12)
-    truth = GroupTruth(pgid)
+    final_slot = time.monotonic() + WINDOW_S
     summary = sampler.run_window(WINDOW_S)
-    cores = truth.cores()
+    (t0, s0), (t1, s1) = edges[0], edges[-1]
     [shard] = summary["shards"]
     assert summary["window"]["samples"] < WINDOW_S * 10  # slots skipped, not bunched
-    return shard["cpu_cores"], cores
+    return shard["cpu_cores"], (s1 - s0) / (t1 - t0)
 
 
 def test_a_300_ms_stall_on_the_real_clock(group: list[subprocess.Popen[str]]) -> None:
