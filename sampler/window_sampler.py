@@ -128,10 +128,12 @@ class WindowSampler:
                 gpu_asked = True
             if k >= n:
                 break
-            # Behind schedule (a slow walk, a GC pause, a busy CPU): the slots
-            # missed are skipped, not taken back to back; the next sample's
-            # weight covers the gap. The window's last slot is always taken.
-            k = min(n, max(k + 1, int((now - start) * self.hz + 1e-6) + 1))
+            # Behind schedule (a slow walk, a GC pause, a busy CPU, this very
+            # reading): the slots missed are skipped, not taken back to back;
+            # the next sample's weight covers the gap. Judged after the reading,
+            # so a slow one is not followed by one a few ms long. The window's
+            # last slot is always taken.
+            k = min(n, max(k + 1, int((self._clock() - start) * self.hz + 1e-6) + 1))
         self._last_sample_at = last
         self._seq += 1
         summary: dict[str, Any] = {
