@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -22,6 +23,7 @@ from controlplane.history import ChartSpec, EmbeddedHistory, PrometheusHistory, 
 from controlplane.registry import NodeRegistry
 from nodesampler import wire
 from tests.test_agent_processes import free_port
+from web.pages import add_pages
 
 pytestmark = pytest.mark.live
 
@@ -100,3 +102,104 @@ async def test_embedded_and_prometheus_give_the_same_series(tmp_path: Path) -> N
         prom.kill()
         prom.wait()
         await runner.cleanup()
+
+
+def _gpu_heartbeat(seq: int) -> dict[str, Any]:
+    body = heartbeat(seq, 20.0 + (seq % 7) * 10)
+    for g in body["gpus"]:
+        g.update(uuid=f"GPU-{g['index']}", memory_used_bytes=2**30 * (1 + seq % 5), memory_total_bytes=2**34)
+    return body
+
+
+def _chart_paths(page: str) -> list[str]:
+    return re.findall(r'<path d="([^"]*)"', page)
+
+
+async def test_pages_from_prometheus_draw_lines_at_5_and_15_s_scrapes(tmp_path: Path) -> None:
+    """A real Prometheus scraping the control plane every 5 s, and another every
+    15 s; the pages drawn from each: every chart with data draws line segments,
+    and in a real browser the lines have length (screenshots kept)."""
+    if shutil.which("prometheus") is None:
+        pytest.fail("prometheus missing: make setup installs Debian's prometheus")
+    registry = NodeRegistry(stale_after=3600)
+    source = web.AppRunner(pages_api.create_app(registry))
+    await source.setup()
+    metrics_port = free_port()
+    await web.TCPSite(source, "127.0.0.1", metrics_port).start()
+    proms: dict[int, tuple[subprocess.Popen[bytes], int]] = {}
+    runners = [source]
+    try:
+        for scrape in (5, 15):
+            port = free_port()
+            config = tmp_path / f"prometheus-{scrape}.yml"
+            config.write_text(f"global: {{scrape_interval: {scrape}s}}\nscrape_configs:\n  - job_name: cp\n"
+                              f"    static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]\n")  # fmt: skip
+            proms[scrape] = (subprocess.Popen(
+                ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / f'data-{scrape}'}",
+                 f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                port)  # fmt: skip
+        registry.register(wire.parse_registration(json.dumps(
+            {"node": "n1", "gpus": [{"index": 0, "uuid": "GPU-0", "name": "H200"}]}).encode()))  # fmt: skip
+        pages: dict[int, int] = {}
+        for scrape, (_, prom_port) in proms.items():
+            app = pages_api.create_app(registry)
+            add_pages(app, None, f"http://127.0.0.1:{prom_port}")
+            runner = web.AppRunner(app)
+            await runner.setup()
+            runners.append(runner)
+            pages[scrape] = free_port()
+            await web.TCPSite(runner, "127.0.0.1", pages[scrape]).start()
+        async with aiohttp.ClientSession() as session:
+
+            async def samples(prom_port: int) -> int:
+                query = 'count_over_time(llmgw_node_cpu_utilization_percent{node="n1"}[10m])'
+                try:
+                    async with session.get(f"http://127.0.0.1:{prom_port}/api/v1/query", params={"query": query}) as r:
+                        result = (await r.json())["data"]["result"]
+                except (aiohttp.ClientError, KeyError):
+                    return 0
+                return int(float(result[0]["value"][1])) if result else 0
+
+            seq, deadline = 0, time.monotonic() + 120
+            # Heartbeats every second until each Prometheus has four scrapes of them.
+            while min([await samples(p) for _, p in proms.values()]) < 4:
+                assert time.monotonic() < deadline, "Prometheus did not scrape four times"
+                seq += 1
+                registry.heartbeat(wire.parse_heartbeat(json.dumps(_gpu_heartbeat(seq)).encode()))
+                await asyncio.sleep(1.0)
+            for scrape, port in pages.items():
+                for path in ("/node/n1", "/"):
+                    async with session.get(f"http://127.0.0.1:{port}{path}") as r:
+                        assert r.status == 200
+                        page = await r.text()
+                    paths = _chart_paths(page)
+                    assert paths, (scrape, path)
+                    assert all(" L" in d for d in paths), (scrape, path, [d[:80] for d in paths if " L" not in d])
+        await asyncio.to_thread(_lines_have_length, pages)
+    finally:
+        for prom, _ in proms.values():
+            prom.kill()
+            prom.wait()
+        for runner in runners:
+            await runner.cleanup()
+
+
+def _lines_have_length(pages: dict[int, int]) -> None:
+    from playwright.sync_api import sync_playwright
+
+    from tests.test_browser import ARTIFACTS, CHROMIUM_ARGS
+
+    chromium = shutil.which("chromium")
+    assert chromium is not None, "chromium missing: make setup installs Debian's chromium"
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 700})
+            for scrape, port in pages.items():
+                page.goto(f"http://127.0.0.1:{port}/node/n1")
+                lengths = page.evaluate("[...document.querySelectorAll('svg.chart path')].map(p => p.getTotalLength())")
+                assert lengths and all(n > 0 for n in lengths), (scrape, lengths)
+                page.screenshot(path=str(ARTIFACTS / f"node-page-prometheus-{scrape}s.png"), full_page=True)
+        finally:
+            browser.close()

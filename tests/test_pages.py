@@ -5,6 +5,8 @@ chart spec; the charts keep spikes."""
 from __future__ import annotations
 
 import json
+import re
+import time
 from html.parser import HTMLParser
 from typing import Any
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 from controlplane import pages_api
-from controlplane.history import ChartSpec, EmbeddedHistory, promql
+from controlplane.history import ChartSpec, EmbeddedHistory, Series, promql
 from controlplane.registry import NodeRegistry
 from nodesampler import wire
 from tests.fakeclock_registry import fleet_registry
@@ -182,8 +184,55 @@ def test_downsampling_keeps_a_spike() -> None:
     t = np.arange(10_000, dtype=float)
     v = np.ones(10_000)
     v[4321] = 50.0  # one sample in ten thousand, far narrower than a pixel
-    lo, hi, mean = bin_columns(t, v, 0, 10_000, 100)
+    lo, hi, mean, _ = bin_columns(t, v, 0, 10_000, 100)
     assert np.nanmax(hi) == 50.0 and np.nanmin(lo) == 1.0
     assert np.nanmax(mean) < 2.0  # the mean alone would hide it
     svg = svg_chart("cpu", [], 0, 3600, "percent")
     assert "no data" in svg
+
+
+def _path_starts(svg: str) -> list[int]:
+    """How many separate runs (move-tos) each series' line has."""
+    return [d.count("M") for d in re.findall(r'<path d="([^"]*)"', svg)]
+
+
+@pytest.mark.parametrize("every", [1, 5, 15, 60])
+@pytest.mark.parametrize("span", [300, 3600, 86400])
+def test_lines_are_joined_at_whatever_step_the_data_has(every: int, span: int) -> None:
+    end = 1_764_445_200.0
+    t = np.arange(end - span, end + 0.001, every, dtype=np.float64)
+    t = t + np.random.default_rng(every).uniform(-0.2, 0.2, len(t)) * every  # heartbeats are not on a grid
+    svg = svg_chart("c", [Series("s", t, np.sin(t / 600) + 2)], end - span, end, "cores")
+    [runs] = _path_starts(svg)
+    assert runs == 1, (every, span)
+    assert svg.count(" L") > 0 or len(t) < 2
+
+
+def test_a_real_hole_is_a_gap() -> None:
+    end = 1_764_445_200.0
+    t = np.arange(end - 3600, end, 5.0)
+    hole = (t > end - 1800) & (t < end - 1680)  # two minutes without a heartbeat
+    svg = svg_chart("c", [Series("s", t[~hole], np.ones((~hole).sum()))], end - 3600, end, "cores")
+    assert _path_starts(svg) == [2]
+    one_missed = (t > end - 1800) & (t < end - 1794)  # one heartbeat lost in 5 s data: joined
+    svg = svg_chart("c", [Series("s", t[~one_missed], np.ones((~one_missed).sum()))], end - 3600, end, "cores")
+    assert _path_starts(svg) == [1]
+
+
+@pytest.mark.parametrize("interval", [1.0, 5.0, 15.0, 60.0])
+async def test_embedded_history_draws_lines_at_any_heartbeat_interval(aiohttp_client: Any, interval: float) -> None:
+    """Heartbeats every 1 to 60 s over the last hour: every chart of both pages draws joined lines."""
+    registry, _ = fleet_registry()
+    history = EmbeddedHistory(interval=interval)
+    state = registry.get("gpu-1")
+    assert state is not None and state.heartbeat is not None
+    now = time.time()  # the pages chart the last hour of the wall clock
+    for k in range(int(3600 / interval), 0, -1):
+        hb = json.loads(json.dumps(state.heartbeat))
+        hb["machine"]["cpu_percent"]["mean"] = 30.0 + k % 13
+        history.record("gpu-1", hb, at=now - k * interval)
+    client = await pages_client(aiohttp_client, registry, history)
+    for path in ("/node/gpu-1", "/"):
+        page = await (await client.get(path)).text()
+        paths = re.findall(r'<path d="([^"]*)"', page)
+        assert paths and all(" L" in d for d in paths), (path, interval)

@@ -3,7 +3,14 @@
 Each series is binned into the chart's pixel columns with numpy, keeping the
 minimum and maximum of every column as well as its mean: the band between
 them is drawn under the mean's line, so a spike narrower than a pixel still
-shows. Gaps (not measured) stay gaps.
+shows.
+
+A gap is the data saying "not measured": the line breaks where two
+consecutive points are farther apart than the series' own step (the median
+spacing of its points: the heartbeat interval, or the query's step) with a
+margin, and no farther than the stale period allows. It never breaks because
+a pixel column happens to hold no point: points a few columns apart are
+joined.
 """
 
 from __future__ import annotations
@@ -37,15 +44,34 @@ def format_value(value: float, unit: str) -> str:
     return f"{value:.2f}" if abs(value) < 10 else f"{value:.0f}"
 
 
+STALE_AFTER_S = 60.0  # the control plane's default: a node silent this long is not measured
+GAP_MARGIN = 2.5  # a point may come this many steps late and still be joined
+
+
+def gap_after(t: np.ndarray, stale_after: float = STALE_AFTER_S) -> float:
+    """The distance between two consecutive points beyond which the line breaks:
+    a margin over the series' own step, at most the stale period, but never
+    less than one and a half steps (a day's chart asks for points minutes apart)."""
+    if len(t) < 2:
+        return float("inf")
+    step = float(np.median(np.diff(t)))
+    return min(GAP_MARGIN * step, max(stale_after, 1.5 * step))
+
+
 def bin_columns(
-    t: np.ndarray, v: np.ndarray, start: float, end: float, cols: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per pixel column: min, max and mean of the samples falling in it (NaN: none)."""
+    t: np.ndarray, v: np.ndarray, start: float, end: float, cols: int, stale_after: float = STALE_AFTER_S
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per pixel column: min, max and mean of the samples falling in it (NaN:
+    none), and whether the line breaks before it (a real gap in the data
+    between the column's first point and the point before it)."""
     ok = ~np.isnan(v) & (t >= start) & (t <= end)
     t, v = t[ok], v[ok]
     lo, hi, mean = (np.full(cols, np.nan) for _ in range(3))
+    breaks = np.zeros(cols, dtype=bool)
     if len(v) == 0:
-        return lo, hi, mean
+        return lo, hi, mean, breaks
+    order = np.argsort(t, kind="stable")
+    t, v = t[order], v[order]
     idx = np.minimum(((t - start) / (end - start) * cols).astype(np.int64), cols - 1)
     lo[:] = np.inf
     hi[:] = -np.inf
@@ -56,32 +82,39 @@ def bin_columns(
     empty = counts == 0
     lo[empty], hi[empty] = np.nan, np.nan
     mean = np.where(empty, np.nan, sums / np.maximum(counts, 1))
-    return lo, hi, mean
+    # A break before a point farther than the gap from the point before it.
+    gap = np.diff(t) > gap_after(t, stale_after)
+    breaks[idx[1:][gap]] = True
+    return lo, hi, mean, breaks
 
 
-def _segments(xs: np.ndarray, ys: np.ndarray) -> str:
-    """An SVG path through the points, lifted over NaN gaps."""
+def _segments(xs: np.ndarray, ys: np.ndarray, breaks: np.ndarray) -> str:
+    """An SVG path through the non-empty columns, lifted only at the data's gaps."""
     parts = []
     pen_down = False
-    for x, y in zip(xs.tolist(), ys.tolist(), strict=True):
-        if y != y:  # NaN
-            pen_down = False
+    for x, y, gap in zip(xs.tolist(), ys.tolist(), breaks.tolist(), strict=True):
+        if y != y:  # NaN: no point in this column; the line goes on to the next
             continue
-        parts.append(f"{'L' if pen_down else 'M'}{x:.0f} {y:.1f}")
+        parts.append(f"{'L' if pen_down and not gap else 'M'}{x:.0f} {y:.1f}")
         pen_down = True
     return " ".join(parts)
 
 
+def columns(width: int = WIDTH) -> int:
+    return width - LEFT - RIGHT
+
+
 def svg_chart(title: str, series: list[Series], start: float, end: float, unit: str,
-              y_max: float | None = None, width: int = WIDTH, height: int = HEIGHT) -> str:  # fmt: skip
-    cols = width - LEFT - RIGHT
+              y_max: float | None = None, width: int = WIDTH, height: int = HEIGHT,
+              stale_after: float = STALE_AFTER_S) -> str:  # fmt: skip
+    cols = columns(width)
     plot_h = height - TOP - BOTTOM
-    binned: list[tuple[Series, np.ndarray, np.ndarray, np.ndarray]] = [
-        (s, *bin_columns(s.t, s.v, start, end, cols)) for s in series
+    binned: list[tuple[Series, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = [
+        (s, *bin_columns(s.t, s.v, start, end, cols, stale_after)) for s in series
     ]
     top = y_max
     if top is None:
-        highs = [np.nanmax(hi) for _, _, hi, _ in binned if not np.isnan(hi).all()]
+        highs = [np.nanmax(hi) for _, _, hi, _, _ in binned if not np.isnan(hi).all()]
         top = max(highs) if highs else 1.0
         top = top * 1.1 if top > 0 else 1.0
     xs = LEFT + np.arange(cols)
@@ -105,7 +138,7 @@ def svg_chart(title: str, series: list[Series], start: float, end: float, unit: 
                    f'<text x="{x:.1f}" y="{height - 5}" text-anchor="middle" class="tick">'
                    f"{time.strftime('%H:%M', time.localtime(tick))}</text>")  # fmt: skip
     drawn = 0
-    for i, (s, lo, hi, mean) in enumerate(binned):
+    for i, (s, lo, hi, mean, breaks) in enumerate(binned):
         if np.isnan(mean).all():
             continue
         colour = PALETTE[i % len(PALETTE)]
@@ -115,7 +148,7 @@ def svg_chart(title: str, series: list[Series], start: float, end: float, unit: 
             upper = " ".join(f"{x:.0f},{y:.1f}" for x, y in zip(xs[band], y_of(hi[band]), strict=True))
             lower = " ".join(f"{x:.0f},{y:.1f}" for x, y in zip(xs[band][::-1], y_of(lo[band])[::-1], strict=True))
             out.append(f'<polygon points="{upper} {lower}" fill="{colour}" fill-opacity="0.18" stroke="none"/>')
-        out.append(f'<path d="{_segments(xs, y_of(mean))}" fill="none" stroke="{colour}" stroke-width="1.5">'
+        out.append(f'<path d="{_segments(xs, y_of(mean), breaks)}" fill="none" stroke="{colour}" stroke-width="1.5">'
                    f"<title>{html.escape(s.label or title)}</title></path>")  # fmt: skip
         drawn += 1
     if drawn == 0:
@@ -124,7 +157,7 @@ def svg_chart(title: str, series: list[Series], start: float, end: float, unit: 
     out.append("</svg>")
     legend = "".join(
         f'<span class="key"><i style="background:{PALETTE[i % len(PALETTE)]}"></i>{html.escape(s.label)}</span>'
-        for i, (s, _lo, _hi, _mean) in enumerate(binned) if s.label
+        for i, (s, *_) in enumerate(binned) if s.label
     )
     return (f'<figure class="chart"><figcaption>{html.escape(title)}</figcaption>{"".join(out)}'
             f'<div class="legend">{legend}</div></figure>')  # fmt: skip

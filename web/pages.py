@@ -20,7 +20,7 @@ from aiohttp import web
 from controlplane.history import ChartSpec, EmbeddedHistory, History, HistoryError, PrometheusHistory, Series
 from controlplane.keys import REGISTRY
 from controlplane.registry import NodeRegistry, NodeState
-from web.charts import format_value, svg_chart
+from web.charts import columns, format_value, svg_chart
 
 HISTORY = web.AppKey("history", object)  # a History (embedded or Prometheus)
 PROMETHEUS_URL = web.AppKey("prometheus_url", str)
@@ -87,7 +87,9 @@ async def _charts(history: History, specs: list[tuple[str, list[tuple[ChartSpec,
         series: list[Series] = []
         try:
             for spec, label in parts:
-                for s in await history.query(spec, start, now, 15.0):
+                # One point a column: no finer than the chart can draw (a
+                # Prometheus range query answers every step from its lookback).
+                for s in await history.query(spec, start, now, (now - start) / columns()):
                     s.label = " ".join(x for x in (label, s.label) if x)
                     series.append(s)
         except HistoryError as e:
