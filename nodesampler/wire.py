@@ -220,7 +220,17 @@ def _shard(value: Any, field: Field) -> Json:
             optional(wait, key, (field, "runqueue_wait_seconds"), lambda v, f: number(v, f, 0.0, 1e12), w)
     for key in ("memory_bytes", "gpu_memory_bytes"):
         optional(s, key, field, _bytes, out)
+    _numbers(s, _SHARD_NUMBERS, field, out)
     return out
+
+
+# A shard's CPU bandwidth (CFS quota and throttling) and sizing, checked in one loop.
+_SHARD_NUMBERS: tuple[tuple[str, float, float, bool], ...] = (
+    ("cpu_quota_cores", 0, MAX_CORES, False), ("cpu_throttled_ratio", 0, 1, False),
+    ("cpu_throttled_seconds", 0, 1e9, False), ("cpu_throttled_seconds_total", 0, 1e15, False),
+    ("threads", 0, 1 << 31, True), ("cpu_affinity_cores", 0, 1 << 20, True),
+    ("threads_per_quota_core", 0, 1e12, False),
+)  # fmt: skip
 
 
 # (key, lo, hi, integer?): a GPU's measurements, checked in one loop.

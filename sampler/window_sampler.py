@@ -15,6 +15,7 @@ from typing import Any
 
 from nodesampler import wire
 from sampler.backend import BackendChoice, GroupSampler
+from sampler.cfs import CGROUP_ROOT, CfsBandwidthReader
 from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from sampler.nvml import GpuReader, GpuReading
 from sampler.proc_groups import USER_HZ
@@ -40,6 +41,7 @@ class WindowSampler:
         gpus: GpuReader | None = None,
         gpu_grace: float = 0.0,
         host_root: Path | None = None,
+        cgroup_root: Path = CGROUP_ROOT,
     ) -> None:
         if hz <= 0:
             raise ValueError("hz must be positive")
@@ -53,6 +55,7 @@ class WindowSampler:
         self.gauges = MachineGaugeReader(proc, host_root)
         self.pressure = PressureReader(proc)
         self.runqueue = RunQueueWaitSampler(proc)
+        self.cfs = CfsBandwidthReader(proc, cgroup_root)
         self.groups = groups
         self.gpus = gpus
         # How long a window's end may wait for its GPU reading: 0 for the
@@ -74,6 +77,7 @@ class WindowSampler:
         self.cpu.sample()
         self.groups.sample()
         self._waits()  # a first reading, for the first window to compare with
+        self.cfs.read(self._members)  # likewise the cgroups' throttling counters
         self._last_sample_at = self._clock()
         if self.watches is None and seconds > 0:
             self._sleep(seconds)
@@ -155,9 +159,11 @@ class WindowSampler:
         memory = self.groups.memory()
         summary["shards"] = [self._shard(w, shards[w.id], memory.get(w.id)) for w in self.groups.watches]
         waits = self._waits()
+        bandwidth = self.cfs.read(self._members)  # once a window: cumulative counters
         for shard in summary["shards"]:
             if (wait := waits.get(shard["id"])) is not None:
                 shard["runqueue_wait_seconds"] = wait
+            shard.update(bandwidth.get(shard["id"], {}))
         if self.gpus is not None:
             if self.gpu_grace > 0:
                 self.gpus.wait(self.gpu_grace)

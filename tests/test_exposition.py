@@ -43,6 +43,10 @@ CONTRACT: dict[str, set[str]] = {
     "llmgw_shard_runqueue_wait_seconds": {"model", "replica", "shard", "quantile"},
     "llmgw_shard_runqueue_wait_seconds_total": {"model", "replica", "shard"},
     "llmgw_shard_runqueue_wait_per_slice_seconds": {"model", "replica", "shard"},
+    "llmgw_shard_cpu_quota_cores": {"model", "replica", "shard"},
+    "llmgw_shard_cpu_throttled_ratio": {"model", "replica", "shard"},
+    "llmgw_shard_cpu_throttled_seconds_total": {"model", "replica", "shard"},
+    "llmgw_shard_threads": {"model", "replica", "shard"},
 }  # fmt: skip
 
 

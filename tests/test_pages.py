@@ -236,3 +236,10 @@ async def test_embedded_history_draws_lines_at_any_heartbeat_interval(aiohttp_cl
         page = await (await client.get(path)).text()
         paths = re.findall(r'<path d="([^"]*)"', page)
         assert paths and all(" L" in d for d in paths), (path, interval)
+
+
+async def test_an_engines_quota_throttling_and_threads_show_at_a_glance(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+    client = await pages_client(aiohttp_client, registry)
+    text = parse(await (await client.get("/node/gpu-1")).text())
+    assert "6.00 88% 172" in text  # mistral's row: a 6-core quota, throttled 88% of periods, 172 threads

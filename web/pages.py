@@ -64,7 +64,9 @@ def _node_view(state: NodeState, now: float, stale_after: float) -> dict[str, An
                         "cores_max": (s.get("cpu_cores") or {}).get("max"),
                         "share": None if cores is None or not cpus else min(1.0, cores / cpus),
                         "memory": s.get("memory_bytes"), "gpu_memory": s.get("gpu_memory_bytes"),
-                        "command": s.get("command")})  # fmt: skip
+                        "command": s.get("command"), "quota": s.get("cpu_quota_cores"),
+                        "throttled": None if s.get("cpu_throttled_ratio") is None else 100 * s["cpu_throttled_ratio"],
+                        "threads": s.get("threads")})  # fmt: skip
     return {
         "node": state.node, "state": "fresh" if fresh else "stale", "age": state.age(now),
         "registration": state.registration, "backend": (hb or {}).get("backend"),
