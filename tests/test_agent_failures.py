@@ -112,15 +112,7 @@ async def test_a_404_right_after_registering_backs_off(tmp_path: Path, caplog: A
     server = TestServer(app)
     await server.start_server()
     agent = make_agent(tmp_path, str(server.make_url("/")))
-    waits: list[float] = []
-
-    async def recorded(seconds: float) -> None:
-        waits.append(seconds)
-        if len(waits) >= 5:
-            agent.stopping.set()
-            raise asyncio.CancelledError
-
-    agent.sleep = recorded  # type: ignore[method-assign]
+    waits = _count_waits(agent, 5)
     try:
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(_deliver_once(agent), 30)
@@ -129,6 +121,19 @@ async def test_a_404_right_after_registering_backs_off(tmp_path: Path, caplog: A
     assert registrations == len(waits) + 1  # the first 404: at once; every one after: after a wait
     assert waits == sorted(waits) and waits[-1] > waits[0]  # growing
     assert caplog.text.count("registering again") == 1
+
+
+def _count_waits(agent: Agent, stop_after: int) -> list[float]:
+    """The sender's waits, recorded instead of waited; the sender ends at the `stop_after`th."""
+    waits: list[float] = []
+
+    async def recorded(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) >= stop_after:
+            raise asyncio.CancelledError
+
+    agent.sleep = recorded  # type: ignore[method-assign]
+    return waits
 
 
 async def _deliver_once(agent: Agent) -> None:
@@ -180,14 +185,7 @@ async def test_a_refusal_is_said_as_a_refusal_not_unreachable(tmp_path: Path, ca
     server = TestServer(agent_api.create_app(NodeRegistry(60), b"another cluster's secret, long"))
     await server.start_server()
     agent = make_agent(tmp_path, str(server.make_url("/")))
-    waits: list[float] = []
-
-    async def recorded(seconds: float) -> None:
-        waits.append(seconds)
-        if len(waits) >= 3:
-            raise asyncio.CancelledError
-
-    agent.sleep = recorded  # type: ignore[method-assign]
+    _count_waits(agent, 3)
     caplog.set_level(logging.WARNING)
     try:
         with pytest.raises(asyncio.CancelledError):
