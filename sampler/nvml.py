@@ -18,6 +18,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -59,6 +61,43 @@ class _CardLost(Exception):
     pass
 
 
+class _NvmlThread:
+    """One daemon thread running the submitted calls in order. Not a
+    ThreadPoolExecutor: its threads are joined at interpreter exit, so a call
+    hung in the driver would hold the agent's exit (SIGTERM) for ever."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]
+                                       | None] = queue.SimpleQueue()  # fmt: skip
+        threading.Thread(target=self._run, name="nvml", daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancel what has not started and let the thread end after the call in progress (if it ever returns)."""
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[0].cancel()
+        self._calls.put(None)
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -69,7 +108,7 @@ class GpuReader:
     def __init__(self, nvml: ModuleType | Any | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._nvml: Any = nvml  # pynvml, or a stand-in with its functions and errors
         self._clock = clock
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+        self._pool = _NvmlThread()
         self._cards: list[_Card] = []
         self._driver: str | None = None
         self._needs_init = True
@@ -314,5 +353,5 @@ class GpuReader:
             return None
 
     def close(self) -> None:
-        # A hung NVML call cannot be interrupted: do not wait for it.
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        # A hung NVML call cannot be interrupted: do not wait for it (the thread is a daemon).
+        self._pool.shutdown()

@@ -240,3 +240,27 @@ def test_hung_nvml_call_never_holds_up_the_cpu_windows(tmp_path: Path, readers: 
     time.wedged = False
     summary = ws.run_window(1.0)
     assert summary["gpus"][0]["temperature_celsius"] == 61
+
+
+def test_a_call_hung_in_the_driver_does_not_hold_the_process_at_exit(tmp_path: Path) -> None:
+    """SIGTERM must end the agent even while NVML never returns: the NVML
+    thread is a daemon (a ThreadPoolExecutor's would be joined at exit)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading\n"
+        "from sampler.nvml import GpuReader\n"
+        "from tests.fakenvml import h200_node\n"
+        "nvml = h200_node(1)\n"
+        "r = GpuReader(nvml)\n"
+        "assert r.wait_ready(10)\n"
+        "nvml.cards[0].hang = threading.Event()  # never set: the driver is wedged\n"
+        "r.request({})\n"
+        "assert not r.wait(1.0)\n"
+        "r.close()\n"
+        "print('closed', flush=True)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "closed\n", r.stderr
