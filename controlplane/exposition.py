@@ -108,14 +108,14 @@ def _disks(key: str) -> Callable[[_NodeLabels, Json], Iterator[Sample]]:
     return samples
 
 
-def _shards(key: str, stat: str | None = None) -> Callable[[_NodeLabels, Json], Iterator[Sample]]:
+def _shards(key: str, stat: str | None = None, per: float = 1.0) -> Callable[[_NodeLabels, Json], Iterator[Sample]]:
     def samples(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
         for s in hb.get("shards") or ():
             value = s.get(key)
             if stat is not None:
                 value = value.get(stat) if value else None
             if value is not None:
-                yield labels.shard(s), value
+                yield labels.shard(s), value if per == 1.0 else value / per  # a division: 9.5 / 100 is 0.095
 
     return samples
 
@@ -126,6 +126,14 @@ def _waits(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
         for key, quantile in (("p50", "0.5"), ("p99", "0.99")):
             if key in wait:
                 yield f'{labels.shard(s)},quantile="{quantile}"', wait[key]
+
+
+def _starved(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
+    for s in hb.get("shards") or ():
+        verdict = s.get("starved") or {}
+        for kind in ("cpu_starved", "host_bound"):
+            if kind in verdict:
+                yield f'{labels.shard(s)},kind="{kind}"', verdict[kind]
 
 
 def _pressure(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
@@ -194,6 +202,16 @@ FAMILIES: tuple[Family, ...] = (
            "Time the engine's cgroup was throttled, the kernel's own cumulative count",
            _shards("cpu_throttled_seconds_total")),
     Family("llmgw_shard_threads", "gauge", "Threads of the engine's processes", _shards("threads")),
+    Family("llmgw_shard_gpu_utilization_ratio", "gauge",
+           "The engine's share of its GPUs' time (NVML per-process SM samples), the window's mean over its cards",
+           _shards("gpu_utilization_percent", per=100)),
+    Family("llmgw_shard_gpu_utilization_max_ratio", "gauge",
+           "The engine's share of a GPU's time, max of the window's samples on any of its cards",
+           _shards("gpu_utilization_max_percent", per=100)),
+    Family("llmgw_shard_starved", "gauge",
+           "1 if the engine was CPU-starved (kind=cpu_starved) or CPU-starved with idle GPUs (kind=host_bound)"
+           " in the window, else 0; absent when not judged",
+           _starved),
     Family("llmgw_shard_runqueue_wait_seconds_total", "counter",
            "Time the engine's threads spent waiting for a CPU, since the agent started",
            _shards("runqueue_wait_seconds", "cumulative")),

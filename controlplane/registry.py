@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane.starvation import StarvationRules, judge_heartbeat
+
 Json = dict[str, Any]
 
 
@@ -40,8 +42,9 @@ class NodeState:
 
 class NodeRegistry:
     def __init__(self, stale_after: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 gone_after: float | None = None) -> None:  # fmt: skip
+                 gone_after: float | None = None, starvation: StarvationRules | None = None) -> None:  # fmt: skip
         self.stale_after = stale_after
+        self.starvation = starvation or StarvationRules()
         # A node silent this long is gone (decommissioned, renamed): forgotten.
         self.gone_after = gone_after if gone_after is not None else max(3600.0, 10 * stale_after)
         self.clock = clock
@@ -69,6 +72,7 @@ class NodeRegistry:
         state = self._nodes.get(heartbeat["node"])
         if state is None:
             raise UnknownNode(heartbeat["node"])
+        judge_heartbeat(heartbeat, self.starvation)  # once, as it arrives: the exposition and pages read it
         state.heartbeat = heartbeat
         state.received_at = self.clock()
         state.heartbeats += 1

@@ -43,6 +43,19 @@ def _positive(limit: float) -> Callable[[str], float]:
     return parse
 
 
+def _within(lo: float, hi: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(v) or not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be from {lo:g} to {hi:g}: {text!r}")
+        return v
+
+    return parse
+
+
 def _group(text: str) -> tuple[str, str]:
     from sampler.selectors import GroupSelector
 
@@ -112,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after its last heartbeat that a node is stale (default 60)")
     c.add_argument("--prometheus", default=None, metavar="URL",
                    help="draw the pages' charts from this Prometheus (default: the embedded history)")
+    # The verdict's thresholds (controlplane/starvation.py, docs/metrics.md).
+    c.add_argument("--starved-throttled-ratio", type=_within(0, 1), default=0.25, metavar="R",
+                   help="CPU-starved above this share of CFS periods throttled in a window (default 0.25)")
+    c.add_argument("--starved-wait-ratio", type=_within(0, 1e6), default=0.5, metavar="R",
+                   help="CPU-starved above this many seconds waiting for a CPU per second on one (default 0.5)")
+    c.add_argument("--starved-min-wait", type=_within(0, 1e6), default=0.05, metavar="S",
+                   help="... and at least this many seconds waiting per second of the window (default 0.05)")
+    c.add_argument("--host-bound-gpu-utilization", type=_within(0, 1), default=0.5, metavar="R",
+                   help="host-bound: CPU-starved while its GPUs were busy under this share of the time (default 0.5)")
 
     t = sub.add_parser("token", help="print a node's token, derived from the cluster secret")
     t.add_argument("node", metavar="NODE")
@@ -359,6 +381,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     import asyncio
     import ssl
 
+    from controlplane.starvation import StarvationRules
     from controlplane.tls_files import ReloadingServerTLS
     from web.server import serve, split_address
 
@@ -380,7 +403,9 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
             _fail(EXIT_USAGE, f"--tls-cert/--tls-key: {e}")
     logging.getLogger().setLevel(logging.INFO)
     try:
-        asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls))
+        rules = StarvationRules(args.starved_throttled_ratio, args.starved_wait_ratio, args.starved_min_wait,
+                                args.host_bound_gpu_utilization)  # fmt: skip
+        asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls, rules))
     except OSError as e:  # the address is taken or not ours
         _fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

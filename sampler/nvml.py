@@ -11,6 +11,8 @@ Each field is read on its own: a field the driver or card does not support
 is absent (never 0) and costs neither the other fields nor the other cards.
 Utilisation's p95 and max come from NVML's own buffered samples
 (`nvmlDeviceGetSamples`), not from polling NVML at the sampling rate.
+Likewise each engine's share of its cards, from the per-process samples
+(`nvmlDeviceGetProcessUtilization`), joined to the engine by pid.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class GpuReading:
     shard_memory: dict[str, int | None]
     seconds: float  # time spent in NVML for this reading
     error: str | None = None
+    # shard id -> its GPU utilisation on the cards it runs on (mean, max of SM and memory
+    # bandwidth, percent); a shard on no card, or with no per-process samples from a driver, is absent
+    shard_utilisation: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 INIT_RETRY_START_S = 1.0
@@ -53,6 +58,7 @@ class _Card:
     pci_bus_id: str | None
     memory_total_bytes: int | None
     last_sample_us: int = 0  # newest NVML utilisation sample seen
+    last_process_sample_us: int = 0  # likewise, of the per-process samples
     lost: bool = False
     unsupported: set[str] = field(default_factory=set)
 
@@ -256,13 +262,71 @@ class GpuReader:
                 out[key] = value
         return out
 
-    def _processes(self, card: _Card) -> list[tuple[int, int]] | None:
-        """(pid, GPU memory) of the compute processes on a card; None: unknown."""
+    def _processes(self, card: _Card) -> list[tuple[int, int | None]] | None:
+        """(pid, GPU memory or None where the driver does not say) of the
+        compute processes on a card; None: unknown."""
         nv = self._nvml
         procs = self._field(card, "processes", lambda: nv.nvmlDeviceGetComputeRunningProcesses(card.handle))
         if procs is None:
             return None
-        return [(int(p.pid), int(p.usedGpuMemory)) for p in procs if p.usedGpuMemory is not None]
+        return [(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory)) for p in procs]
+
+    def _process_samples(self, card: _Card) -> list[tuple[int, int, int, int]] | None:
+        """(timestamp us, pid, SM %, memory %) NVML buffered since the last
+        reading; [] when none had any activity; None: not available."""
+        nv = self._nvml
+        try:
+            samples = nv.nvmlDeviceGetProcessUtilization(card.handle, card.last_process_sample_us)
+        except nv.NVMLError_NotFound:
+            return []  # NVML lists only processes with activity: none had any
+        except nv.NVMLError_GpuIsLost:
+            raise _CardLost() from None
+        except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound, nv.NVMLError_NoPermission) as e:
+            if "process_utilization" not in card.unsupported:
+                card.unsupported.add("process_utilization")
+                log.info("GPU %d: per-process utilisation not available: %s", card.index, e)
+            return None
+        except nv.NVMLError as e:
+            if getattr(e, "value", None) == 0:  # pynvml raises "Success" when the count is 0
+                return []
+            return None
+        fresh = [(int(s.timeStamp), int(s.pid), int(s.smUtil), int(s.memUtil))
+                 for s in samples if s.timeStamp > card.last_process_sample_us]  # fmt: skip
+        if fresh:
+            card.last_process_sample_us = max(t for t, _, _, _ in fresh)
+        return fresh
+
+    @staticmethod
+    def _card_share(samples: list[tuple[int, int, int, int]], owner: dict[int, str],
+                    on_card: set[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+        """Per shard on this card: its SM and memory percent at each instant NVML
+        sampled the card (its processes summed, at most 100; 0 at an instant it
+        is not listed: NVML lists only processes with activity)."""
+        instants = sorted({t for t, _, _, _ in samples})
+        at = {t: i for i, t in enumerate(instants)}
+        shards = on_card | {owner[pid] for _, pid, _, _ in samples if pid in owner}
+        out = {sid: (np.zeros(max(1, len(instants))), np.zeros(max(1, len(instants)))) for sid in shards}
+        for t, pid, sm, mem in samples:
+            if (sid := owner.get(pid)) is not None:
+                out[sid][0][at[t]] += sm
+                out[sid][1][at[t]] += mem
+        for sm_, mem_ in out.values():
+            np.minimum(sm_, 100.0, out=sm_)
+            np.minimum(mem_, 100.0, out=mem_)
+        return out
+
+    @staticmethod
+    def _shard_utilisation(per_card: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> dict[str, dict[str, float]]:
+        """The mean over the shard's cards of each card's mean; the max of any instant on any."""
+        out = {}
+        for sid, cards in per_card.items():
+            out[sid] = {
+                "gpu_utilization_percent": round(float(np.mean([sm.mean() for sm, _ in cards])), 2),
+                "gpu_utilization_max_percent": float(max(sm.max() for sm, _ in cards)),
+                "gpu_memory_bandwidth_percent": round(float(np.mean([mem.mean() for _, mem in cards])), 2),
+                "gpu_memory_bandwidth_max_percent": float(max(mem.max() for _, mem in cards)),
+            }
+        return out
 
     def _read(self, members: dict[str, set[int]]) -> GpuReading:
         started = self._clock()
@@ -275,10 +339,12 @@ class GpuReader:
         used: dict[str, int] = dict.fromkeys(members, 0)
         answered = False
         owner = {pid: sid for sid, pids in members.items() for pid in pids}
+        shares: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         for card in self._cards:
             try:
                 gpus.append(self._read_card(card))
                 procs = self._processes(card) if members else None
+                samples = self._process_samples(card) if members else None
             except _CardLost:
                 if not card.lost:
                     log.warning("GPU %d (%s) is lost; NVML will be re-initialised", card.index, card.uuid)
@@ -289,13 +355,18 @@ class GpuReader:
             if card.lost:
                 log.warning("GPU %d (%s) is back", card.index, card.uuid)
                 card.lost = False
+            on_card: set[str] = set()
             if procs is not None:
                 answered = True
                 for pid, memory in procs:
                     if pid in owner:
-                        used[owner[pid]] += memory
+                        used[owner[pid]] += memory or 0
+                        on_card.add(owner[pid])
+            if samples is not None:
+                for sid, share in self._card_share(samples, owner, on_card).items():
+                    shares.setdefault(sid, []).append(share)
         shard_memory: dict[str, int | None] = {sid: (v if answered else None) for sid, v in used.items()}
-        return GpuReading(gpus, shard_memory, self._clock() - started)
+        return GpuReading(gpus, shard_memory, self._clock() - started, None, self._shard_utilisation(shares))
 
     # --- on the caller's thread ----------------------------------------------------
 

@@ -201,6 +201,7 @@ class WindowSampler:
         for shard in summary["shards"]:
             if (used := reading.shard_memory.get(shard["id"])) is not None:
                 shard["gpu_memory_bytes"] = used
+            shard.update(reading.shard_utilisation.get(shard["id"], {}))
 
     def _program_cost(self) -> dict[str, Any] | None:
         """The kernel programs' run count and run time in this window, from the

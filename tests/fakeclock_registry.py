@@ -59,12 +59,13 @@ def fleet_registry() -> tuple[NodeRegistry, FakeClock]:
     beat(_heartbeat("gpu-1", cards, [
         {"id": "s0", "model": 'llama "70b"\\ {x="y"}', "replica": "r1", "pgid": 1234,
          "cpu_cores": {"mean": 7.5, "p95": 8.0, "max": 8.25}, "memory_bytes": 12 * GiB, "gpu_memory_bytes": 70 * GiB,
-         "runqueue_wait_seconds": {"p50": 0.0001, "p99": 0.004, "total": 0.02, "mean": 0.0005, "cumulative": 12.5}},
+         "runqueue_wait_seconds": {"p50": 0.0001, "p99": 0.004, "total": 0.02, "mean": 0.0005, "cumulative": 12.5},
+         "gpu_utilization_percent": 92.5, "gpu_utilization_max_percent": 100.0},
         {"id": "s1", "model": "mistral-7b", "replica": "r2", "pgid": 2000,
          "cpu_cores": {"mean": 0.5, "p95": 0.75, "max": 1.0}, "memory_bytes": 4 * GiB, "gpu_memory_bytes": 10 * GiB,
          "cpu_quota_cores": 6.0, "cpu_throttled_ratio": 0.875, "cpu_throttled_seconds": 2.5,
          "cpu_throttled_seconds_total": 4242.5, "threads": 172, "cpu_affinity_cores": 64,
-         "threads_per_quota_core": 28.67},
+         "threads_per_quota_core": 28.67, "gpu_utilization_percent": 9.5, "gpu_utilization_max_percent": 31.0},
     ]))  # fmt: skip
     register("cpu-2", backend="proc")
     beat(_heartbeat("cpu-2", [], [

@@ -33,6 +33,8 @@ class FakeCard:
     energy_mj: int = 123456700
     samples: list[tuple[int, int]] = field(default_factory=list)  # (timestamp us, percent)
     processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes or None)
+    # per-process utilisation samples: (timestamp us, pid, SM percent, memory percent)
+    process_samples: list[tuple[int, int, int, int]] = field(default_factory=list)
     # function name -> NVML error code it raises (an old driver, a card without the feature)
     fails: dict[str, int] = field(default_factory=dict)
     lost: bool = False
@@ -146,6 +148,14 @@ class FakeNvml:
             out.append(s)
         return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, out
 
+    def nvmlDeviceGetProcessUtilization(self, handle: Any, timeStamp: int) -> list[Any]:
+        card = self._card(handle, "nvmlDeviceGetProcessUtilization")
+        fresh = [s for s in card.process_samples if s[0] > timeStamp]
+        if not fresh:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return [pynvml.c_nvmlProcessUtilizationSample_t(pid=pid, timeStamp=t, smUtil=sm, memUtil=mem, encUtil=0,
+                                                        decUtil=0) for t, pid, sm, mem in fresh]  # fmt: skip
+
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
         card = self._card(handle, "nvmlDeviceGetComputeRunningProcesses")
         return [pynvml.nvmlFriendlyObject({"pid": pid, "usedGpuMemory": mem}) for pid, mem in card.processes]
@@ -159,4 +169,5 @@ OLD_DRIVER = {
     "nvmlDeviceGetUtilizationRates": pynvml.NVML_ERROR_NOT_SUPPORTED,
     "nvmlDeviceGetSamples": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
     "nvmlDeviceGetTotalEnergyConsumption": pynvml.NVML_ERROR_NOT_SUPPORTED,
+    "nvmlDeviceGetProcessUtilization": pynvml.NVML_ERROR_NOT_SUPPORTED,
 }

@@ -47,6 +47,9 @@ CONTRACT: dict[str, set[str]] = {
     "llmgw_shard_cpu_throttled_ratio": {"model", "replica", "shard"},
     "llmgw_shard_cpu_throttled_seconds_total": {"model", "replica", "shard"},
     "llmgw_shard_threads": {"model", "replica", "shard"},
+    "llmgw_shard_gpu_utilization_ratio": {"model", "replica", "shard"},
+    "llmgw_shard_gpu_utilization_max_ratio": {"model", "replica", "shard"},
+    "llmgw_shard_starved": {"model", "replica", "shard", "kind"},
 }  # fmt: skip
 
 

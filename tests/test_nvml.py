@@ -264,3 +264,65 @@ def test_a_call_hung_in_the_driver_does_not_hold_the_process_at_exit(tmp_path: P
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == "closed\n", r.stderr
+
+
+# --- each engine's share of its GPUs (per-process samples) ----------------------------------------
+
+
+def test_engine_gpu_utilisation_from_per_process_samples(readers: list[GpuReader]) -> None:
+    nvml = h200_node(3)
+    # Card 0: two of llama's processes and one of another engine, sampled at three instants.
+    nvml.cards[0].processes = [(100, 10 * GiB), (101, 10 * GiB), (200, 5 * GiB)]
+    nvml.cards[0].process_samples = [(10, 100, 30, 5), (10, 101, 20, 5), (10, 200, 40, 50),
+                                     (20, 100, 60, 10), (20, 101, 60, 10),  # 120: at most 100
+                                     (30, 200, 90, 60)]  # llama idle at 30: not listed, so 0  # fmt: skip
+    # Card 1: llama holds a context but never had activity: 0 measured, not absent.
+    nvml.cards[1].processes = [(100, 10 * GiB)]
+    # Card 2: nobody watched.
+    nvml.cards[2].process_samples = [(10, 999, 100, 100)]
+    r = open_reader(nvml, readers)
+    reading = read(r, {"llama": {100, 101}, "mistral": {200}, "cpu-only": {300}})
+    llama, mistral = reading.shard_utilisation["llama"], reading.shard_utilisation["mistral"]
+    # llama: card 0 at 50, 100, 0 (mean 50), card 1 at 0: the mean of its cards' means.
+    assert llama["gpu_utilization_percent"] == 25.0 and llama["gpu_utilization_max_percent"] == 100.0
+    assert llama["gpu_memory_bandwidth_percent"] == pytest.approx((10 + 20 + 0) / 3 / 2, abs=0.01)
+    assert llama["gpu_memory_bandwidth_max_percent"] == 20.0
+    assert mistral["gpu_utilization_percent"] == pytest.approx(130 / 3, abs=0.01)
+    assert mistral["gpu_utilization_max_percent"] == 90.0
+    assert "cpu-only" not in reading.shard_utilisation  # on no card: absent, not 0
+    # The next reading sees only newer samples.
+    nvml.cards[0].process_samples.append((40, 100, 80, 30))
+    again = read(r, {"llama": {100, 101}, "mistral": {200}}).shard_utilisation
+    assert again["llama"]["gpu_utilization_max_percent"] == 80.0
+    assert again["mistral"]["gpu_utilization_percent"] == 0.0  # on the card, no activity since
+
+
+def test_engine_gpu_utilisation_absent_where_the_driver_lacks_it(readers: list[GpuReader]) -> None:
+    nvml = FakeNvml([FakeCard(0, fails=dict(OLD_DRIVER), processes=[(100, GiB)])])
+    r = open_reader(nvml, readers)
+    reading = read(r, {"llama": {100}})
+    assert reading.shard_memory == {"llama": GiB} and reading.shard_utilisation == {}
+
+
+def test_summary_carries_the_engine_gpu_utilisation(tmp_path: Path, readers: list[GpuReader]) -> None:
+    from nodesampler import wire
+
+    nvml = h200_node(1)
+    nvml.cards[0].processes = [(100, 7 * GiB)]
+    nvml.cards[0].process_samples = [(10, 100, 8, 3), (20, 100, 12, 5)]
+    ws, _ = window_sampler(tmp_path, nvml, readers)
+    shard = ws.run_window(1.0)["shards"][0]
+    assert shard["gpu_utilization_percent"] == 10.0 and shard["gpu_utilization_max_percent"] == 12.0
+    assert shard["gpu_memory_bandwidth_percent"] == 4.0 and shard["gpu_memory_bandwidth_max_percent"] == 5.0
+    body = {"node": "n1", "seq": 1, "backend": "proc", "window": {"start": 1.0, "end": 2.0, "samples": 1},
+            "machine": {}, "shards": [shard]}  # fmt: skip
+    assert wire.parse_heartbeat(json_bytes(body))["shards"][0]["gpu_utilization_percent"] == 10.0
+    for bad in (-1, 101, "x"):
+        with pytest.raises(wire.WireError, match="gpu_utilization_max_percent"):
+            wire.parse_heartbeat(json_bytes({**body, "shards": [{**shard, "gpu_utilization_max_percent": bad}]}))
+
+
+def json_bytes(body: dict[str, Any]) -> bytes:
+    import json
+
+    return json.dumps(body).encode()

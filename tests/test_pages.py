@@ -243,3 +243,17 @@ async def test_an_engines_quota_throttling_and_threads_show_at_a_glance(aiohttp_
     client = await pages_client(aiohttp_client, registry)
     text = parse(await (await client.get("/node/gpu-1")).text())
     assert "6.00 88% 172" in text  # mistral's row: a 6-core quota, throttled 88% of periods, 172 threads
+
+
+async def test_a_starved_engine_is_marked_and_says_why(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+    client = await pages_client(aiohttp_client, registry)
+    page = await (await client.get("/node/gpu-1")).text()
+    text = parse(page)
+    # mistral: throttled 88% of periods in a 6-core quota with 172 threads, its GPUs busy 9.5%.
+    assert ("172 9.5% host-bound throttled in 88% of CFS periods (quota 6 cores, 172 threads); "
+            "its GPUs busy 10% of the time") in text
+    assert "92.5% ok" in text  # llama: judged (a run-queue wait), fed, its GPUs busy
+    assert len(re.findall(r'<tr class="starved">', page)) == 1
+    cpu = parse(await (await client.get("/node/cpu-2")).text())
+    assert "host-bound" not in cpu and " ok" not in cpu  # nothing measured to judge by: a dash, not "ok"

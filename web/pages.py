@@ -47,6 +47,17 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+def _verdict(starved: dict[str, Any]) -> dict[str, str] | None:
+    """What the engine table says of the control plane's verdict (controlplane/starvation.py)."""
+    if starved.get("host_bound"):
+        return {"kind": "host-bound", "why": starved.get("why", "")}
+    if starved.get("cpu_starved"):
+        return {"kind": "CPU-starved", "why": starved.get("why", "")}
+    if "cpu_starved" in starved or "host_bound" in starved:
+        return {"kind": "ok", "why": ""}
+    return None  # not judged: neither a quota nor a run-queue wait was measured
+
+
 def _node_view(state: NodeState, now: float, stale_after: float) -> dict[str, Any]:
     fresh = state.fresh(now, stale_after)
     hb = state.heartbeat if fresh else None  # a stale node's figures are not current: dashes
@@ -66,7 +77,8 @@ def _node_view(state: NodeState, now: float, stale_after: float) -> dict[str, An
                         "memory": s.get("memory_bytes"), "gpu_memory": s.get("gpu_memory_bytes"),
                         "command": s.get("command"), "quota": s.get("cpu_quota_cores"),
                         "throttled": None if s.get("cpu_throttled_ratio") is None else 100 * s["cpu_throttled_ratio"],
-                        "threads": s.get("threads")})  # fmt: skip
+                        "threads": s.get("threads"), "gpu_busy": s.get("gpu_utilization_percent"),
+                        "verdict": _verdict(s.get("starved") or {})})  # fmt: skip
     return {
         "node": state.node, "state": "fresh" if fresh else "stale", "age": state.age(now),
         "registration": state.registration, "backend": (hb or {}).get("backend"),

@@ -16,6 +16,7 @@ from controlplane.history import EmbeddedHistory
 from controlplane.node_identity import NodeAuthenticator
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry
+from controlplane.starvation import StarvationRules
 from controlplane.tls_files import ReloadingServerTLS
 from web.pages import add_pages
 
@@ -43,11 +44,12 @@ def is_loopback(host: str) -> bool:
 
 
 async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, stale_after: float,
-                prometheus_url: str | None = None, tls: ReloadingServerTLS | None = None) -> None:  # fmt: skip
+                prometheus_url: str | None = None, tls: ReloadingServerTLS | None = None,
+                starvation: StarvationRules | None = None) -> None:  # fmt: skip
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
         log.warning("agent listener %s has no TLS: bearer tokens cross the network in clear text "
                     "(--tls-cert and --tls-key)", agent_listen)  # fmt: skip
-    registry = NodeRegistry(stale_after)
+    registry = NodeRegistry(stale_after, starvation=starvation)
     own = ControlPlaneMetrics(registry)
     # The embedded history is fed only when the pages read it (no --prometheus).
     history = None if prometheus_url else EmbeddedHistory()

@@ -1,0 +1,111 @@
+"""One answer per engine to "is my GPU waiting on the host?", judged from
+each heartbeat as it arrives (docs/metrics.md has the formula).
+
+An engine is `cpu_starved` in a window when either rule fires:
+- throttled: its cgroup was throttled in more than `throttled_ratio` of the
+  window's CFS periods (kube-prometheus' CPUThrottlingHigh fires at 25%);
+- run queue: its threads waited for a CPU more than `wait_ratio` seconds per
+  second they ran, and at least `min_wait` seconds per second of the window
+  (an engine that wakes twice a window may wait longer than it runs, for a
+  few microseconds: that is not starvation).
+
+It is `host_bound` when, in the same window, it was `cpu_starved` and its
+GPUs' utilisation (the mean over its cards of NVML's per-process samples)
+was under `gpu_utilization`.
+
+Absent is not zero. `cpu_starved` is stated when at least one rule could be
+judged (a quota with a throttled share, or a run-queue wait); `host_bound`
+only for an engine with GPU figures, and only when `cpu_starved` is known or
+the GPUs were busy enough to settle it alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+Json = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StarvationRules:
+    throttled_ratio: float = 0.25  # share of CFS periods throttled
+    wait_ratio: float = 0.5  # run-queue seconds per on-CPU second
+    min_wait: float = 0.05  # run-queue seconds per second of the window
+    gpu_utilization: float = 0.5  # 0..1, the engine's GPUs' mean
+
+    def __post_init__(self) -> None:
+        for name in ("throttled_ratio", "gpu_utilization"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 <= value <= 1):
+                raise ValueError(f"{name} must be within 0..1, not {value}")
+        for name in ("wait_ratio", "min_wait"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a number from 0 up, not {value}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    cpu_starved: bool | None
+    host_bound: bool | None
+    why: str  # one line for a person; "" for a healthy engine
+
+    def as_json(self) -> Json:
+        out: Json = {}
+        if self.cpu_starved is not None:
+            out["cpu_starved"] = int(self.cpu_starved)
+        if self.host_bound is not None:
+            out["host_bound"] = int(self.host_bound)
+        if self.why:
+            out["why"] = self.why
+        return out
+
+
+def judge(shard: Json, window_seconds: float | None, rules: StarvationRules) -> Verdict:
+    judged, reasons = False, []
+    throttled = shard.get("cpu_throttled_ratio")
+    if throttled is not None:
+        judged = True
+        if throttled > rules.throttled_ratio:
+            sizing = ""
+            if shard.get("threads") is not None and shard.get("cpu_quota_cores"):
+                sizing = f", {shard['threads']} threads"
+            reasons.append(f"throttled in {100 * throttled:.0f}% of CFS periods "
+                           f"(quota {shard.get('cpu_quota_cores', 0):g} cores{sizing})")  # fmt: skip
+    wait = (shard.get("runqueue_wait_seconds") or {}).get("total")
+    cores = (shard.get("cpu_cores") or {}).get("mean")
+    if wait is not None and cores is not None and window_seconds is not None and window_seconds > 0:
+        judged = True
+        on_cpu = cores * window_seconds
+        per_second_on_cpu = wait / on_cpu if on_cpu > 0 else (math.inf if wait > 0 else 0.0)
+        if per_second_on_cpu > rules.wait_ratio and wait / window_seconds >= rules.min_wait:
+            waiting = f"{wait / window_seconds:.2f} threads waiting on average"
+            if math.isinf(per_second_on_cpu):
+                reasons.append(f"waited for a CPU and barely ran ({waiting})")
+            else:
+                reasons.append(f"waited {per_second_on_cpu:.2f} s for a CPU per second on one ({waiting})")
+    starved = bool(reasons) if judged else None
+
+    gpu = shard.get("gpu_utilization_percent")
+    host_bound: bool | None = None
+    if gpu is not None:
+        busy = gpu / 100 >= rules.gpu_utilization
+        if busy or starved is False:
+            host_bound = False
+        elif starved:
+            host_bound = True
+            reasons.append(f"its GPUs busy {gpu:.0f}% of the time")
+    return Verdict(starved, host_bound, "; ".join(reasons))
+
+
+def judge_heartbeat(hb: Json, rules: StarvationRules) -> None:
+    """Each shard of a parsed heartbeat gains `starved` (its verdict's JSON) where anything is known."""
+    window = hb.get("window") or {}
+    start, end = window.get("start"), window.get("end")
+    seconds = end - start if start is not None and end is not None else None
+    for shard in hb.get("shards") or ():
+        verdict = judge(shard, seconds, rules).as_json()
+        if verdict:
+            shard["starved"] = verdict

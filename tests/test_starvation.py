@@ -1,0 +1,121 @@
+"""The starved / host-bound verdict: each rule, each threshold at its edge,
+absent where nothing was measured, and the control plane's flags."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from controlplane.registry import NodeRegistry
+from controlplane.starvation import StarvationRules, judge, judge_heartbeat
+from nodesampler import wire
+
+RULES = StarvationRules(throttled_ratio=0.25, wait_ratio=0.5, min_wait=0.05, gpu_utilization=0.5)
+
+
+def shard(**fields: Any) -> dict[str, Any]:
+    return {"id": "s0", **fields}
+
+
+def busy(cores: float, wait: float) -> dict[str, Any]:
+    """An engine using `cores` on average, its threads waiting `wait` seconds in all."""
+    return {"cpu_cores": {"mean": cores, "p95": cores, "max": cores}, "runqueue_wait_seconds": {"total": wait}}
+
+
+def test_the_throttled_rule_at_its_edge() -> None:
+    assert judge(shard(cpu_throttled_ratio=0.25, cpu_quota_cores=6.0), 5.0, RULES).cpu_starved is False
+    over = judge(shard(cpu_throttled_ratio=0.26, cpu_quota_cores=6.0, threads=172), 5.0, RULES)
+    assert over.cpu_starved is True
+    assert over.why == "throttled in 26% of CFS periods (quota 6 cores, 172 threads)"
+    # The threshold is the flag's, not a constant.
+    assert judge(shard(cpu_throttled_ratio=0.26), 5.0, StarvationRules(throttled_ratio=0.3)).cpu_starved is False
+
+
+def test_the_run_queue_rule_at_its_edges() -> None:
+    # 1 core for 5 s is 5 s on CPU: 2.5 s waiting is exactly 0.5 s per second on CPU.
+    assert judge(shard(**busy(1.0, 2.5)), 5.0, RULES).cpu_starved is False
+    over = judge(shard(**busy(1.0, 2.51)), 5.0, RULES)
+    assert over.cpu_starved is True
+    assert over.why == "waited 0.50 s for a CPU per second on one (0.50 threads waiting on average)"
+    # Waiting long against a tiny on-CPU time, but for less than min_wait a second: not starved ...
+    assert judge(shard(**busy(0.001, 0.249)), 5.0, RULES).cpu_starved is False
+    # ... and at min_wait it is.
+    assert judge(shard(**busy(0.001, 0.25)), 5.0, RULES).cpu_starved is True
+    # Never on a CPU, and waiting: starved (it barely ran).
+    never = judge(shard(**busy(0.0, 1.0)), 5.0, RULES)
+    assert never.cpu_starved is True and "barely ran" in never.why
+    # An idle engine: judged, not starved.
+    assert judge(shard(**busy(0.0, 0.0)), 5.0, RULES).cpu_starved is False
+    strict = StarvationRules(wait_ratio=0.1, min_wait=0.0)
+    assert judge(shard(**busy(1.0, 0.6)), 5.0, strict).cpu_starved is True
+
+
+def test_host_bound_only_when_both_sides_hold() -> None:
+    starved = {"cpu_throttled_ratio": 0.9, "cpu_quota_cores": 0.5}
+    healthy = {"cpu_throttled_ratio": 0.0, "cpu_quota_cores": 0.5}
+    both = judge(shard(**starved, gpu_utilization_percent=49.9), 5.0, RULES)
+    assert (both.cpu_starved, both.host_bound) == (True, True) and "its GPUs busy 50% of the time" in both.why
+    at_edge = judge(shard(**starved, gpu_utilization_percent=50.0), 5.0, RULES)
+    assert (at_edge.cpu_starved, at_edge.host_bound) == (True, False)
+    idle_gpu_fed_cpu = judge(shard(**healthy, gpu_utilization_percent=3.0), 5.0, RULES)
+    assert (idle_gpu_fed_cpu.cpu_starved, idle_gpu_fed_cpu.host_bound) == (False, False)
+    assert judge(shard(**starved, gpu_utilization_percent=60.0), 5.0,
+                 StarvationRules(gpu_utilization=0.7)).host_bound is True  # fmt: skip
+    # No GPU figures (a CPU engine, or a driver without per-process samples): not judged.
+    assert judge(shard(**starved), 5.0, RULES).host_bound is None
+    # Busy GPUs settle it alone, even when the CPU side is unknown.
+    assert judge(shard(gpu_utilization_percent=95.0), 5.0, RULES).host_bound is False
+    assert judge(shard(gpu_utilization_percent=5.0), 5.0, RULES).host_bound is None
+
+
+def test_absent_where_nothing_was_measured() -> None:
+    # No quota (no throttled share) and no run-queue figures: no verdict, not "healthy".
+    nothing = judge(shard(cpu_cores={"mean": 2.0, "p95": 2.0, "max": 2.0}), 5.0, RULES)
+    assert nothing.cpu_starved is None and nothing.as_json() == {}
+    # A window of no length (a node's clock stepped back) cannot weigh a wait.
+    assert judge(shard(**busy(1.0, 4.0)), 0.0, RULES).cpu_starved is None
+    assert judge(shard(**busy(1.0, 4.0)), None, RULES).cpu_starved is None
+
+
+def test_rules_refuse_values_outside_their_range() -> None:
+    for bad in ({"throttled_ratio": 1.5}, {"gpu_utilization": -0.1}, {"wait_ratio": float("nan")},
+                {"min_wait": -1.0}):  # fmt: skip
+        with pytest.raises(ValueError):
+            StarvationRules(**bad)
+
+
+def test_the_registry_judges_each_heartbeat_as_it_arrives() -> None:
+    registry = NodeRegistry(starvation=StarvationRules(throttled_ratio=0.5))
+    registry.register(wire.parse_registration(json.dumps({"node": "n1"}).encode()))
+    body = {"node": "n1", "seq": 1, "backend": "bpf", "window": {"start": 10.0, "end": 15.0, "samples": 50},
+            "machine": {}, "shards": [{"id": "a", "cpu_throttled_ratio": 0.6, "cpu_quota_cores": 2.0,
+                                       "gpu_utilization_percent": 10.0},
+                                      {"id": "b", "cpu_throttled_ratio": 0.4, "cpu_quota_cores": 2.0},
+                                      {"id": "c", "starved": {"cpu_starved": 1}}]}  # fmt: skip
+    state = registry.heartbeat(wire.parse_heartbeat(json.dumps(body).encode()))
+    assert state.heartbeat is not None
+    a, b, c = state.heartbeat["shards"]
+    assert a["starved"]["cpu_starved"] == 1 and a["starved"]["host_bound"] == 1
+    assert b["starved"] == {"cpu_starved": 0}
+    assert "starved" not in c  # a node cannot pass its own verdict off as the control plane's
+
+
+def test_judge_heartbeat_leaves_a_shard_without_figures_alone() -> None:
+    hb: dict[str, Any] = {"window": {"start": 0.0, "end": 5.0}, "shards": [{"id": "x"}]}
+    judge_heartbeat(hb, RULES)
+    assert hb["shards"] == [{"id": "x"}]
+
+
+@pytest.mark.parametrize("flag, value", [("--starved-throttled-ratio", "1.5"), ("--starved-throttled-ratio", "x"),
+                                         ("--starved-wait-ratio", "-1"), ("--starved-min-wait", "nan"),
+                                         ("--host-bound-gpu-utilization", "2")])  # fmt: skip
+def test_controlplane_refuses_a_threshold_out_of_range(flag: str, value: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "nodesampler", "controlplane", "--listen", "127.0.0.1:0",
+                        "--pages-listen", "127.0.0.1:0", "--secret-file", "/nonexistent", flag, value],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and flag in r.stderr, r.stderr
