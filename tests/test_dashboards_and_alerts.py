@@ -31,7 +31,8 @@ def queries(dashboard: dict[str, Any]) -> list[str]:
 def test_dashboard_queries_name_only_exported_families() -> None:
     dashboard = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
-    assert rows == ["Fleet", "Node $node", "Engines on $node", "GPUs on $node"]
+    assert rows == ["Fleet", "Node $node", "Engines on $node", "Is the host holding the GPUs back on $node",
+                    "GPUs on $node"]  # fmt: skip
     exprs = queries(dashboard)
     named = {m for e in exprs for m in METRIC.findall(e)}
     assert named and named <= FAMILY_NAMES, named - FAMILY_NAMES
@@ -42,7 +43,7 @@ def test_alert_rules_name_only_exported_families() -> None:
     rules = yaml.safe_load((ROOT / "deploy" / "alerts.yml").read_text())
     alerts = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
     assert set(alerts) == {"NodeDown", "NodeCPUSaturated", "GPUUncorrectedECCErrors", "GPUTemperatureHigh",
-                           "GPUMemoryHeldButIdle"}  # fmt: skip
+                           "GPUMemoryHeldButIdle", "EngineHostBound"}  # fmt: skip
     assert {m for e in alerts.values() for m in METRIC.findall(e)} <= FAMILY_NAMES
 
 
