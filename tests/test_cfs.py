@@ -1,13 +1,8 @@
-"""CFS bandwidth per engine: parsers, fake cgroup trees (v1 and v2), and real
-cgroups on this machine (v1's cpu hierarchy, root) with a busy engine capped
-at half a core, against the kernel's own cpu.stat."""
+"""CFS bandwidth per engine: parsers and fake cgroup trees (v1 and v2). Real
+cgroups, on this machine and in the VM guests: tests/test_starved_engines.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +18,6 @@ from sampler.cfs import (
 )
 from sampler.procfs import ProcParseError
 from tests.fakeproc import FakeProc
-from tests.workloads import start_group
 
 
 def test_parsers() -> None:
@@ -96,74 +90,3 @@ def test_a_limit_on_the_pod_applies_to_its_containers(tmp_path: Path) -> None:
     (proc.root / "100" / "cgroup").write_text("4:cpu,cpuacct:/kubepods/pod1/c1\n1:name=systemd:/\n")
     (proc.root / "100" / "status").write_text("Threads:\t4\n")
     assert CfsBandwidthReader(proc.root, root).read({"e": {100}})["e"]["cpu_quota_cores"] == 2.0
-
-
-# --- real cgroups -------------------------------------------------------------------
-
-THREE_BUSY_THREADS = """
-import threading
-def burn():
-    while True:
-        pass
-for _ in range(3):
-    threading.Thread(target=burn, daemon=True).start()
-print("ready", flush=True)
-threading.Event().wait()
-"""
-
-
-@pytest.fixture
-def v1_cpu_cgroup() -> Iterator[Path]:
-    root = Path("/sys/fs/cgroup/cpu")
-    if os.geteuid() != 0 or not (root / "cpu.cfs_quota_us").exists():
-        pytest.skip("needs root and cgroup v1's cpu hierarchy (the VM guests run the v2 case)")
-    d = root / f"nodesampler-test-{os.getpid()}"
-    d.mkdir()
-    yield d
-    for pid in (d / "cgroup.procs").read_text().split():
-        (root / "cgroup.procs").write_text(pid)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            d.rmdir()
-            break
-        except OSError:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-
-
-def _measure(cgroup: Path, pid: int, window: float = 3.0) -> tuple[dict[str, float], float]:
-    reader = CfsBandwidthReader(Path("/proc"))
-    members = {"engine": {pid}}
-    reader.read(members)
-    before = parse_cpu_stat((cgroup / "cpu.stat").read_bytes())
-    time.sleep(window)  # the window itself: the kernel throttles meanwhile
-    shard = reader.read(members)["engine"]
-    after = parse_cpu_stat((cgroup / "cpu.stat").read_bytes())
-    return shard, after.throttled_seconds - before.throttled_seconds
-
-
-@pytest.mark.live
-def test_an_engine_capped_at_half_a_core_is_throttled(v1_cpu_cgroup: Path,
-                                                     group: list[subprocess.Popen[str]]) -> None:  # fmt: skip
-    (v1_cpu_cgroup / "cpu.cfs_period_us").write_text("100000")
-    (v1_cpu_cgroup / "cpu.cfs_quota_us").write_text("50000")
-    p = start_group(THREE_BUSY_THREADS)
-    group.append(p)
-    (v1_cpu_cgroup / "cgroup.procs").write_text(str(p.pid))
-    shard, kernel = _measure(v1_cpu_cgroup, p.pid)
-    assert shard["cpu_quota_cores"] == 0.5
-    assert shard["threads"] == 4 and shard["threads_per_quota_core"] == 8.0  # the main thread and three burners
-    assert shard["cpu_throttled_ratio"] > 0.9, shard
-    assert shard["cpu_throttled_seconds"] == pytest.approx(kernel, rel=0.05), (shard, kernel)
-
-
-@pytest.mark.live
-def test_the_same_engine_uncapped_reports_no_quota(v1_cpu_cgroup: Path, group: list[subprocess.Popen[str]]) -> None:
-    p = start_group(THREE_BUSY_THREADS)
-    group.append(p)
-    (v1_cpu_cgroup / "cgroup.procs").write_text(str(p.pid))
-    shard, _ = _measure(v1_cpu_cgroup, p.pid, window=1.0)
-    assert shard["threads"] == 4
-    for key in ("cpu_quota_cores", "cpu_throttled_ratio", "cpu_throttled_seconds", "threads_per_quota_core"):
-        assert key not in shard  # no quota: absent, never 0

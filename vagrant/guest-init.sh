@@ -6,6 +6,9 @@
 mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null
 mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
 mount -t bpf bpf /sys/fs/bpf 2>/dev/null
+# cgroup v2, as systemd mounts it, with the cpu controller on for the tree: the
+# starved-engine tests cap an engine in a cgroup of their own (cpu.max).
+mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null && echo +cpu >/sys/fs/cgroup/cgroup.subtree_control
 # The harness's writable share: the kernel's text symbols, so that a hung
 # guest's instruction pointers read as function names (vagrant/hung_guest.py).
 mkdir -p /out && mount -t 9p -o trans=virtio,version=9p2000.L out /out \
