@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import pytest
 
 from sampler.backend import BackendUnavailable
+from sampler.cfs import parse_cpu_stat
 from tests.workloads import PROC
 
 if TYPE_CHECKING:
@@ -68,3 +72,65 @@ class AccuracyLog:
 def accuracy() -> AccuracyLog:
     path = os.environ.get("NODESAMPLER_ACCURACY_LOG")
     return AccuracyLog(Path(path) if path else None)
+
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+@dataclass
+class CpuCgroup:
+    """A cgroup of the cpu controller made for the test, on either version."""
+
+    path: Path
+    v2: bool
+
+    def cap(self, cores: float) -> None:
+        period = 100_000
+        if self.v2:
+            (self.path / "cpu.max").write_text(f"{int(cores * period)} {period}")
+        else:
+            (self.path / "cpu.cfs_period_us").write_text(str(period))
+            (self.path / "cpu.cfs_quota_us").write_text(str(int(cores * period)))
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))  # the whole process, every thread
+
+    def throttled_seconds(self) -> float:
+        return parse_cpu_stat((self.path / "cpu.stat").read_bytes()).throttled_seconds
+
+
+def unavailable(reason: str) -> NoReturn:
+    """A kernel test that cannot run here: skipped, or failed under NODESAMPLER_REQUIRE_BPF=1."""
+    if REQUIRE_BPF:
+        pytest.fail(f"NODESAMPLER_REQUIRE_BPF=1 and {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def cpu_cgroup() -> Iterator[CpuCgroup]:
+    if os.geteuid() != 0:
+        unavailable("making cgroups needs root")
+    if (CGROUP / "cgroup.controllers").exists():  # the unified tree (v2)
+        if "cpu" not in (CGROUP / "cgroup.controllers").read_text().split():
+            unavailable("cgroup v2 without the cpu controller")
+        if "cpu" not in (CGROUP / "cgroup.subtree_control").read_text().split():
+            (CGROUP / "cgroup.subtree_control").write_text("+cpu")
+        root, v2 = CGROUP, True
+    elif (CGROUP / "cpu" / "cpu.cfs_quota_us").exists():
+        root, v2 = CGROUP / "cpu", False
+    else:
+        unavailable(f"no cpu controller mounted at {CGROUP}")
+    d = root / f"nodesampler-test-{os.getpid()}"
+    d.mkdir()
+    yield CpuCgroup(d, v2)
+    for pid in (d / "cgroup.procs").read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            (root / "cgroup.procs").write_text(pid)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            d.rmdir()
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)

@@ -61,13 +61,13 @@ class Fleet:
         self.control.kill()
         self.control.wait()
 
-    def start_agent(self) -> None:
+    def start_agent(self, *extra: str) -> None:
         token = self.tmp / "token"
         token.write_bytes(subprocess.run(self.cli("token", "n1", "--secret-file", str(self.secret)),
                                          capture_output=True, check=True).stdout)  # fmt: skip
         self.agent = subprocess.Popen(
             self.cli("agent", "--control-plane", f"http://127.0.0.1:{self.agent_port}", "--token-file", str(token),
-                     "--node", "n1", "--interval", str(INTERVAL), "--backend", "proc"),
+                     "--node", "n1", "--interval", str(INTERVAL), "--backend", "proc", *extra),
             stderr=self.log("agent.log"))  # fmt: skip
 
     def nodes(self) -> list[dict[str, Any]]:

@@ -13,14 +13,10 @@ judged by the control plane's rules.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,84 +25,14 @@ from controlplane.starvation import StarvationRules, judge_heartbeat
 from nodesampler import wire
 from sampler import bpf_sched
 from sampler.backend import BackendChoice
-from sampler.cfs import parse_cpu_stat
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window_sampler import WindowSampler
-from tests.conftest import REQUIRE_BPF, AccuracyLog
-from tests.workloads import PROC, start_group
+from tests.conftest import AccuracyLog, CpuCgroup, unavailable
+from tests.workloads import PROC, busy_threads, start_group
 
 pytestmark = pytest.mark.kernel
 
 WINDOW_S = 3.0
-CGROUP = Path("/sys/fs/cgroup")
-
-
-def busy_threads(n: int, cpu: int | None = None) -> str:
-    """An engine of n threads each busy on a CPU of its own. sha256 of a large
-    buffer releases the GIL: the threads run at once, as an engine's do."""
-    pin = f"os.sched_setaffinity(0, {{{cpu}}})\n" if cpu is not None else ""
-    return (f"import hashlib, os, threading\n{pin}data = bytes(1 << 20)\n"
-            "def burn():\n    while True:\n        hashlib.sha256(data).digest()\n"
-            f"for _ in range({n}):\n    threading.Thread(target=burn, daemon=True).start()\n"
-            "print('ready', flush=True)\nthreading.Event().wait()\n")  # fmt: skip
-
-
-@dataclass
-class CpuCgroup:
-    """A cgroup of the cpu controller made for the test, on either version."""
-
-    path: Path
-    v2: bool
-
-    def cap(self, cores: float) -> None:
-        period = 100_000
-        if self.v2:
-            (self.path / "cpu.max").write_text(f"{int(cores * period)} {period}")
-        else:
-            (self.path / "cpu.cfs_period_us").write_text(str(period))
-            (self.path / "cpu.cfs_quota_us").write_text(str(int(cores * period)))
-
-    def add(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(str(pid))  # the whole process, every thread
-
-    def throttled_seconds(self) -> float:
-        return parse_cpu_stat((self.path / "cpu.stat").read_bytes()).throttled_seconds
-
-
-def _unavailable(reason: str) -> None:
-    if REQUIRE_BPF:
-        pytest.fail(f"NODESAMPLER_REQUIRE_BPF=1 and {reason}")
-    pytest.skip(reason)
-
-
-@pytest.fixture
-def cpu_cgroup() -> Iterator[CpuCgroup]:
-    if os.geteuid() != 0:
-        _unavailable("making cgroups needs root")
-    if (CGROUP / "cgroup.controllers").exists():  # the unified tree (v2)
-        if "cpu" not in (CGROUP / "cgroup.controllers").read_text().split():
-            _unavailable("cgroup v2 without the cpu controller")
-        if "cpu" not in (CGROUP / "cgroup.subtree_control").read_text().split():
-            (CGROUP / "cgroup.subtree_control").write_text("+cpu")
-        root, v2 = CGROUP, True
-    elif (CGROUP / "cpu" / "cpu.cfs_quota_us").exists():
-        root, v2 = CGROUP / "cpu", False
-    else:
-        _unavailable(f"no cpu controller mounted at {CGROUP}")
-    d = root / f"nodesampler-test-{os.getpid()}"
-    d.mkdir()
-    yield CpuCgroup(d, v2)
-    for pid in (d / "cgroup.procs").read_text().split():
-        with contextlib.suppress(ProcessLookupError):
-            (root / "cgroup.procs").write_text(pid)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            d.rmdir()
-            break
-        except OSError:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
 
 
 def judged_window(groups: bpf_sched.BpfGroupSampler, engines: dict[str, int],
@@ -115,7 +41,7 @@ def judged_window(groups: bpf_sched.BpfGroupSampler, engines: dict[str, int],
     the wire format, judged as the control plane judges it. `after_cfs` runs
     right after each of the sampler's cgroup readings (its window's two edges)."""
     watches = [GroupWatch(sid, GroupSelector.parse(f"pgid:{pgid}")) for sid, pgid in engines.items()]
-    ws = WindowSampler(PROC, BackendChoice("bpf", None), groups, watches, hz=10)
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), groups, watches, hz=10, node="starved-test")
     if after_cfs is not None:
         read = ws.cfs.read
 
@@ -173,7 +99,7 @@ def test_an_engine_sharing_one_cpu_with_a_busier_one_waits_and_is_starved(
     bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
 ) -> None:
     if len(os.sched_getaffinity(0)) < 2:
-        _unavailable("needs two CPUs: one to share, one for the test")
+        unavailable("needs two CPUs: one to share, one for the test")
     cpu = max(os.sched_getaffinity(0))
     small, busier = start_group(busy_threads(1, cpu)), start_group(busy_threads(2, cpu))
     group += [small, busier]

@@ -18,6 +18,20 @@ while True:
     pass
 """
 
+def busy_threads(n: int, cpu: int | None = None, duty: float = 1.0) -> str:
+    """An engine of n threads, each busy `duty` of every 100 ms (on a CPU of
+    its own where there are enough); pinned to `cpu` when given. sha256 of a
+    large buffer releases the GIL: the threads run at once, as an engine's do."""
+    pin = f"os.sched_setaffinity(0, {{{cpu}}})\n" if cpu is not None else ""
+    return (f"import hashlib, os, threading, time\n{pin}data = bytes(1 << 20)\n"
+            "def burn():\n    while True:\n"
+            f"        end = time.monotonic() + {0.1 * duty}\n"
+            "        while time.monotonic() < end:\n            hashlib.sha256(data).digest()\n"
+            f"        time.sleep({0.1 * (1 - duty)})\n"
+            f"for _ in range({n}):\n    threading.Thread(target=burn, daemon=True).start()\n"
+            "print('ready', flush=True)\nthreading.Event().wait()\n")  # fmt: skip
+
+
 # An idle leader with three workers, each busy a quarter of the time.
 QUARTER_WORKERS = """
 import os, signal, time
