@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,3 +120,29 @@ def test_controlplane_refuses_a_threshold_out_of_range(flag: str, value: str) ->
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and flag in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("gpu_percent, throttled, host_bound", [(8, 0.9, 1), (95, 0.9, 0), (8, 0.0, 0)])
+def test_host_bound_through_the_fake_nvml(tmp_path: Path, gpu_percent: int, throttled: float,
+                                          host_bound: int) -> None:  # fmt: skip
+    """The GPU side as the agent measures it (NVML's per-process samples, through
+    the window and the wire); the CPU side as its cgroup would say."""
+    from sampler.nvml import GpuReader
+    from tests.fakenvml import GiB, h200_node
+    from tests.test_nvml import window_sampler
+
+    nvml = h200_node(1)
+    nvml.cards[0].processes = [(100, 7 * GiB)]
+    nvml.cards[0].process_samples = [(10, 100, gpu_percent, 3), (20, 100, gpu_percent, 3)]
+    readers: list[GpuReader] = []
+    try:
+        ws, _ = window_sampler(tmp_path, nvml, readers)
+        summary = ws.run_window(1.0)
+    finally:
+        for r in readers:
+            r.close()
+    summary["shards"][0].update(cpu_quota_cores=2.0, cpu_throttled_ratio=throttled)
+    hb = wire.parse_heartbeat(json.dumps(summary).encode())
+    judge_heartbeat(hb, RULES)
+    assert hb["shards"][0]["gpu_utilization_percent"] == gpu_percent
+    assert hb["shards"][0]["starved"]["host_bound"] == host_bound
