@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
 
-    bpf = bpf_sched.load(PROC, 10)
+    bpf = bpf_sched.load(PROC)
     proc = ProcGroupSampler(PROC)
     watched = spawn(19)
     base = process_count()

@@ -4,12 +4,23 @@
  * -D cflags and writes the watched processes into `task_slot`.
  *
  * The scheduler already accounts each task's on-CPU time
- * (se.sum_exec_runtime, brought up to date before sched_switch fires and at
- * every scheduler tick). Each CPU remembers the group of the task it switched
- * in and that task's runtime then; at the switch out, the runtime's growth is
- * credited to the group. A per-CPU cpu-clock perf event does the same for the
- * running task several times per sample, so a task that never switches out
- * (a busy loop on an idle CPU) is credited as it runs, not in one lump.
+ * (se.sum_exec_runtime, brought up to date before sched_switch fires). Each
+ * CPU remembers the group of the watched task it switched in, that task's
+ * runtime then, and when (`since`, CLOCK_MONOTONIC); at the switch out, the
+ * runtime's growth is credited to the group: the slot's total is exact.
+ *
+ * A sample does not wait for the switch out: userspace reads each CPU's
+ * `cpu_run` beside the totals and counts a watched task still on a CPU from
+ * `since` up to the sample's own clock reading, so time is credited to the
+ * sample in which it was spent, at any rate (a task that never switches out
+ * included). `seq` is odd while a CPU updates its entry and the totals;
+ * userspace reads the entries before and after the totals and takes only
+ * the CPUs whose `seq` did not move. No clock is read on a switch between
+ * two unwatched tasks.
+ *
+ * The credit of a slice is its runtime's growth, at most the time since it
+ * was counted from: a task learnt at the cpu-clock tick (it was running when
+ * userspace gave it a slot) counts from the tick, not from its switch in.
  *
  * Membership lives in the kernel: a process forked by a member joins its
  * parent's slot at fork, so it counts from its first slice even if it exits
@@ -46,10 +57,13 @@ BPF_F_TABLE("array", u32, u64, task_slot, (PID_MAX + 7) / 8, BPF_F_MMAPABLE);
 /* slot -> on-CPU ns, per CPU, cumulative: never cleared, userspace takes deltas. */
 BPF_PERCPU_ARRAY(slot_ns, u64, MAX_SLOTS);
 
-/* What each CPU is running: its task's slot, and that task's runtime when last credited. */
+/* What each CPU is running: its task's slot, that task's runtime when it was
+ * switched in (or learnt), and when (ns, CLOCK_MONOTONIC). Read by userspace. */
 struct cpu_run {
     u64 start;
+    u64 since;
     u32 slot;
+    u32 seq;
 };
 BPF_PERCPU_ARRAY(cpu_run, struct cpu_run, 1);
 /* Forked processes that could not be given a slot (tgid above PID_MAX). */
@@ -103,15 +117,16 @@ static __always_inline u64 runtime_of(void *task)
     return ns;
 }
 
-/* Credit the running task's runtime growth to its slot; restart from `now`. */
-static __always_inline void credit(struct cpu_run *run, u64 now)
+/* Credit the slice that ends now to its slot: its runtime's growth, at most
+ * the wall time since it was counted from (userspace counted up to here). */
+static __always_inline void credit(struct cpu_run *run, u64 runtime, u64 now)
 {
-    if (run->slot && now > run->start) {
-        u64 *ns = slot_ns.lookup(&run->slot);
-        if (ns)
-            *ns += now - run->start; /* this CPU's own entry: no atomics needed */
-    }
-    run->start = now;
+    if (!run->slot || runtime <= run->start)
+        return;
+    u64 grown = runtime - run->start, wall = now > run->since ? now - run->since : 0;
+    u64 *ns = slot_ns.lookup(&run->slot);
+    if (ns)
+        *ns += grown < wall ? grown : wall; /* this CPU's own entry: no atomics needed */
 }
 
 /* args: (bool preempt, struct task_struct *prev, struct task_struct *next, ...) */
@@ -121,34 +136,53 @@ RAW_TRACEPOINT_PROBE(sched_switch)
     struct cpu_run *run = cpu_run.lookup(&zero);
     if (!run)
         return 0;
-    if (run->slot) {
-        credit(run, runtime_of((void *)ctx->args[1]));
-#ifdef TASK_RUN_DELAY_OFF
-        record_wait((void *)ctx->args[1], run->slot);
-#endif
-    }
     void *next = (void *)ctx->args[2];
     u32 tgid = 0;
     bpf_probe_read_kernel(&tgid, sizeof(tgid), next + TASK_TGID_OFF);
     u8 *slot = slot_of(tgid);
-    run->slot = slot ? *slot : 0;
-    if (run->slot)
+    u8 next_slot = slot ? *slot : 0;
+    if (!run->slot && !next_slot)
+        return 0; /* unwatched to unwatched: the common case, no clock read */
+    u64 now = bpf_ktime_get_ns();
+    run->seq += 1; /* odd: userspace ignores this CPU until it is even again */
+    if (run->slot) {
+        credit(run, runtime_of((void *)ctx->args[1]), now);
+#ifdef TASK_RUN_DELAY_OFF
+        record_wait((void *)ctx->args[1], run->slot);
+#endif
+    }
+    run->slot = next_slot;
+    if (next_slot) {
         run->start = runtime_of(next);
+        run->since = now;
+    }
+    run->seq += 1;
     return 0;
 }
 
-/* The cpu-clock tick: credit whoever runs now, and learn its slot afresh
- * (it may have been running since before the programs were loaded, or
- * userspace may have given it a slot since it was switched in). */
+/* The cpu-clock tick: learn the slot of whoever runs now, which may have been
+ * running since before the programs were loaded, or been given (or lost) a
+ * slot by userspace since it was switched in. Nothing is credited here: the
+ * runtime is only brought up to date at the switch out, and userspace counts
+ * a running slice up to each sample. */
 int on_tick(struct bpf_perf_event_data *ctx)
 {
     u32 zero = 0;
     struct cpu_run *run = cpu_run.lookup(&zero);
     if (!run)
         return 0;
-    credit(run, runtime_of((void *)bpf_get_current_task()));
     u8 *slot = slot_of(bpf_get_current_pid_tgid() >> 32);
-    run->slot = slot ? *slot : 0;
+    u8 now_slot = slot ? *slot : 0;
+    if (now_slot == run->slot)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    u64 runtime = runtime_of((void *)bpf_get_current_task());
+    run->seq += 1;
+    credit(run, runtime, now); /* it left its group: what it ran as a member */
+    run->slot = now_slot;
+    run->start = runtime;
+    run->since = now;
+    run->seq += 1;
     return 0;
 }
 

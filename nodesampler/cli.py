@@ -23,6 +23,8 @@ from nodesampler import __version__
 EXIT_USAGE = 2
 EXIT_BACKEND = 3
 
+log = logging.getLogger("nodesampler")
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
@@ -179,6 +181,15 @@ def _make_sampler(  # type: ignore[no-untyped-def]
         choice, group_sampler = open_backend(backend, proc, hz, kernel_headers)
     except BackendUnavailable as e:
         _fail(EXIT_BACKEND, f"backend {backend} unavailable: {e}")
+    finest = group_sampler.finest_hz
+    if finest is not None and hz > finest:
+        why = (f"the {choice.name} backend's counters move in ticks of up to 10 ms: above {finest:g} samples "
+               "a second, a tick early or late is more than a tenth of a busy thread's time")  # fmt: skip
+        if backend == choice.name:
+            group_sampler.close()
+            _fail(EXIT_USAGE, f"--hz {hz:g}: {why}")
+        log.warning("--hz %g capped at %g: %s", hz, finest, why)
+        hz = finest
     watches = [GroupWatch(name, GroupSelector.parse(sel)) for name, sel in groups] or None
     return WindowSampler(proc, choice, group_sampler, watches, hz=hz, node=node, gpus=GpuReader(),
                          gpu_grace=gpu_grace, sleep=sleep or time.sleep, host_root=host_root)  # fmt: skip

@@ -29,6 +29,11 @@ class BackendUnavailable(Exception):
 
 
 class GroupSampler(Protocol):
+    # The most samples a second whose figures mean something (None: any rate
+    # the command line allows): a counter in clock ticks cannot place time
+    # finer than a tick.
+    finest_hz: float | None
+
     @property
     def watches(self) -> list[GroupWatch]: ...
     def discover(self, watches: list[GroupWatch], table: ProcessTable) -> None: ...
@@ -61,7 +66,7 @@ def open_backend(
     from sampler import bpf_sched
 
     try:
-        return BackendChoice("bpf", None), bpf_sched.load(proc, hz, kernel_headers, clock=clock)
+        return BackendChoice("bpf", None), bpf_sched.load(proc, kernel_headers, clock=clock)
     except BackendUnavailable as e:
         if asked == "bpf":
             raise

@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "bpf" / "sched_groups.bpf.c"
 MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
+# The program's struct cpu_run, one per CPU: the slice a CPU is running for a slot.
+CPU_RUN = np.dtype([("start", "<u8"), ("since", "<u8"), ("slot", "<u4"), ("seq", "<u4")])
+SNAPSHOT_TRIES = 3
+TICK_NS = 10_000_000
 WAIT_BUCKETS = 32  # log2 buckets of a wait in ns, as in the program
 
 
@@ -174,7 +178,6 @@ def _compile(bpf_class: Any, source: Path, cflags: list[str], env: dict[str, str
 
 def load(
     proc: Path,
-    hz: float,
     kernel_headers: Path | None = None,
     source: Path = SOURCE,
     btf_path: Path = btf.VMLINUX,
@@ -199,15 +202,20 @@ def load(
     cflags = compile_flags(offsets, pid_max)
     bpf = _compile(BPF, source, cflags, env)
     try:
-        # A tick several times per sample: a task that never switches out is
-        # credited to within a few milliseconds of each reading.
-        period_ns = int(max(1e6, min(1e7, 1e9 / (4 * hz))))
+        # The tick only learns the slot of a task that was already running when
+        # it was given one (samples count running slices themselves): 100 a second.
         bpf.attach_perf_event(ev_type=PerfType.SOFTWARE, ev_config=PerfSWConfig.CPU_CLOCK,
-                              fn_name=b"on_tick", sample_period=period_ns)  # fmt: skip
+                              fn_name=b"on_tick", sample_period=TICK_NS)  # fmt: skip
     except Exception as e:
         bpf.cleanup()
         raise BackendUnavailable(f"attaching the cpu-clock perf event failed: {e}") from None
     return BpfGroupSampler(bpf, proc, pid_max, clock)
+
+
+def settle(used: float, debt: float) -> tuple[float, float]:
+    """A sample's seconds on CPU after what earlier samples counted ahead of
+    the kernel (`debt`), and the debt left: never negative, nothing lost."""
+    return max(0.0, used - debt), max(0.0, debt - used)
 
 
 class BpfGroupSampler:
@@ -221,6 +229,7 @@ class BpfGroupSampler:
 
     def __init__(self, bpf: Any, proc: Path, pid_max: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.bpf, self.proc, self._clock = bpf, proc, clock
+        self.finest_hz: float | None = None  # nanoseconds, up to each sample
         # The kernel's tgid -> slot bytes, shared memory: reading and writing
         # membership costs no system call.
         table = bpf.get_table(b"task_slot")
@@ -232,7 +241,11 @@ class BpfGroupSampler:
         self._watches: dict[str, _Watch] = {}
         self._slot_of: dict[frozenset[str], int] = {}  # a set of watch ids -> its slot
         self._slots = np.zeros(0, dtype=np.int64)  # the slots in use, in a fixed order
-        self._prev_ns = np.zeros(0, dtype=np.uint64)  # their counters at the last reading
+        self._prev_ns = np.zeros(0, dtype=np.int64)  # their totals at the last reading (ns)
+        self._index_of_slot = np.full(MAX_SLOTS, -1, dtype=np.int64)  # slot -> its place in _slots
+        self._cpu_run = bpf.get_table(b"cpu_run")
+        self._cpu_run_key = self._cpu_run.Key(0)
+        self._debt: dict[str, float] = {}  # watch id -> seconds counted ahead of the kernel's own account
         self._member_of = np.zeros((0, 0))  # [watch, slot] = 1 where the slot counts for the watch
         self._last_at: float | None = None
         self._stats_fd = _enable_bpf_stats()
@@ -299,9 +312,12 @@ class BpfGroupSampler:
         for j, slot in enumerate(self._slots.tolist()):
             for wid in next(c for c, s in slot_of.items() if s == slot):
                 self._member_of[index[wid], j] = 1.0
-        now_ns = self._read_ns()
+        self._index_of_slot[:] = -1
+        self._index_of_slot[self._slots] = np.arange(len(self._slots))
+        now_ns, _ = self._read_totals()
         self._prev_ns = np.array([prev_ns.get(s, now_ns[j]) for j, s in enumerate(self._slots.tolist())],
-                                 dtype=np.uint64)  # fmt: skip
+                                 dtype=np.int64)  # fmt: skip
+        self._debt = {wid: d for wid, d in self._debt.items() if wid in new}
 
     def _sync_map(self, table: ProcessTable, want: dict[int, int]) -> None:
         """Make task_slot say what the walk found. Entries the kernel added at
@@ -346,22 +362,54 @@ class BpfGroupSampler:
     # --- samples ----------------------------------------------------------------
 
     def _read_ns(self) -> np.ndarray:
+        """Each slot's on-CPU ns credited by the kernel (slices that have ended)."""
         Key = self.slot_ns.Key
-        return np.array([sum(self.slot_ns.getvalue(Key(s))) for s in self._slots.tolist()], dtype=np.uint64)
+        return np.array([np.frombuffer(self.slot_ns.getvalue(Key(s)), dtype=np.uint64).sum()
+                         for s in self._slots.tolist()], dtype=np.int64)  # fmt: skip
+
+    def _running(self) -> np.ndarray:
+        return np.frombuffer(self._cpu_run.getvalue(self._cpu_run_key), dtype=CPU_RUN)
+
+    def _read_totals(self) -> tuple[np.ndarray, float]:
+        """Each slot's on-CPU ns up to now: what the kernel credited, and the
+        slices still running on a CPU from when they were counted from. The
+        CPUs' entries are read before and after the totals; a CPU whose entry
+        moved in between (a switch) is read again, and after a few tries left
+        out: its slice began or ended within microseconds of the reading."""
+        for _ in range(SNAPSHOT_TRIES):
+            before = self._running()
+            now = self._clock()
+            credited = self._read_ns()
+            after = self._running()
+            steady = (before["seq"] == after["seq"]) & (before["seq"] % 2 == 0)
+            if steady.all():
+                break
+        running = steady & (before["slot"] != 0)
+        if running.any():
+            where = self._index_of_slot[before["slot"][running]]
+            ahead = np.maximum(0, round(now * 1e9) - before["since"][running].astype(np.int64))
+            known = where >= 0  # a slot given up since: its slice no longer counts
+            credited += np.bincount(where[known], weights=ahead[known], minlength=len(credited)).astype(np.int64)
+        return credited, now
 
     def sample(self) -> dict[str, GroupReading]:
-        now = self._clock()
+        current, now = self._read_totals()
         elapsed = None if self._last_at is None else now - self._last_at
         self._last_at = now
-        current = self._read_ns()
-        # Counters only grow: the difference of two uint64 readings is exact.
-        used_s = self._member_of @ ((current - self._prev_ns).astype(np.float64) / 1e9)
-        self._prev_ns = current
+        # A slice is counted by wall time while it runs and credited with its
+        # runtime when it ends; where the runtime grew less (time stolen by a
+        # hypervisor), the difference is taken from the following samples.
+        previous, self._prev_ns = self._prev_ns, current
+        used_s = self._member_of @ ((current - previous).astype(np.float64) / 1e9)
         out = {}
         for i, w in enumerate(self._watches.values()):
+            wid = w.watch.id
+            used, debt = settle(float(used_s[i]), self._debt.pop(wid, 0.0))
+            if debt:
+                self._debt[wid] = debt
             valid = elapsed is not None and elapsed > 0 and not w.fresh and bool(w.pids)
             w.fresh = False
-            out[w.watch.id] = GroupReading(float(used_s[i]) / elapsed if valid and elapsed else None, None, elapsed)
+            out[wid] = GroupReading(used / elapsed if valid and elapsed else None, None, elapsed)
         return out
 
     def memory(self) -> dict[str, int | None]:

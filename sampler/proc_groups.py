@@ -7,10 +7,24 @@ members alone: 20 members cost 20 reads whether the machine runs 50 processes
 or 50,000.
 
 What one sample credits to a group:
-- each member's utime + stime since the previous sample (all its threads);
+- each member's CPU time since the previous sample (all its threads): read
+  from the process's CPU clock (`clock_gettime` of the pid's
+  CPUCLOCK_SCHED clock), the scheduler's runtime in nanoseconds brought up to
+  the moment of the read, so a sample of a millisecond is as exact as one of
+  a second. Where that clock names other processes than the procfs read (a
+  procfs of another pid namespace, a test tree), utime + stime in clock
+  ticks;
 - each member's cutime + cstime since the previous sample: the CPU time of
   children it reaped, so a group that forks short-lived workers is not
   under-reported;
+- never more than its threads (or the machine's CPUs) could use in the
+  sample's time: the counters move in scheduler ticks (a running thread's
+  runtime is brought up to date at each tick of CONFIG_HZ, 1 to 10 ms, and
+  utime + stime in 10 ms clock ticks), so a sample shorter than a few ticks
+  can see more than it could have used. The excess is time of the samples
+  around it: it is carried into the next sample, not dropped. At
+  `finest_hz` (10 a second) and below a sample holds at least ten ticks, so
+  a tick early or late is at most 10% of a busy thread;
 - less what was already credited: when a member that we were reading exits
   and its parent (also a member) reaps it, the parent's cutime jumps by the
   child's whole lifetime, most of which we counted while the child lived. The
@@ -38,6 +52,25 @@ log = logging.getLogger(__name__)
 
 USER_HZ = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# The counters move in ticks of at most 10 ms (USER_HZ clock ticks, or the
+# scheduler tick that brings a running thread's runtime up to date): a
+# sample sees each running thread's time up to a tick early or late. Ten
+# ticks a sample keep that within 10% of a busy thread.
+FINEST_HZ = USER_HZ / 10
+
+
+def process_cpu_ns(pid: int) -> int:
+    """The process's CPU time (every thread, ended ones too) up to now, in ns.
+    OSError (EINVAL, ESRCH) when there is no such process."""
+    return time.clock_gettime_ns((~pid << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+
+
+def own_pid_namespace(proc: Path) -> bool:
+    """Whether pids in this procfs are the pids this process's clocks name."""
+    try:
+        return int(os.readlink(proc / "self")) == os.getpid()
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(slots=True)
@@ -45,7 +78,7 @@ class _Member:
     start_ticks: int
     ppid: int
     pgrp: int
-    self_ticks: int
+    self_s: float  # its CPU time at the last reading, seconds
     child_ticks: int
 
 
@@ -53,13 +86,14 @@ class _Member:
 class _WatchState:
     watch: GroupWatch
     members: dict[int, _Member] = field(default_factory=dict)
-    # pid of a member parent -> ticks of its exited children already credited
-    reap_credit: dict[int, int] = field(default_factory=dict)
+    # pid of a member parent -> seconds of its exited children already credited
+    reap_credit: dict[int, float] = field(default_factory=dict)
     pgids: list[int] = field(default_factory=list)
     command: str | None = None
     # Members' first readings came from the walk, not from the previous
     # sample: the next sample has no interval to divide by.
     fresh: bool = True
+    carried: float = 0.0  # seconds counted by the counters that its threads could not have used yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +108,14 @@ class GroupReading:
 
 
 class ProcGroupSampler:
-    def __init__(self, proc: Path, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, proc: Path, clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[int], int] | None = None) -> None:  # fmt: skip
         self.proc = proc
         self._clock = clock
+        # The processes' own CPU clocks where they name this procfs's processes; else ticks.
+        self._cpu_ns = cpu_clock or (process_cpu_ns if own_pid_namespace(proc) else None)
+        self.finest_hz: float | None = FINEST_HZ
+        self._cpus = os.cpu_count() or 1
         self._states: dict[str, _WatchState] = {}
         self._last_at: float | None = None
         self._memory: dict[str, int | None] = {}
@@ -98,8 +137,14 @@ class ProcGroupSampler:
                 prev = state.members.get(pid)
                 if prev is not None and prev.start_ticks == st.start_ticks:
                     members[pid] = prev
-                else:
-                    members[pid] = _Member(st.start_ticks, st.ppid, st.pgrp, st.self_ticks, st.child_ticks)
+                    continue
+                self_s = st.self_ticks / USER_HZ
+                if self._cpu_ns is not None:
+                    try:
+                        self_s = self._cpu_ns(pid) / 1e9
+                    except OSError:
+                        continue  # gone since the walk
+                members[pid] = _Member(st.start_ticks, st.ppid, st.pgrp, self_s, st.child_ticks)
             state.members = members
             # Credits for parents no longer watched can never be used.
             state.reap_credit = {p: c for p, c in state.reap_credit.items() if p in members}
@@ -140,16 +185,19 @@ class ProcGroupSampler:
         return None  # no kernel histogram: the window sampler reads schedstat
 
     def _sample_one(self, state: _WatchState, elapsed: float | None) -> GroupReading:
-        used = 0
+        used = 0.0
         valid = elapsed is not None and elapsed > 0 and not state.fresh
         state.fresh = False
         rss_pages = 0
-        alive = 0
-        child_growth: dict[int, int] = {}
+        alive = threads = 0
+        child_growth: dict[int, float] = {}
         for pid, m in list(state.members.items()):
             try:
+                # The clock first: a stat read after it with the member's start
+                # time says the clock was that process's.
+                self_s = self._cpu_ns(pid) / 1e9 if self._cpu_ns is not None else None
                 st = procfs.read_pid_stat(self.proc, pid)
-            except procfs.ProcessGone:
+            except (procfs.ProcessGone, OSError):
                 self._member_gone(state, pid, m)
                 continue
             except procfs.ProcParseError as e:
@@ -163,15 +211,18 @@ class ProcGroupSampler:
                 del state.members[pid]  # left the group (setpgid/setsid): no longer ours
                 continue
             alive += 1
+            threads += st.threads
             rss_pages += st.rss_pages
-            d_self, d_child = st.self_ticks - m.self_ticks, st.child_ticks - m.child_ticks
+            if self_s is None:
+                self_s = st.self_ticks / USER_HZ
+            d_self, d_child = self_s - m.self_s, st.child_ticks - m.child_ticks
             if d_self < 0 or d_child < 0:
                 log.debug("group %s: pid %d counters went backwards", state.watch.id, pid)
                 valid = False
             else:
                 used += d_self
-                child_growth[pid] = d_child
-            m.self_ticks, m.child_ticks, m.ppid = st.self_ticks, st.child_ticks, st.ppid
+                child_growth[pid] = d_child / USER_HZ
+            m.self_s, m.child_ticks, m.ppid = self_s, st.child_ticks, st.ppid
         for pid, grown in child_growth.items():
             credit = state.reap_credit.pop(pid, 0)
             if credit > grown:
@@ -183,10 +234,13 @@ class ProcGroupSampler:
         if not valid:
             return GroupReading(None, memory)
         assert elapsed is not None
-        return GroupReading(used / USER_HZ / elapsed, memory, elapsed)
+        can_use = min(max(threads, 1), self._cpus) * elapsed
+        used += state.carried
+        state.carried = max(0.0, used - can_use)
+        return GroupReading(min(used, can_use) / elapsed, memory, elapsed)
 
     @staticmethod
     def _member_gone(state: _WatchState, pid: int, m: _Member) -> None:
         del state.members[pid]
         if m.ppid in state.members:
-            state.reap_credit[m.ppid] = state.reap_credit.get(m.ppid, 0) + m.self_ticks + m.child_ticks
+            state.reap_credit[m.ppid] = state.reap_credit.get(m.ppid, 0.0) + m.self_s + m.child_ticks / USER_HZ

@@ -231,6 +231,7 @@ class PidStat:
     child_ticks: int  # cutime + cstime: reaped children, at the moment they were reaped
     start_ticks: int  # start time since boot: with the pid, names the process
     rss_pages: int
+    threads: int = 1
 
 
 def parse_pid_stat(data: bytes) -> PidStat:
@@ -241,7 +242,7 @@ def parse_pid_stat(data: bytes) -> PidStat:
         raise ProcParseError(f"pid stat without a command name: {data[:80]!r}")
     f = data[rpar + 1 :].split()
     # After the name: state(0) ppid(1) pgrp(2) ... utime(11) stime(12)
-    # cutime(13) cstime(14) ... starttime(19) vsize(20) rss(21)
+    # cutime(13) cstime(14) ... num_threads(17) starttime(19) vsize(20) rss(21)
     if len(f) < 22:
         raise ProcParseError(f"pid stat with {len(f)} fields after the name: {data[:80]!r}")
     try:
@@ -254,6 +255,7 @@ def parse_pid_stat(data: bytes) -> PidStat:
             child_ticks=int(f[13]) + int(f[14]),
             start_ticks=int(f[19]),
             rss_pages=int(f[21]),
+            threads=int(f[17]),
         )
     except ValueError:
         raise ProcParseError(f"pid stat with a non-numeric field: {data[:80]!r}") from None

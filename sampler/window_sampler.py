@@ -7,6 +7,8 @@ the window ends, then summarises. The walk never runs between samples.
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -18,12 +20,14 @@ from sampler.backend import BackendChoice, GroupSampler
 from sampler.cfs import CGROUP_ROOT, CfsBandwidthReader
 from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from sampler.nvml import GpuReader, GpuReading
-from sampler.proc_groups import USER_HZ
+from sampler.proc_groups import USER_HZ, GroupReading
 from sampler.runqueue import RunQueueWaitSampler
 from sampler.selectors import GroupSelector, GroupWatch, ProcessTable, busiest_groups
 from sampler.window import RateSeries
 
 BUSIEST_GROUPS = 5
+
+log = logging.getLogger(__name__)
 
 
 class WindowSampler:
@@ -68,6 +72,8 @@ class WindowSampler:
         self._wait_cumulative: dict[str, float] = {}
         self._seq = 0
         self.last_gauges: dict[str, Any] = {}
+        self._cpus = os.cpu_count() or 1
+        self._said_impossible: set[str] = set()
 
     def prime(self, seconds: float) -> None:
         """Take the first readings, so that the first window has something to
@@ -102,7 +108,7 @@ class WindowSampler:
         # /proc's counters move in clock ticks: a shorter sample is merged, not made a rate.
         tick = 1.0 / USER_HZ
         machine, steal = RateSeries(n, tick), RateSeries(n, tick)
-        shard_tick = tick if self.backend.name == "proc" else 0.0
+        shard_tick = tick if self.groups.finest_hz is not None else 0.0  # counted in ticks
         shards = {w.id: RateSeries(n, shard_tick) for w in self.groups.watches}
         # A sample covers the time since the one before it, which may have been
         # the previous window's last: its weight must say so.
@@ -122,6 +128,8 @@ class WindowSampler:
             cpu = self.cpu.sample()
             readings = self.groups.sample()
             for wid, r in readings.items():
+                if r.cores is not None and r.cores > self._cpus * 1.01:
+                    self._impossible(wid, r)
                 shards[wid].add(r.cores, now - last if r.seconds is None else r.seconds)
             machine.add(cpu, now - last)
             steal.add(self.cpu.steal, now - last)
@@ -171,6 +179,16 @@ class WindowSampler:
         if cost := self._program_cost():
             summary["bpf"] = cost
         return wire.fit_heartbeat(summary)  # machine text escaped, lists within the wire's limits
+
+    def _impossible(self, wid: str, r: GroupReading) -> None:
+        """A sample of more cores than the machine has is a bug in a backend, not
+        a burst: said once per engine with what it came from, and kept as measured
+        (clipping it would hide the bug and the time it holds)."""
+        if wid not in self._said_impossible:
+            self._said_impossible.add(wid)
+            log.warning("engine %s: %.3f cores in a %s s sample, more than the machine's %d CPUs (%s backend): "
+                        "a bug, reported as measured", wid, r.cores, r.seconds, self._cpus,
+                        self.backend.name)  # fmt: skip
 
     def _waits(self) -> dict[str, dict[str, Any] | None]:
         """Each engine's waits for a CPU in this window: the kernel histogram where

@@ -41,7 +41,7 @@ def bpf_groups() -> Iterator[BpfGroupSampler]:
     from sampler import bpf_sched
 
     try:
-        sampler = bpf_sched.load(PROC, 10)
+        sampler = bpf_sched.load(PROC)
     except BackendUnavailable as e:
         if REQUIRE_BPF:
             pytest.fail(f"NODESAMPLER_REQUIRE_BPF=1 and the kernel backend cannot load: {e}")

@@ -86,9 +86,24 @@ def fake_tree(tmp_path: Path) -> FakeProc:
     return proc
 
 
+def test_hz_above_what_the_proc_counters_resolve(tmp_path: Path) -> None:
+    """/proc's counters move in ticks of up to 10 ms: finer than 10 samples
+    a second is refused when /proc was asked for, and capped (said once)
+    when it is the fallback."""
+    fake_tree(tmp_path)
+    asked = run("sample", "--backend", "proc", "--duration", "0.2", "--hz", "20", "--proc-root",
+                str(tmp_path / "proc"))  # fmt: skip
+    assert asked.returncode == 2 and asked.stdout == ""
+    assert asked.stderr.count("\n") == 1 and "--hz 20: the proc backend's counters move in ticks" in asked.stderr
+    fallback = run("sample", "--json", "--duration", "0.4", "--hz", "20", "--proc-root", str(tmp_path / "proc"))
+    assert fallback.returncode == 0, fallback.stderr
+    assert json.loads(fallback.stdout)["window"]["samples"] == 4  # 0.4 s at 10 a second
+    assert fallback.stderr.count("--hz 20 capped at 10") == 1
+
+
 def test_sample_json_on_a_fake_tree(tmp_path: Path) -> None:
     fake_tree(tmp_path)
-    r = run("sample", "--json", "--duration", "0.2", "--hz", "20", "--proc-root", str(tmp_path / "proc"),
+    r = run("sample", "--json", "--duration", "0.4", "--hz", "10", "--proc-root", str(tmp_path / "proc"),
             "--group", "engine=cmdline:vllm serve", "--group", "none=pgid:4242")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)

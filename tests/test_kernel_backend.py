@@ -295,7 +295,7 @@ def test_program_cost_is_in_the_summary(bpf_groups: bpf_sched.BpfGroupSampler) -
 
 def loads_or_says_why(**kwargs: object) -> str:
     with pytest.raises(BackendUnavailable) as e:
-        s = bpf_sched.load(PROC, 10, **kwargs)  # type: ignore[arg-type]
+        s = bpf_sched.load(PROC, **kwargs)  # type: ignore[arg-type]
         s.close()
     return str(e.value)
 

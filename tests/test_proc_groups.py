@@ -197,3 +197,18 @@ def test_busiest_groups() -> None:
     after = {1: 150, 2: 400, 3: 100, 4: 20}
     assert busiest_groups(before, after, 2, set()) == [2, 1]
     assert busiest_groups(before, after, 5, {2}) == [1, 4]
+
+
+def test_ticks_a_sample_could_not_hold_are_carried_to_the_next(proc: FakeProc) -> None:
+    """Counters move in ticks: three ticks seen in a 10 ms sample of a
+    one-thread process are time of the samples around it. No sample reads
+    more than its threads can use; nothing is dropped."""
+    proc.add(100, utime=0, threads=1)
+    s, clock = sampler_for(proc, watch("pgid:100"))
+    step(s, clock, 0.01)  # the first reading
+    proc.set(100, utime=3, threads=1)  # 30 ms of CPU shows up at once
+    readings = [step(s, clock, 0.01).cores for _ in range(4)]
+    assert readings == pytest.approx([1.0, 1.0, 1.0, 0.0])
+    # Two threads may use two cores: the same lump fits in fewer samples.
+    proc.set(100, utime=7, threads=2)
+    assert [step(s, clock, 0.01).cores for _ in range(3)] == pytest.approx([2.0, 2.0, 0.0])

@@ -18,6 +18,7 @@ while True:
     pass
 """
 
+
 def busy_threads(n: int, cpu: int | None = None, duty: float = 1.0) -> str:
     """An engine of n threads, each busy `duty` of every 100 ms (on a CPU of
     its own where there are enough); pinned to `cpu` when given. sha256 of a
@@ -31,6 +32,37 @@ def busy_threads(n: int, cpu: int | None = None, duty: float = 1.0) -> str:
             f"for _ in range({n}):\n    threading.Thread(target=burn, daemon=True).start()\n"
             "print('ready', flush=True)\nthreading.Event().wait()\n")  # fmt: skip
 
+
+# One thread busy 10 ms of every 20 ms: a mean of 0.5 core in bursts of 1.0.
+HALF_OF_20MS = """
+import time
+print("ready", flush=True)
+t = time.monotonic()
+while True:
+    while time.monotonic() < t + 0.010:
+        pass
+    t += 0.020
+    time.sleep(max(0.0, t - time.monotonic()))
+"""
+
+# Three threads busy together 30 ms of every 505 ms: bursts of 3.0 cores.
+# sha256 of a buffer releases the GIL: the threads run at once. 505, not 500:
+# the bursts drift 5 ms against a sampler's 10, 20 or 50 ms grid, so within
+# four bursts one holds a whole sample of any period under 30 ms.
+BURST_THREE = """
+import hashlib, math, threading, time
+data = bytes(1 << 16)
+def burst():
+    while True:
+        start = math.ceil(time.monotonic() / 0.505) * 0.505
+        time.sleep(max(0.0, start - time.monotonic()))
+        while time.monotonic() < start + 0.030:
+            hashlib.sha256(data).digest()
+for _ in range(3):
+    threading.Thread(target=burst, daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+"""
 
 # An idle leader with three workers, each busy a quarter of the time.
 QUARTER_WORKERS = """
@@ -96,6 +128,20 @@ def group_cpu_seconds(pgid: int) -> float:
                 total += int((PROC / name / "task" / tid / "schedstat").read_text().split()[0]) / 1e9
             except (FileNotFoundError, ProcessLookupError):
                 continue
+    return total
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """The kernel's account of one process that forks nothing: its threads'
+    on-CPU nanoseconds (schedstat, brought up to the read), in a handful of
+    reads. A burst's edge moves by milliseconds: a truth that walks all of
+    /proc first reads it tens of milliseconds late."""
+    total = 0.0
+    for tid in os.listdir(PROC / str(pid) / "task"):
+        try:
+            total += int((PROC / str(pid) / "task" / tid / "schedstat").read_text().split()[0]) / 1e9
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return total
 
 

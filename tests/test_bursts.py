@@ -1,0 +1,95 @@
+"""Bursts at every rate, on both backends: workloads of a known shape sampled
+at 10 to 1000 samples a second. The mean is the kernel's own account; no
+sample reads more cores than the group has threads; where a sample is
+shorter than a burst, the max is the burst's level.
+
+Root for the kernel backend (CI is root; NODESAMPLER_REQUIRE_BPF=1 fails
+instead of skipping). The table these tests check is printed by
+bench/burst_accuracy.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from sampler.backend import BackendChoice, GroupSampler
+from sampler.proc_groups import ProcGroupSampler
+from sampler.selectors import GroupSelector, GroupWatch
+from sampler.window_sampler import WindowSampler
+from tests.conftest import AccuracyLog
+from tests.workloads import BURST_THREE, HALF_OF_20MS, PROC, process_cpu_seconds, start_group
+
+pytestmark = pytest.mark.live
+
+RATES = (10, 50, 100, 200, 500, 1000)
+WINDOW_S = 2.0
+BUSY = "print('ready', flush=True)\nwhile True:\n    pass\n"
+# name -> (code, threads, burst level in cores, burst length in seconds)
+WORKLOADS = {"half": (HALF_OF_20MS, 1, 1.0, 0.010), "burst3": (BURST_THREE, 3, 3.0, 0.030),
+             "busy": (BUSY, 1, 1.0, float("inf"))}  # fmt: skip
+
+
+@pytest.fixture(params=["bpf", "proc"])
+def backend(request: pytest.FixtureRequest) -> Iterator[tuple[str, GroupSampler]]:
+    if request.param == "proc":
+        yield "proc", ProcGroupSampler(PROC)
+        return
+    groups = request.getfixturevalue("bpf_groups")
+    yield "bpf", groups
+
+
+def window_against_truth(groups: GroupSampler, name: str, pgid: int, hz: float) -> tuple[dict[str, float], float]:
+    """One window's cores, and the kernel's account of the group over the same
+    interval: read right after the sampler's own readings at the window's
+    two edges (the priming sample, and the sample at or after its last slot)."""
+    edges: list[tuple[float, float]] = []  # (time, the group's CPU seconds)
+    final_slot = 0.0
+    sample = groups.sample
+
+    def sample_then_truth() -> Any:
+        readings = sample()
+        if (now := time.monotonic()) >= final_slot:
+            edges.append((now, process_cpu_seconds(pgid)))
+        return readings
+
+    groups.sample = sample_then_truth  # type: ignore[method-assign]
+    try:
+        ws = WindowSampler(PROC, BackendChoice(name, None), groups,
+                           [GroupWatch("w", GroupSelector.parse(f"pgid:{pgid}"))], hz=hz, node="bursts")  # fmt: skip
+        ws.prime(0)
+        final_slot = time.monotonic() + WINDOW_S
+        summary = ws.run_window(WINDOW_S)
+    finally:
+        del groups.sample  # the instance attribute goes: the class's method again
+    [shard] = summary["shards"]
+    (t0, s0), (t1, s1) = edges[0], edges[-1]
+    return shard["cpu_cores"], (s1 - s0) / (t1 - t0)
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_every_rate_keeps_the_mean_and_the_bursts(
+    backend: tuple[str, GroupSampler], workload: str, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
+) -> None:
+    name, groups = backend
+    code, threads, level, burst_s = WORKLOADS[workload]
+    # Three threads on a two-CPU machine burst at two cores.
+    level = min(level, len(os.sched_getaffinity(0)))
+    p = start_group(code)
+    group.append(p)
+    failures = []
+    for hz in (r for r in RATES if groups.finest_hz is None or r <= groups.finest_hz):
+        cores, truth = window_against_truth(groups, name, p.pid, hz)
+        accuracy.record(f"{workload} mean at {hz} Hz, {name}", cores["mean"], truth, 0.03)
+        checks = [("mean", abs(cores["mean"] - truth) <= 0.03 * truth),
+                  ("max above the threads", cores["max"] <= threads * 1.02)]  # fmt: skip
+        if 1 / hz < burst_s:  # a sample can fall inside one burst: it must show its level
+            accuracy.record(f"{workload} max at {hz} Hz, {name}", cores["max"], level, 0.10)
+            checks.append(("max against the burst", abs(cores["max"] - level) <= 0.10 * level))
+        failures += [f"{hz} Hz {what}: {cores} truth {truth:.3f} level {level}" for what, ok in checks if not ok]
+    assert not failures, failures

@@ -1,0 +1,78 @@
+"""The rules that keep each sample physically possible, on synthetic counters:
+a sample shorter than its counter's resolution merges into the next, and a
+slice counted ahead of the kernel's account is paid back by the samples
+after it. Neither loses or invents time."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sampler.backend import BackendChoice
+from sampler.bpf_sched import settle
+from sampler.proc_groups import GroupReading, ProcGroupSampler
+from sampler.selectors import GroupSelector, GroupWatch
+from sampler.window import RateSeries
+from sampler.window_sampler import WindowSampler
+from tests.fakeproc import FakeClock, FakeProc
+
+TICK = 0.01
+
+samples = st.lists(st.tuples(st.floats(0.0, 4.0), st.floats(0.0005, 0.05)), min_size=1, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(samples)
+def test_short_samples_merge_without_losing_time(drawn: list[tuple[float, float]]) -> None:
+    series = RateSeries(len(drawn), TICK)
+    for cores, seconds in drawn:
+        series.add(cores, seconds)
+    summary = series.summary()
+    assert summary is not None
+    total = sum(c * s for c, s in drawn) / sum(s for _, s in drawn)
+    assert math.isclose(summary["mean"], total, abs_tol=1e-3)  # the mean is every sample's time, rounded to 4 places
+    # A merged sample is a time-weighted mean of the ones it holds: never above the highest.
+    assert summary["max"] <= max(c for c, _ in drawn) + 1e-4
+    kept = series.seconds[: series.n]
+    if series.n > 1:
+        assert (kept[:-1] >= TICK - 1e-12).all()  # only the window's last may stay short, merged backwards
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(-0.05, 0.05), min_size=1, max_size=100))
+def test_time_counted_ahead_is_paid_back_never_below_zero(used: list[float]) -> None:
+    debt, reported = 0.0, []
+    for u in used:
+        r, debt = settle(u, debt)
+        assert r >= 0 and debt >= 0
+        reported.append(r)
+    # Nothing lost or invented: what was reported plus what is still owed is what was measured.
+    assert math.isclose(sum(reported) - debt, sum(used), abs_tol=1e-9)
+
+
+class _Impossible(ProcGroupSampler):
+    """A backend with a bug: every sample reads 1,000 cores."""
+
+    def sample(self) -> dict[str, GroupReading]:
+        return {wid: GroupReading(1000.0, None, 0.1) for wid in self._states}
+
+
+def test_a_sample_above_the_machine_is_a_bug_said_once_and_kept(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(100, rss=1)
+    clock = FakeClock()
+    w = WindowSampler(proc.root, BackendChoice("proc", None), _Impossible(proc.root, clock),
+                      [GroupWatch("s0", GroupSelector.parse("pgid:100"))], hz=10, node="n1", clock=clock,
+                      wall_clock=clock, sleep=clock.advance)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="sampler.window_sampler"):
+        w.run_window(1.0)
+        summary = w.run_window(1.0)
+    said = [r.getMessage() for r in caplog.records if "more than the machine" in r.getMessage()]
+    assert len(said) == 1 and "engine s0: 1000.000 cores in a 0.1 s sample" in said[0], said
+    assert summary["shards"][0]["cpu_cores"]["max"] == 1000.0  # not clipped: the bug stays visible
