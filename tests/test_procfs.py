@@ -128,9 +128,12 @@ def test_whole_files_over_a_page_are_read_to_their_end(tmp_path: Path) -> None:
     got = (tmp_path / "got").read_bytes()
     # The same table but for `cat`'s and python's own lines being the same: compare mount points.
     assert [line.split()[4] for line in got.splitlines()] == [line.split()[4] for line in expected.splitlines()]
-    long = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", *(["x" * 1000] * 100)],
-                            stdin=subprocess.PIPE)  # fmt: skip
+    # Popen returns once the child began its exec (vfork), maybe before its
+    # arguments are in place: its first line says they are.
+    long = subprocess.Popen([sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()",
+                             *(["x" * 1000] * 100)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
     try:
+        assert long.stdout is not None and long.stdout.readline() == b"ready\n"
         data = procfs.read_bytes(f"/proc/{long.pid}/cmdline")
         assert data == Path(f"/proc/{long.pid}/cmdline").read_bytes() and len(data) > 100_000
     finally:
