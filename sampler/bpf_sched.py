@@ -304,7 +304,11 @@ class BpfGroupSampler:
             slot_of[c] = free.pop(0)
         self._watches, self._slot_of = new, slot_of
         want = {pid: slot_of[frozenset(ws)] for pid, ws in watches_of.items() if frozenset(ws) in slot_of}
-        self._sync_map(table, want)
+        if self._sync_map(table, want):
+            # A new member already on a CPU is learnt at the next tick: until then
+            # its slice is not counted. Wait that long, so that a new group's
+            # first reading (below) starts from what the kernel now counts.
+            time.sleep(TICK_NS / 1e9 + 0.001)
 
         self._slots = np.array(sorted(slot_of.values()), dtype=np.int64)
         index = {wid: i for i, wid in enumerate(new)}
@@ -319,12 +323,12 @@ class BpfGroupSampler:
                                  dtype=np.int64)  # fmt: skip
         self._debt = {wid: d for wid, d in self._debt.items() if wid in new}
 
-    def _sync_map(self, table: ProcessTable, want: dict[int, int]) -> None:
+    def _sync_map(self, table: ProcessTable, want: dict[int, int]) -> bool:
         """Make task_slot say what the walk found. Entries the kernel added at
         fork for processes the walk has not seen are kept: they are members
         born since. Processes the walk saw outside every watch are cleared
         (they left their group, or their watch went), as are entries of slots
-        no longer in use."""
+        no longer in use. True when a process was given a slot it lacked."""
         slots = self.task_slot
         live = np.zeros(MAX_SLOTS, dtype=bool)
         live[list(set(want.values()))] = True
@@ -351,6 +355,7 @@ class BpfGroupSampler:
                 alive = False
             if not alive:
                 slots[pid] = 0
+        return bool(len(added))
 
     def task_pids(self) -> set[int]:
         """The processes the kernel now counts for some watch."""
