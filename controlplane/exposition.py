@@ -208,6 +208,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("llmgw_shard_gpu_utilization_max_ratio", "gauge",
            "The engine's share of a GPU's time, max of the window's samples on any of its cards",
            _shards("gpu_utilization_max_percent", per=100)),
+    Family("llmgw_shard_requests_waiting", "gauge", "Requests queued in the engine, from its own metrics",
+           _shards("requests_waiting")),
+    Family("llmgw_shard_requests_running", "gauge", "Requests the engine is running, from its own metrics",
+           _shards("requests_running")),
+    Family("llmgw_shard_kv_cache_usage_ratio", "gauge", "The engine's KV-cache use (0-1), from its own metrics",
+           _shards("kv_cache_usage_ratio")),
     Family("llmgw_shard_starved", "gauge",
            "1 if the engine was CPU-starved (kind=cpu_starved) or CPU-starved with idle GPUs (kind=host_bound)"
            " in the window, else 0; absent when not judged",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import string
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class ChartSpec:
     filter: tuple[tuple[str, str], ...] = ()  # label = value, all must hold
     group_by: tuple[str, ...] = ()  # one series per distinct value set; () one series
     agg: str = "sum"  # how the series of a group combine
+    one_of: tuple[tuple[str, tuple[str, ...]], ...] = ()  # label in a set of values, all must hold
 
     def __post_init__(self) -> None:
         if self.agg not in AGGREGATIONS:
@@ -78,7 +80,10 @@ def flatten(hb: Json) -> Iterator[tuple[str, Labels, float]]:
         if "max" in cores:
             yield "llmgw_shard_cpu_cores_max", labels, cores["max"]
         for key, family in (("memory_bytes", "llmgw_shard_memory_bytes"),
-                            ("gpu_memory_bytes", "llmgw_shard_gpu_memory_bytes")):  # fmt: skip
+                            ("gpu_memory_bytes", "llmgw_shard_gpu_memory_bytes"),
+                            ("requests_waiting", "llmgw_shard_requests_waiting"),
+                            ("requests_running", "llmgw_shard_requests_running"),
+                            ("kv_cache_usage_ratio", "llmgw_shard_kv_cache_usage_ratio")):  # fmt: skip
             if s.get(key) is not None:
                 yield family, labels, s[key]
         wait = s.get("runqueue_wait_seconds") or {}
@@ -186,6 +191,8 @@ class EmbeddedHistory:
                 ls = dict(labels, node=node)
                 if any(ls.get(k) != v for k, v in want.items()):
                     continue
+                if any(ls.get(k) not in values for k, values in spec.one_of):
+                    continue
                 key = tuple(ls.get(k, "") for k in spec.group_by)
                 groups.setdefault(key, []).append((t[keep], values[keep, col].astype(np.float64)))
         out = []
@@ -206,14 +213,25 @@ class EmbeddedHistory:
 _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
+def _string(value: str) -> str:
+    """A PromQL string literal."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def regex_alternatives(values: tuple[str, ...]) -> str:
+    """An RE2 regex matching exactly these values: every ASCII punctuation
+    character escaped (RE2 takes `\\` before punctuation only), the rest as it is."""
+    return "|".join("".join("\\" + c if c in string.punctuation else c for c in v) for v in values)
+
+
 def promql(spec: ChartSpec) -> str:
     """The spec as PromQL, built (never parsed): escaped label values, checked names."""
-    for name in (spec.metric, *(k for k, _ in spec.filter), *spec.group_by):
+    for name in (spec.metric, *(k for k, _ in spec.filter), *spec.group_by, *(k for k, _ in spec.one_of)):
         if not _LABEL.fullmatch(name):
             raise ValueError(f"not a metric or label name: {name!r}")
-    matchers = ",".join(f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                        for k, v in spec.filter)  # fmt: skip
-    return f"{spec.agg} by ({','.join(spec.group_by)}) ({spec.metric}{{{matchers}}})"
+    matchers = [f"{k}={_string(v)}" for k, v in spec.filter]
+    matchers += [f"{k}=~{_string(regex_alternatives(values))}" for k, values in spec.one_of]
+    return f"{spec.agg} by ({','.join(spec.group_by)}) ({spec.metric}{{{','.join(matchers)}}})"
 
 
 class PrometheusHistory:

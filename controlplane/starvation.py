@@ -11,7 +11,10 @@ An engine is `cpu_starved` in a window when either rule fires:
 
 It is `host_bound` when, in the same window, it was `cpu_starved` and its
 GPUs' utilisation (the mean over its cards of NVML's per-process samples)
-was under `gpu_utilization`.
+was under `gpu_utilization`, unless its own metrics say it had no request
+at all (none waiting, none running): a GPU idle for want of work is not
+waiting on the host. Requests waiting make it the clearest case, and the
+reason says how many.
 
 Absent is not zero. `cpu_starved` is stated when at least one rule could be
 judged (a quota with a throttled share, or a run-queue wait); `host_bound`
@@ -81,22 +84,25 @@ def judge(shard: Json, window_seconds: float | None, rules: StarvationRules) -> 
         on_cpu = cores * window_seconds
         per_second_on_cpu = wait / on_cpu if on_cpu > 0 else (math.inf if wait > 0 else 0.0)
         if per_second_on_cpu > rules.wait_ratio and wait / window_seconds >= rules.min_wait:
-            waiting = f"{wait / window_seconds:.2f} threads waiting on average"
+            threads = f"{wait / window_seconds:.2f} threads waiting on average"
             if math.isinf(per_second_on_cpu):
-                reasons.append(f"waited for a CPU and barely ran ({waiting})")
+                reasons.append(f"waited for a CPU and barely ran ({threads})")
             else:
-                reasons.append(f"waited {per_second_on_cpu:.2f} s for a CPU per second on one ({waiting})")
+                reasons.append(f"waited {per_second_on_cpu:.2f} s for a CPU per second on one ({threads})")
     starved = bool(reasons) if judged else None
 
     gpu = shard.get("gpu_utilization_percent")
+    waiting, running = shard.get("requests_waiting"), shard.get("requests_running")
+    no_work = waiting == 0 and running == 0  # its own metrics read, and nothing to do
     host_bound: bool | None = None
     if gpu is not None:
         busy = gpu / 100 >= rules.gpu_utilization
-        if busy or starved is False:
+        if busy or starved is False or no_work:
             host_bound = False
         elif starved:
             host_bound = True
-            reasons.append(f"its GPUs busy {gpu:.0f}% of the time")
+            queued = f" with {waiting:g} requests waiting" if waiting else ""
+            reasons.append(f"its GPUs busy {gpu:.0f}% of the time{queued}")
     return Verdict(starved, host_bound, "; ".join(reasons))
 
 

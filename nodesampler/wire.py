@@ -224,7 +224,7 @@ def _shard(value: Any, field: Field) -> Json:
     return out
 
 
-# A shard's CPU bandwidth (CFS quota and throttling), sizing and share of its GPUs, checked in one loop.
+# A shard's CPU bandwidth (CFS quota and throttling), sizing, share of its GPUs and queue, checked in one loop.
 _SHARD_NUMBERS: tuple[tuple[str, float, float, bool], ...] = (
     ("cpu_quota_cores", 0, MAX_CORES, False), ("cpu_throttled_ratio", 0, 1, False),
     ("cpu_throttled_seconds", 0, 1e9, False), ("cpu_throttled_seconds_total", 0, 1e15, False),
@@ -232,6 +232,7 @@ _SHARD_NUMBERS: tuple[tuple[str, float, float, bool], ...] = (
     ("threads_per_quota_core", 0, 1e12, False),
     ("gpu_utilization_percent", 0, 100, False), ("gpu_utilization_max_percent", 0, 100, False),
     ("gpu_memory_bandwidth_percent", 0, 100, False), ("gpu_memory_bandwidth_max_percent", 0, 100, False),
+    ("requests_waiting", 0, 1e9, False), ("requests_running", 0, 1e9, False), ("kv_cache_usage_ratio", 0, 1, False),
 )  # fmt: skip
 
 

@@ -43,7 +43,7 @@ class ConfigError(ValueError):
 
 
 def parse_config(data: bytes, source: str = "config") -> list[GroupWatch]:
-    """The agent's TOML: one [[shard]] table per engine (id, model, replica, select)."""
+    """The agent's TOML: one [[shard]] table per engine (id, model, replica, select, metrics_url)."""
     try:
         doc = tomllib.loads(data.decode())
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
@@ -64,11 +64,17 @@ def parse_config(data: bytes, source: str = "config") -> list[GroupWatch]:
             raise ConfigError(f"{where}: {e}") from None
         if not isinstance(s.get("select"), str):
             raise ConfigError(f"{where}: 'select' must be a selector string")
+        metrics_url = s.get("metrics_url")
+        if metrics_url is not None and not (
+            isinstance(metrics_url, str) and metrics_url.startswith(("http://", "https://"))
+            and len(metrics_url) <= 2048 and metrics_url.isprintable() and " " not in metrics_url
+        ):  # fmt: skip
+            raise ConfigError(f"{where}: 'metrics_url' must be an http:// or https:// URL")
         try:
             selector = GroupSelector.parse(s["select"])
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
-        watches.append(GroupWatch(sid, selector, model, replica))
+        watches.append(GroupWatch(sid, selector, model, replica, metrics_url))
     ids = [w.id for w in watches]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"{source}: shard ids must be unique")

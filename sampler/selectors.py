@@ -60,6 +60,7 @@ class GroupWatch:
     selector: GroupSelector
     model: str | None = None
     replica: str | None = None
+    metrics_url: str | None = None  # the engine's own Prometheus endpoint: its queue, read once a window
 
 
 class ProcessTable:

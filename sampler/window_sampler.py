@@ -18,6 +18,7 @@ from typing import Any
 from nodesampler import wire
 from sampler.backend import BackendChoice, GroupSampler
 from sampler.cfs import CGROUP_ROOT, CfsBandwidthReader
+from sampler.engine_metrics import EngineMetricsReader
 from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from sampler.nvml import GpuReader, GpuReading
 from sampler.proc_groups import USER_HZ, GroupReading
@@ -60,6 +61,7 @@ class WindowSampler:
         self.pressure = PressureReader(proc)
         self.runqueue = RunQueueWaitSampler(proc)
         self.cfs = CfsBandwidthReader(proc, cgroup_root)
+        self.engine_metrics = EngineMetricsReader()
         self.groups = groups
         self.gpus = gpus
         # How long a window's end may wait for its GPU reading: 0 for the
@@ -135,8 +137,11 @@ class WindowSampler:
             steal.add(self.cpu.steal, now - last)
             last = now
             taken += 1
-            if k >= gpu_at and not gpu_asked and self.gpus is not None:
-                self.gpus.request(self._members)
+            if k >= gpu_at and not gpu_asked:
+                if self.gpus is not None:
+                    self.gpus.request(self._members)
+                # The engines' own queues, read once a window on threads of their own.
+                self.engine_metrics.request((w.id, w.metrics_url) for w in self.groups.watches if w.metrics_url)
                 gpu_asked = True
             if k >= n:
                 break
@@ -176,6 +181,11 @@ class WindowSampler:
             if self.gpu_grace > 0:
                 self.gpus.wait(self.gpu_grace)
             self._add_gpus(summary, self.gpus.take())
+        if self.gpu_grace > 0:
+            self.engine_metrics.wait(self.gpu_grace)
+        queues = self.engine_metrics.take()
+        for shard in summary["shards"]:
+            shard.update(queues.get(shard["id"], {}))
         if cost := self._program_cost():
             summary["bpf"] = cost
         return wire.fit_heartbeat(summary)  # machine text escaped, lists within the wire's limits

@@ -65,7 +65,8 @@ def fleet_registry() -> tuple[NodeRegistry, FakeClock]:
          "cpu_cores": {"mean": 0.5, "p95": 0.75, "max": 1.0}, "memory_bytes": 4 * GiB, "gpu_memory_bytes": 10 * GiB,
          "cpu_quota_cores": 6.0, "cpu_throttled_ratio": 0.875, "cpu_throttled_seconds": 2.5,
          "cpu_throttled_seconds_total": 4242.5, "threads": 172, "cpu_affinity_cores": 64,
-         "threads_per_quota_core": 28.67, "gpu_utilization_percent": 9.5, "gpu_utilization_max_percent": 31.0},
+         "threads_per_quota_core": 28.67, "gpu_utilization_percent": 9.5, "gpu_utilization_max_percent": 31.0,
+         "requests_waiting": 12.0, "requests_running": 4.0, "kv_cache_usage_ratio": 0.25},
     ]))  # fmt: skip
     register("cpu-2", backend="proc")
     beat(_heartbeat("cpu-2", [], [

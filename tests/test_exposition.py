@@ -50,6 +50,9 @@ CONTRACT: dict[str, set[str]] = {
     "llmgw_shard_gpu_utilization_ratio": {"model", "replica", "shard"},
     "llmgw_shard_gpu_utilization_max_ratio": {"model", "replica", "shard"},
     "llmgw_shard_starved": {"model", "replica", "shard", "kind"},
+    "llmgw_shard_requests_waiting": {"model", "replica", "shard"},
+    "llmgw_shard_requests_running": {"model", "replica", "shard"},
+    "llmgw_shard_kv_cache_usage_ratio": {"model", "replica", "shard"},
 }  # fmt: skip
 
 

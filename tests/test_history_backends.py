@@ -203,3 +203,79 @@ def _lines_have_length(pages: dict[int, int]) -> None:
                 page.screenshot(path=str(ARTIFACTS / f"node-page-prometheus-{scrape}s.png"), full_page=True)
         finally:
             browser.close()
+
+
+ROUTER = """\
+# HELP llmgw_endpoint_waiting Requests the router holds for an endpoint.
+# TYPE llmgw_endpoint_waiting gauge
+llmgw_endpoint_waiting{replica="r.1"} 3
+llmgw_endpoint_waiting{replica="r+2"} 5
+llmgw_endpoint_waiting{replica="rx1"} 9
+llmgw_endpoint_waiting{replica="elsewhere"} 1
+"""
+
+
+def legend(page: str, caption: str) -> list[str]:
+    figure = re.search(rf"<figcaption>{re.escape(caption)}[^<]*</figcaption>.*?<div class=\"legend\">(.*?)</div>",
+                       page, re.S)  # fmt: skip
+    assert figure is not None, caption
+    return re.findall(r"</i>([^<]*)</span>", figure.group(1))
+
+
+async def test_the_router_queue_chart_holds_the_replicas_on_this_node(tmp_path: Path) -> None:
+    """The seed's queue chart: the router's llmgw_endpoint_waiting for the
+    replicas on this node now, their ids quoted for the regex (`r.1` must
+    not bring `rx1`, `r+2` must match itself)."""
+    if shutil.which("prometheus") is None:
+        pytest.fail("prometheus missing: make setup installs Debian's prometheus")
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=ROUTER, content_type="text/plain")
+
+    router = web.Application()
+    router.router.add_get("/metrics", metrics)
+    router_runner = web.AppRunner(router)
+    await router_runner.setup()
+    router_port, prom_port, pages_port = free_port(), free_port(), free_port()
+    await web.TCPSite(router_runner, "127.0.0.1", router_port).start()
+    config = tmp_path / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: router\n"
+                      f"    static_configs: [{{targets: ['127.0.0.1:{router_port}']}}]\n")  # fmt: skip
+    prom = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    registry = NodeRegistry(stale_after=3600)
+    for node, replicas in (("n1", ["r.1", "r+2"]), ("n2", ["rx1"])):
+        registry.register(wire.parse_registration(json.dumps({"node": node}).encode()))
+        shards = [{"id": f"s{i}", "replica": r, "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}}
+                  for i, r in enumerate(replicas)]  # fmt: skip
+        body = {"node": node, "seq": 1, "backend": "bpf", "window": {"start": 1.0, "end": 2.0, "samples": 10},
+                "machine": {}, "shards": shards}  # fmt: skip
+        registry.heartbeat(wire.parse_heartbeat(json.dumps(body).encode()))
+    base = f"http://127.0.0.1:{prom_port}"
+    pages = pages_api.create_app(registry)
+    add_pages(pages, None, base)
+    pages_runner = web.AppRunner(pages)
+    await pages_runner.setup()
+    await web.TCPSite(pages_runner, "127.0.0.1", pages_port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 60
+            while True:  # Prometheus has scraped the router: go on
+                try:
+                    async with session.get(f"{base}/api/v1/query", params={"query": "llmgw_endpoint_waiting"}) as r:
+                        if len((await r.json())["data"]["result"]) == 4:
+                            break
+                except (aiohttp.ClientError, KeyError, ValueError):
+                    pass
+                assert time.monotonic() < deadline, "Prometheus never scraped the router"
+                await asyncio.sleep(0.2)
+            async with session.get(f"http://127.0.0.1:{pages_port}/node/n1") as r:
+                page = await r.text()
+            assert legend(page, "Requests waiting") == ["router r+2", "router r.1"]
+            async with session.get(f"http://127.0.0.1:{pages_port}/node/n2") as r:
+                assert legend(await r.text(), "Requests waiting") == ["router rx1"]
+    finally:
+        prom.kill()
+        prom.wait()
+        await pages_runner.cleanup()
+        await router_runner.cleanup()

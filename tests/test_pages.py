@@ -250,10 +250,29 @@ async def test_a_starved_engine_is_marked_and_says_why(aiohttp_client: Any) -> N
     client = await pages_client(aiohttp_client, registry)
     page = await (await client.get("/node/gpu-1")).text()
     text = parse(page)
-    # mistral: throttled 88% of periods in a 6-core quota with 172 threads, its GPUs busy 9.5%.
-    assert ("172 9.5% host-bound throttled in 88% of CFS periods (quota 6 cores, 172 threads); "
-            "its GPUs busy 10% of the time") in text
-    assert "92.5% ok" in text  # llama: judged (a run-queue wait), fed, its GPUs busy
+    # mistral: throttled 88% of periods in a 6-core quota with 172 threads, its GPUs busy 9.5%, 12 requests queued.
+    assert ("172 9.5% 12 / 4 25.0% host-bound throttled in 88% of CFS periods (quota 6 cores, 172 threads); "
+            "its GPUs busy 10% of the time with 12 requests waiting") in text
+    assert "92.5% — — ok" in text  # llama: judged (a run-queue wait), fed, its GPUs busy; no queue figures
     assert len(re.findall(r'<tr class="starved">', page)) == 1
     cpu = parse(await (await client.get("/node/cpu-2")).text())
     assert "host-bound" not in cpu and " ok" not in cpu  # nothing measured to judge by: a dash, not "ok"
+
+
+async def test_the_embedded_history_charts_the_engines_own_queue(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+    state = registry.get("gpu-1")
+    assert state is not None and state.heartbeat is not None
+    history = EmbeddedHistory(interval=5)
+    now = time.time()
+    for k in range(12, 0, -1):
+        hb = json.loads(json.dumps(state.heartbeat))
+        hb["shards"][1]["requests_waiting"] = float(k)
+        history.record("gpu-1", hb, at=now - 5 * k)
+    client = await pages_client(aiohttp_client, registry, history)
+    page = await (await client.get("/node/gpu-1")).text()
+    figure = re.search(r"<figcaption>Requests waiting[^<]*</figcaption>(.*?)</figure>", page, re.S)
+    assert figure is not None
+    # mistral's engine reports its queue; llama has no endpoint (no series); the router's is Prometheus's alone.
+    assert re.findall(r"</i>([^<]*)</span>", figure.group(1)) == ["engine s1"]
+    assert len(re.findall(r'<path d="M', figure.group(1))) == 1

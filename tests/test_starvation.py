@@ -146,3 +146,17 @@ def test_host_bound_through_the_fake_nvml(tmp_path: Path, gpu_percent: int, thro
     judge_heartbeat(hb, RULES)
     assert hb["shards"][0]["gpu_utilization_percent"] == gpu_percent
     assert hb["shards"][0]["starved"]["host_bound"] == host_bound
+
+
+def test_the_queue_settles_an_idle_gpu_and_names_the_clearest_case() -> None:
+    starved_idle_gpu = {"cpu_throttled_ratio": 0.9, "cpu_quota_cores": 0.5, "gpu_utilization_percent": 5.0}
+    queued = judge(shard(**starved_idle_gpu, requests_waiting=37.0, requests_running=8.0), 5.0, RULES)
+    assert queued.host_bound is True and queued.why.endswith("its GPUs busy 5% of the time with 37 requests waiting")
+    # Nothing to do at all: the GPU idles for want of work, not waiting on the host.
+    no_work = judge(shard(**starved_idle_gpu, requests_waiting=0.0, requests_running=0.0), 5.0, RULES)
+    assert (no_work.cpu_starved, no_work.host_bound) == (True, False)
+    # Running but none queued: still host-bound, with no queue to name.
+    running = judge(shard(**starved_idle_gpu, requests_waiting=0.0, requests_running=2.0), 5.0, RULES)
+    assert running.host_bound is True and "waiting" not in running.why.split(";")[-1]
+    # No queue figures (no metrics endpoint): judged as before.
+    assert judge(shard(**starved_idle_gpu), 5.0, RULES).host_bound is True

@@ -78,6 +78,8 @@ def _node_view(state: NodeState, now: float, stale_after: float) -> dict[str, An
                         "command": s.get("command"), "quota": s.get("cpu_quota_cores"),
                         "throttled": None if s.get("cpu_throttled_ratio") is None else 100 * s["cpu_throttled_ratio"],
                         "threads": s.get("threads"), "gpu_busy": s.get("gpu_utilization_percent"),
+                        "waiting": s.get("requests_waiting"), "running": s.get("requests_running"),
+                        "kv_cache": s.get("kv_cache_usage_ratio"),
                         "verdict": _verdict(s.get("starved") or {})})  # fmt: skip
     return {
         "node": state.node, "state": "fresh" if fresh else "stale", "age": state.age(now),
@@ -130,6 +132,14 @@ def _node_specs(node: str, view: dict[str, Any]) -> list[tuple[str, list[tuple[C
           (ChartSpec("llmgw_shard_runqueue_wait_per_slice_seconds", f, ("shard",), "max"), "mean")],
          "seconds", None),
     ]  # fmt: skip
+    # The queue: the router's per replica (the seed's chart; Prometheus only), the
+    # replicas those on this node now, and the engines' own from their metrics.
+    queue = [(ChartSpec("llmgw_shard_requests_waiting", f, ("shard",)), "engine")]
+    replicas = tuple(sorted({e["replica"] for e in view["engines"] if e["replica"]}))
+    if replicas:
+        queue.insert(0, (ChartSpec("llmgw_endpoint_waiting", (), ("replica",), one_of=(("replica", replicas),)),
+                         "router"))  # fmt: skip
+    specs.append(("Requests waiting (the router's per replica; each engine's own)", queue, "requests", None))
     if view["gpus"]:
         specs += [
             ("GPU utilisation by card", [(ChartSpec("llmgw_gpu_utilization_percent", f, ("gpu",)), "GPU")],
