@@ -43,8 +43,12 @@ def test_alert_rules_name_only_exported_families() -> None:
     rules = yaml.safe_load((ROOT / "deploy" / "alerts.yml").read_text())
     alerts = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
     assert set(alerts) == {"NodeDown", "NodeCPUSaturated", "GPUUncorrectedECCErrors", "GPUTemperatureHigh",
-                           "GPUMemoryHeldButIdle", "EngineHostBound"}  # fmt: skip
+                           "GPUMemoryHeldButIdle", "EngineHostBound", "NodesamplerControlPlaneAbsent",
+                           "KubernetesNodeWithoutSampler"}  # fmt: skip
     assert {m for e in alerts.values() for m in METRIC.findall(e)} <= FAMILY_NAMES
+    # Beyond the fleet's families: the control plane's own, and kube-state-metrics' node list.
+    assert "absent(nodesampler_registered_nodes)" in alerts["NodesamplerControlPlaneAbsent"]
+    assert alerts["KubernetesNodeWithoutSampler"].startswith("kube_node_info unless on (node)")
 
 
 def promtool() -> str:

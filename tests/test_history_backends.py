@@ -34,6 +34,21 @@ SPECS = [
 ]
 
 
+def start_prometheus(tmp_path: Path, name: str, target_port: int,
+                     scrape_s: int = 1) -> tuple[subprocess.Popen[bytes], int]:  # fmt: skip
+    """A real Prometheus scraping 127.0.0.1:target_port every scrape_s; and its port."""
+    if shutil.which("prometheus") is None:
+        pytest.fail("prometheus missing: make setup installs Debian's prometheus")
+    port = free_port()
+    config = tmp_path / f"prometheus-{name}.yml"
+    config.write_text(f"global: {{scrape_interval: {scrape_s}s}}\nscrape_configs:\n  - job_name: {name}\n"
+                      f"    static_configs: [{{targets: ['127.0.0.1:{target_port}']}}]\n")  # fmt: skip
+    prom = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / name}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return prom, port
+
+
 def heartbeat(seq: int, level: float) -> dict[str, Any]:
     return {"node": "n1", "seq": seq, "backend": "bpf", "window": {"start": 1.0, "end": 2.0, "samples": 10},
             "machine": {"cpus": 8, "cpu_percent": {"mean": level, "p95": level, "max": level}},
@@ -52,20 +67,13 @@ def runs(series: Series) -> list[float]:
 
 
 async def test_embedded_and_prometheus_give_the_same_series(tmp_path: Path) -> None:
-    if shutil.which("prometheus") is None:
-        pytest.fail("prometheus missing: make setup installs Debian's prometheus")
     registry = NodeRegistry(stale_after=3600)
     history = EmbeddedHistory(interval=1)
     runner = web.AppRunner(pages_api.create_app(registry, history=history))
     await runner.setup()
-    pages_port, prom_port = free_port(), free_port()
+    pages_port = free_port()
     await web.TCPSite(runner, "127.0.0.1", pages_port).start()
-    config = tmp_path / "prometheus.yml"
-    config.write_text("global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: cp\n"
-                      f"    static_configs: [{{targets: ['127.0.0.1:{pages_port}']}}]\n")  # fmt: skip
-    prom = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{prom_port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    prom, prom_port = start_prometheus(tmp_path, "cp", pages_port)
     try:
         async with aiohttp.ClientSession() as session:
             base = f"http://127.0.0.1:{prom_port}"
@@ -119,8 +127,6 @@ async def test_pages_from_prometheus_draw_lines_at_5_and_15_s_scrapes(tmp_path: 
     """A real Prometheus scraping the control plane every 5 s, and another every
     15 s; the pages drawn from each: every chart with data draws line segments,
     and in a real browser the lines have length (screenshots kept)."""
-    if shutil.which("prometheus") is None:
-        pytest.fail("prometheus missing: make setup installs Debian's prometheus")
     registry = NodeRegistry(stale_after=3600)
     source = web.AppRunner(pages_api.create_app(registry))
     await source.setup()
@@ -130,14 +136,7 @@ async def test_pages_from_prometheus_draw_lines_at_5_and_15_s_scrapes(tmp_path: 
     runners = [source]
     try:
         for scrape in (5, 15):
-            port = free_port()
-            config = tmp_path / f"prometheus-{scrape}.yml"
-            config.write_text(f"global: {{scrape_interval: {scrape}s}}\nscrape_configs:\n  - job_name: cp\n"
-                              f"    static_configs: [{{targets: ['127.0.0.1:{metrics_port}']}}]\n")  # fmt: skip
-            proms[scrape] = (subprocess.Popen(
-                ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / f'data-{scrape}'}",
-                 f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-                port)  # fmt: skip
+            proms[scrape] = start_prometheus(tmp_path, f"cp{scrape}", metrics_port, scrape)
         registry.register(wire.parse_registration(json.dumps(
             {"node": "n1", "gpus": [{"index": 0, "uuid": "GPU-0", "name": "H200"}]}).encode()))  # fmt: skip
         pages: dict[int, int] = {}
@@ -226,8 +225,7 @@ async def test_the_router_queue_chart_holds_the_replicas_on_this_node(tmp_path: 
     """The seed's queue chart: the router's llmgw_endpoint_waiting for the
     replicas on this node now, their ids quoted for the regex (`r.1` must
     not bring `rx1`, `r+2` must match itself)."""
-    if shutil.which("prometheus") is None:
-        pytest.fail("prometheus missing: make setup installs Debian's prometheus")
+
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=ROUTER, content_type="text/plain")
 
@@ -235,14 +233,9 @@ async def test_the_router_queue_chart_holds_the_replicas_on_this_node(tmp_path: 
     router.router.add_get("/metrics", metrics)
     router_runner = web.AppRunner(router)
     await router_runner.setup()
-    router_port, prom_port, pages_port = free_port(), free_port(), free_port()
+    router_port, pages_port = free_port(), free_port()
     await web.TCPSite(router_runner, "127.0.0.1", router_port).start()
-    config = tmp_path / "prometheus.yml"
-    config.write_text("global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: router\n"
-                      f"    static_configs: [{{targets: ['127.0.0.1:{router_port}']}}]\n")  # fmt: skip
-    prom = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{prom_port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    prom, prom_port = start_prometheus(tmp_path, "router", router_port)
     registry = NodeRegistry(stale_after=3600)
     for node, replicas in (("n1", ["r.1", "r+2"]), ("n2", ["rx1"])):
         registry.register(wire.parse_registration(json.dumps({"node": node}).encode()))
