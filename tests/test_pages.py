@@ -276,3 +276,64 @@ async def test_the_embedded_history_charts_the_engines_own_queue(aiohttp_client:
     # mistral's engine reports its queue; llama has no endpoint (no series); the router's is Prometheus's alone.
     assert re.findall(r"</i>([^<]*)</span>", figure.group(1)) == ["engine s1"]
     assert len(re.findall(r'<path d="M', figure.group(1))) == 1
+
+
+def big_fleet(n: int) -> NodeRegistry:
+    """n fresh nodes with CPU 0..n-1 % (node-0000 the idlest), and two stale ones."""
+    clock = FakeClock(1000.0)
+    registry = NodeRegistry(stale_after=60, clock=clock)
+    for name in ("old-a", "old-b"):
+        registry.register(wire.parse_registration(json.dumps({"node": name}).encode()))
+    clock.advance(100)
+    for i in range(n):
+        node = f"node-{i:04d}"
+        registry.register(wire.parse_registration(json.dumps({"node": node, "hostname": f"h{i}.rack{i % 3}"}).encode()))
+        body = {"node": node, "seq": 1, "backend": "bpf", "window": {"start": 1.0, "end": 6.0, "samples": 50},
+                "machine": {"cpus": 8, "cpu_percent": {"mean": i % 100, "p95": 50.0, "max": 100.0}},
+                "shards": [{"id": "s0", "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0},
+                            "cpu_quota_cores": 1.0, "cpu_throttled_ratio": 0.9 if i % 10 == 0 else 0.0}]}  # fmt: skip
+        registry.heartbeat(wire.parse_heartbeat(json.dumps(body).encode()))
+    return registry
+
+
+def row_nodes(page: str) -> list[str]:
+    return re.findall(r'<tr class="(?:fresh|stale)">\s*<td><a href="/node/([^"]+)"', page)
+
+
+async def test_the_cluster_page_of_a_fleet_sums_up_orders_filters_and_pages(aiohttp_client: Any) -> None:
+    client = await pages_client(aiohttp_client, big_fleet(250))
+    page = await (await client.get("/")).text()
+    text = parse(page)
+    # The whole fleet at the top, whatever is shown below.
+    assert "Nodes 252 250 fresh · 2 stale" in text and "GPUs 0" in text
+    assert "Engines 250 25 CPU-starved · 0 host-bound" in text
+    assert "Busiest node-0099 CPU 99.0%" in text
+    # Stale first, then the busiest; a hundred rows a page.
+    rows = row_nodes(page)
+    assert len(rows) == 100 and rows[:2] == ["old-a", "old-b"]
+    assert rows[2:5] == ["node-0099", "node-0199", "node-0098"]
+    assert "page 1 of 3" in text and 'rel="next" href="?page=2"' in page and 'rel="prev"' not in page
+    last = await (await client.get("/?page=3")).text()
+    assert len(row_nodes(last)) == 52 and 'rel="prev" href="?page=2"' in last
+    # Filters in the URL: by name or host name (any case), by state; the pager keeps them.
+    rack = await (await client.get("/?q=RACK1&state=fresh")).text()
+    assert len(row_nodes(rack)) == 83 and "83 of 252 nodes match" in parse(rack)
+    assert all(int(n[5:]) % 3 == 1 for n in row_nodes(rack))
+    stale = await (await client.get("/?state=stale")).text()
+    assert row_nodes(stale) == ["old-a", "old-b"]
+    many = await (await client.get("/?q=node&state=fresh&page=2")).text()
+    assert 'href="?q=node&amp;state=fresh&amp;page=3"' in many and 'href="?q=node&amp;state=fresh&amp;page=1"' in many
+    assert row_nodes(await (await client.get("/?q=nothing-like-it")).text()) == []
+    # A page past the last shows the last.
+    assert row_nodes(await (await client.get("/?page=99")).text()) == row_nodes(last)
+
+
+async def test_the_cluster_page_refuses_bad_filters_and_escapes_the_good(aiohttp_client: Any) -> None:
+    client = await pages_client(aiohttp_client, big_fleet(3))
+    for bad in ("/?state=gone", "/?page=0", "/?page=two", "/?q=" + "x" * 201, "/?q=%00"):
+        r = await client.get(bad)
+        assert r.status == 400, bad
+        assert "<" not in await r.text()
+    page = await (await client.get('/?q=<script>"x"</script>')).text()
+    assert "<script>\"x\"" not in page and "&lt;script&gt;" in page
+    assert "No node matches." in parse(page)

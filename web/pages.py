@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 import jinja2
@@ -28,6 +29,7 @@ TEMPLATES = web.AppKey("templates", jinja2.Environment)
 
 SPAN_S = 3600.0
 REFRESH_S = 15
+PAGE_ROWS = 100  # a thousand nodes are ten pages, not one page a browser renders slowly
 DASH = "—"
 
 
@@ -169,13 +171,58 @@ def _render(request: web.Request, template: str, **context: Any) -> web.Response
     return web.Response(text=body, content_type="text/html", headers={"Cache-Control": "no-store"})
 
 
+def _fleet_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the top of the cluster page says of the whole fleet, whatever the filter."""
+    fresh = [v for v in views if v["state"] == "fresh"]
+    engines = [e for v in fresh for e in v["engines"]]
+    busiest = max((v for v in fresh if v["cpu"] is not None), key=lambda v: v["cpu"], default=None)
+    return {"nodes": len(views), "fresh": len(fresh), "stale": len(views) - len(fresh),
+            "gpus": sum(v["gpu_count"] for v in fresh), "engines": len(engines),
+            "cpu_starved": sum(1 for e in engines if e["verdict"] and e["verdict"]["kind"] == "CPU-starved"),
+            "host_bound": sum(1 for e in engines if e["verdict"] and e["verdict"]["kind"] == "host-bound"),
+            "busiest": busiest}  # fmt: skip
+
+
+def _attention_first(v: dict[str, Any]) -> tuple[int, float, str]:
+    """Stale nodes first (they need someone), then the busiest."""
+    return (0 if v["state"] == "stale" else 1, -(v["cpu"] if v["cpu"] is not None else -1.0), v["node"])
+
+
 async def cluster_page(request: web.Request) -> web.Response:
+    text = request.query.get("q", "")
+    state = request.query.get("state", "")
+    if len(text) > 200 or not text.isprintable():
+        raise web.HTTPBadRequest(text="q: at most 200 printable characters")
+    if state not in ("", "fresh", "stale"):
+        raise web.HTTPBadRequest(text="state: fresh or stale")
+    try:
+        page = int(request.query.get("page", "1"))
+    except ValueError:
+        page = 0
+    if page < 1:
+        raise web.HTTPBadRequest(text="page: a whole number from 1")
     registry: NodeRegistry = request.app[REGISTRY]
     now = registry.clock()
     views = [_node_view(s, now, registry.stale_after) for s in registry.nodes()]
+    summary = _fleet_summary(views)
+    needle = text.strip().casefold()
+    shown = sorted((v for v in views if (not state or v["state"] == state)
+                    and (not needle or needle in v["node"].casefold()
+                         or needle in str(v["registration"].get("hostname", "")).casefold())),
+                   key=_attention_first)  # fmt: skip
+    pages = max(1, -(-len(shown) // PAGE_ROWS))
+    page = min(page, pages)
+    rows = shown[(page - 1) * PAGE_ROWS : page * PAGE_ROWS]
+
+    def link(to: int) -> str:
+        query = {k: v for k, v in (("q", text), ("state", state)) if v}
+        return "?" + urlencode({**query, "page": to})
+
     charts, errors = await _charts(request.app[HISTORY], FLEET_SPECS, time.time())  # type: ignore[arg-type]
-    return _render(request, "cluster.html", nodes=views, charts=charts, history_errors=errors,
-                   fresh=sum(1 for v in views if v["state"] == "fresh"))  # fmt: skip
+    return _render(request, "cluster.html", nodes=rows, matched=len(shown), summary=summary, q=text, state=state,
+                   page=page, pages=pages, prev_link=link(page - 1) if page > 1 else None,
+                   next_link=link(page + 1) if page < pages else None, charts=charts,
+                   history_errors=errors)  # fmt: skip
 
 
 async def node_page(request: web.Request) -> web.Response:
