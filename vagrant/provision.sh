@@ -20,7 +20,7 @@ set -eu
 
 # The kernel tier needs bcc, numpy and pytest (all Debian's, matched to the
 # guest's Python); procps, util-linux and kmod for the tests' own tools.
-PACKAGES="python3-bpfcc python3-numpy python3-pytest python3-pytest-timeout python3-venv python3-pip python3-setuptools procps util-linux kmod"
+PACKAGES="python3-bpfcc python3-numpy python3-prometheus-client python3-pytest python3-pytest-timeout python3-venv python3-pip python3-setuptools procps util-linux kmod"
 
 kernel=$(uname -r)
 project=1
@@ -54,11 +54,12 @@ fi
 
 # Debian's bcc is only importable from its own Python: the venv sees the system
 # site-packages, and the project goes in without dependencies (the kernel tier
-# needs none beyond the packages above, and the guest may have no network).
+# needs none beyond the packages above, and the guest may have no network;
+# prometheus-client is the agent's own parser for engines' metrics).
 venv=/opt/nodesampler/venv
 [ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages --without-pip "$venv"
 if [ "$project" = 1 ]; then
     src=${NODESAMPLER_SRC:-/vagrant}
     "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation --no-index -e "$src"
 fi
-"$venv/bin/python" -c 'import bcc, numpy, pytest' && echo "provision: ready for kernel $kernel"
+"$venv/bin/python" -c 'import bcc, numpy, prometheus_client, pytest' && echo "provision: ready for kernel $kernel"
