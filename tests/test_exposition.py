@@ -161,3 +161,8 @@ async def test_refused_requests_are_counted_by_reason(aiohttp_client: Any) -> No
     rejected = {(ls["kind"], ls["reason"]): v for ls, v in got["nodesampler_requests_rejected_total"]}
     assert rejected[("heartbeat", "unauthorized")] == 2.0
     assert rejected[("heartbeat", "bad_request")] == 0.0
+
+
+def test_the_metric_reference_names_every_family() -> None:
+    reference = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+    assert [f for f in sorted(FAMILY_NAMES) if f"`{f}`" not in reference] == []
