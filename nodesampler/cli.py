@@ -178,7 +178,7 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     if len(set(names)) != len(names):
         _fail(EXIT_USAGE, "--group: each NAME may be given once")
     try:
-        choice, group_sampler = open_backend(backend, proc, hz, kernel_headers)
+        choice, group_sampler = open_backend(backend, proc, kernel_headers)
     except BackendUnavailable as e:
         _fail(EXIT_BACKEND, f"backend {backend} unavailable: {e}")
     finest = group_sampler.finest_hz

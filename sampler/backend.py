@@ -55,7 +55,6 @@ class BackendChoice:
 def open_backend(
     asked: str,
     proc: Path,
-    hz: float,
     kernel_headers: Path | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> tuple[BackendChoice, GroupSampler]:

@@ -302,15 +302,15 @@ def loads_or_says_why(**kwargs: object) -> str:
 
 def test_missing_bcc_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "bcc", None)  # import bcc raises ImportError
-    choice, groups = open_backend("auto", PROC, 10)
+    choice, groups = open_backend("auto", PROC)
     assert choice.name == "proc" and isinstance(groups, ProcGroupSampler)
     assert choice.reason is not None and "bcc is not installed" in choice.reason
     with pytest.raises(BackendUnavailable, match="bcc is not installed"):
-        open_backend("bpf", PROC, 10)
+        open_backend("bpf", PROC)
 
 
 def test_empty_headers_directory_falls_back(tmp_path: Path) -> None:
-    choice, _ = open_backend("auto", PROC, 10, kernel_headers=tmp_path)
+    choice, _ = open_backend("auto", PROC, kernel_headers=tmp_path)
     assert choice.name == "proc"
     assert choice.reason is not None and f"no kernel headers in {tmp_path}" in choice.reason
 

@@ -21,7 +21,7 @@ echo "NODESAMPLER-UPTIME=booted $(cut -d' ' -f1 /proc/uptime)"
 echo "NODESAMPLER-BACKEND=$($python -c '
 from pathlib import Path
 from sampler.backend import open_backend
-choice, groups = open_backend("auto", Path("/proc"), 10)
+choice, groups = open_backend("auto", Path("/proc"))
 print(choice.name if choice.reason is None else f"{choice.name}: {choice.reason}")' 2>&1 | tail -n 1)"
 echo "NODESAMPLER-UPTIME=backend $(cut -d' ' -f1 /proc/uptime)"
 # A test that hangs fails after 5 minutes with every thread's stack, and the

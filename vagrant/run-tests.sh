@@ -12,7 +12,8 @@
 # backend the agent would load, runs the kernel test tier (the files marked
 # `pytestmark = pytest.mark.kernel`), prints the exit code and each accuracy
 # comparison on the serial console, and powers off. A guest that hangs is
-# named (vagrant/hung_guest.py) and booted again.
+# named (vagrant/hung_guest.py) and booted again; so is one whose kernel died
+# (an Oops or a panic) before the tests ended.
 #
 # NODESAMPLER_VM_LINES (default "bookworm trixie"), NODESAMPLER_VM_CACHE
 # (default .vm-cache), NODESAMPLER_DEBIAN_MIRROR, NODESAMPLER_VM_HANG_SECONDS
@@ -96,6 +97,14 @@ boot() {  # image dir, out dir -> the tests' exit code, or "hung"; the serial lo
         fi
     done
     wait "$qemu" 2>/dev/null || true
+    # A kernel that died before the tests said how they ended (an Oops, a panic:
+    # under TCG, an int3 left by the kernel's live patching of tracepoints,
+    # vagrant/README.md) is a boot to try again, named like a hang.
+    if ! grep -a -q 'NODESAMPLER-EXIT=' "$log" && grep -a -q -E 'Kernel panic|Oops:' "$log"; then
+        { grep -a -m 1 -E 'Oops:|Kernel panic' "$log"; grep -a -m 1 'RIP:' "$log"; } | tr -d '\r' \
+            | sed 's/^\[[ 0-9.]*\] //' | paste -s -d ' ' >"$out/hung.txt" || true
+        echo hung; return
+    fi
     grep -a -o 'NODESAMPLER-EXIT=[0-9]*' "$log" | tail -n 1 | cut -d= -f2 || true
 }
 
@@ -131,7 +140,7 @@ for suite in $lines; do
     printf '%-9s %-22s %-16s %-7s %-6s %s\n' "$suite" "${kernel:--}" "${bcc:--}" "${backend%%:*}" "$result" \
         "$built, ${stages:-- - - }$((SECONDS - t0))"
     [ "${backend%%:*}" = bpf ] || echo "    backend: ${backend:-none reported}"
-    [ -z "$hung" ] || echo "${hung%|}" | tr '|' '\n' | sed "s|^|    a boot hung, booted again: |"
+    [ -z "$hung" ] || echo "${hung%|}" | tr '|' '\n' | sed "s|^|    a boot hung or died, booted again: |"
     [ "$result" != HUNG ] || sed 's/^/    hung: /' "$out/hung.txt"
     tagged ACCURACY "$log" | python3 vagrant/accuracy_table.py || echo "    (accuracy figures unreadable)"
     sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -a -E '^(FAILED|ERROR) |(passed|failed|error).* in [0-9.]+s' | sed 's/^/    /'
