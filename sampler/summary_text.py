@@ -102,4 +102,28 @@ def render(summary: dict[str, Any]) -> str:
         command = (s.get("command") or DASH)[:16]
         lines.append(f"{name:<20} {pgid:>8} {command:<16} {' '.join(c)} {_bytes(s.get('memory_bytes')):>10}"
                      f" {_bytes(s.get('gpu_memory_bytes')):>10}")
+    lines.extend(_host_lines(shards))
     return "\n".join(lines)
+
+
+# What holds an engine back, where any engine has a figure for it (the
+# control plane judges starvation from these; `sample` shows the inputs).
+_HOST_COLUMNS = (("QUOTA", "cpu_quota_cores", ".2f", 1.0), ("THROTTLED", "cpu_throttled_ratio", ".0%", 1.0),
+                 ("THREADS", "threads", "d", 1.0), ("GPU BUSY", "gpu_utilization_percent", ".0%", 0.01),
+                 ("WAITING", "requests_waiting", ".0f", 1.0), ("RUNNING", "requests_running", ".0f", 1.0),
+                 ("KV CACHE", "kv_cache_usage_ratio", ".0%", 1.0))  # fmt: skip
+
+
+def _host_lines(shards: list[dict[str, Any]]) -> list[str]:
+    columns = [c for c in _HOST_COLUMNS if any(s.get(c[1]) is not None for s in shards)]
+    if not columns:
+        return []
+    lines = ["", f"{'ENGINE':<20} " + " ".join(f"{title:>9}" for title, *_ in columns)]
+    for s in shards:
+        name = s["id"] if len(s["id"]) <= 20 else s["id"][:19] + "…"
+        cells = []
+        for _, key, fmt, scale in columns:
+            value = s.get(key)
+            cells.append(f"{DASH:>9}" if value is None else f"{value * scale if scale != 1.0 else value:>9{fmt}}")
+        lines.append(f"{name:<20} " + " ".join(cells))
+    return lines
