@@ -18,9 +18,12 @@
  * the CPUs whose `seq` did not move. No clock is read on a switch between
  * two unwatched tasks.
  *
- * The credit of a slice is its runtime's growth, at most the time since it
- * was counted from: a task learnt at the cpu-clock tick (it was running when
- * userspace gave it a slot) counts from the tick, not from its switch in.
+ * The credit of a slice is its runtime's growth; for a task learnt at the
+ * cpu-clock tick (it was running when userspace gave it a slot), at most the
+ * time since the tick: its runtime then was the last scheduler tick's, and
+ * it counts from the tick, not from its switch in. (Capping every slice at
+ * its wall time would lose the microseconds between the scheduler's clock
+ * reading and this tracepoint, at every switch.)
  *
  * Membership lives in the kernel: a process forked by a member joins its
  * parent's slot at fork, so it counts from its first slice even if it exits
@@ -64,6 +67,8 @@ struct cpu_run {
     u64 since;
     u32 slot;
     u32 seq;
+    u32 learnt; /* 1: learnt at the tick, `start` may be stale */
+    u32 pad;
 };
 BPF_PERCPU_ARRAY(cpu_run, struct cpu_run, 1);
 /* Forked processes that could not be given a slot (tgid above PID_MAX). */
@@ -117,16 +122,21 @@ static __always_inline u64 runtime_of(void *task)
     return ns;
 }
 
-/* Credit the slice that ends now to its slot: its runtime's growth, at most
- * the wall time since it was counted from (userspace counted up to here). */
+/* Credit the slice that ends now to its slot: its runtime's growth (for a
+ * slice learnt at the tick, at most the wall time since then). */
 static __always_inline void credit(struct cpu_run *run, u64 runtime, u64 now)
 {
     if (!run->slot || runtime <= run->start)
         return;
-    u64 grown = runtime - run->start, wall = now > run->since ? now - run->since : 0;
+    u64 grown = runtime - run->start;
+    if (run->learnt) {
+        u64 wall = now > run->since ? now - run->since : 0;
+        if (grown > wall)
+            grown = wall;
+    }
     u64 *ns = slot_ns.lookup(&run->slot);
     if (ns)
-        *ns += grown < wall ? grown : wall; /* this CPU's own entry: no atomics needed */
+        *ns += grown; /* this CPU's own entry: no atomics needed */
 }
 
 /* args: (bool preempt, struct task_struct *prev, struct task_struct *next, ...) */
@@ -155,6 +165,7 @@ RAW_TRACEPOINT_PROBE(sched_switch)
     if (next_slot) {
         run->start = runtime_of(next);
         run->since = now;
+        run->learnt = 0;
     }
     run->seq += 1;
     return 0;
@@ -182,6 +193,7 @@ int on_tick(struct bpf_perf_event_data *ctx)
     run->slot = now_slot;
     run->start = runtime;
     run->since = now;
+    run->learnt = 1;
     run->seq += 1;
     return 0;
 }
