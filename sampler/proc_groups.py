@@ -9,11 +9,11 @@ or 50,000.
 What one sample credits to a group:
 - each member's CPU time since the previous sample (all its threads): read
   from the process's CPU clock (`clock_gettime` of the pid's
-  CPUCLOCK_SCHED clock), the scheduler's runtime in nanoseconds brought up to
-  the moment of the read, so a sample of a millisecond is as exact as one of
-  a second. Where that clock names other processes than the procfs read (a
-  procfs of another pid namespace, a test tree), utime + stime in clock
-  ticks;
+  CPUCLOCK_SCHED clock), the scheduler's runtime in nanoseconds, up to date
+  at each scheduler tick (not to the moment of the read: the kernel brings a
+  running thread's runtime up to date only for the caller's own process).
+  Where that clock names other processes than the procfs read (a procfs of
+  another pid namespace, a test tree), utime + stime in clock ticks;
 - each member's cutime + cstime since the previous sample: the CPU time of
   children it reaped, so a group that forks short-lived workers is not
   under-reported;
@@ -108,12 +108,11 @@ class GroupReading:
 
 
 class ProcGroupSampler:
-    def __init__(self, proc: Path, clock: Callable[[], float] = time.monotonic,
-                 cpu_clock: Callable[[int], int] | None = None) -> None:  # fmt: skip
+    def __init__(self, proc: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.proc = proc
         self._clock = clock
         # The processes' own CPU clocks where they name this procfs's processes; else ticks.
-        self._cpu_ns = cpu_clock or (process_cpu_ns if own_pid_namespace(proc) else None)
+        self._cpu_ns = process_cpu_ns if own_pid_namespace(proc) else None
         self.finest_hz: float | None = FINEST_HZ
         self._cpus = os.cpu_count() or 1
         self._states: dict[str, _WatchState] = {}
