@@ -30,7 +30,7 @@ import numpy as np
 
 from sampler import btf, procfs
 from sampler.backend import BackendUnavailable
-from sampler.proc_groups import PAGE_SIZE, GroupReading
+from sampler.proc_groups import PAGE_SIZE, GroupReading, within_capacity
 from sampler.selectors import GroupWatch, ProcessTable
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ class _Watch:
     pgids: list[int]
     command: str | None
     fresh: bool = True  # no reading to take a delta from yet
+    threads: int = 1  # its processes' threads at the walk
+    carried: float = 0.0  # seconds credited by the kernel that its threads could not have used yet
 
 
 def effective_capabilities(proc: Path) -> int:
@@ -249,6 +251,7 @@ class BpfGroupSampler:
         self._debt: dict[str, float] = {}  # watch id -> seconds counted ahead of the kernel's own account
         self._member_of = np.zeros((0, 0))  # [watch, slot] = 1 where the slot counts for the watch
         self._last_at: float | None = None
+        self._cpus = os.cpu_count() or 1
         self._stats_fd = _enable_bpf_stats()
         # The wait histogram, where the kernel keeps run_delay (CONFIG_SCHED_INFO).
         try:
@@ -286,8 +289,10 @@ class BpfGroupSampler:
             pids = table.resolve(gw.selector)
             pgids = sorted({table.stats[p].pgrp for p in pids if table.stats[p].pgrp > 0})
             command = table.stats[pgids[0]].comm if len(pgids) == 1 and pgids[0] in table.stats else None
-            fresh = prev.fresh if prev is not None and prev.watch == gw else True
-            new[gw.id] = _Watch(gw, pids, pgids, command, fresh)
+            same = prev is not None and prev.watch == gw
+            threads = sum(table.stats[p].threads for p in pids if p in table.stats)
+            new[gw.id] = _Watch(gw, pids, pgids, command, prev.fresh if same else True, max(threads, 1),
+                                prev.carried if same else 0.0)  # fmt: skip
             for pid in pids:
                 watches_of.setdefault(pid, set()).add(gw.id)
 
@@ -404,7 +409,10 @@ class BpfGroupSampler:
         self._last_at = now
         # A slice is counted by wall time while it runs and credited with its
         # runtime when it ends; where the runtime grew less (time stolen by a
-        # hypervisor), the difference is taken from the following samples.
+        # hypervisor), the difference is taken from the following samples;
+        # where it grew more (the scheduler's clock and the tracepoint's are
+        # read microseconds apart at each switch), beyond what the group's
+        # threads could have used in the sample, the rest goes to the next.
         previous, self._prev_ns = self._prev_ns, current
         used_s = self._member_of @ ((current - previous).astype(np.float64) / 1e9)
         out = {}
@@ -415,7 +423,11 @@ class BpfGroupSampler:
                 self._debt[wid] = debt
             valid = elapsed is not None and elapsed > 0 and not w.fresh and bool(w.pids)
             w.fresh = False
-            out[wid] = GroupReading(used / elapsed if valid and elapsed else None, None, elapsed)
+            if not valid or not elapsed:
+                out[wid] = GroupReading(None, None, elapsed)
+                continue
+            credit, w.carried = within_capacity(used + w.carried, min(w.threads, self._cpus) * elapsed)
+            out[wid] = GroupReading(credit / elapsed, None, elapsed)
         return out
 
     def memory(self) -> dict[str, int | None]:

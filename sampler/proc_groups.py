@@ -96,6 +96,14 @@ class _WatchState:
     carried: float = 0.0  # seconds counted by the counters that its threads could not have used yet
 
 
+def within_capacity(used: float, capacity: float) -> tuple[float, float]:
+    """What a sample credits of `used` seconds when its group's threads could
+    have used at most `capacity` in its time, and what is carried into the
+    next sample: counters that move in steps place time a little late or
+    early, never more of it than there was."""
+    return min(used, capacity), max(0.0, used - capacity)
+
+
 @dataclass(frozen=True, slots=True)
 class GroupReading:
     """One sample of one watched group. None: not measured in this sample."""
@@ -233,10 +241,8 @@ class ProcGroupSampler:
         if not valid:
             return GroupReading(None, memory)
         assert elapsed is not None
-        can_use = min(max(threads, 1), self._cpus) * elapsed
-        used += state.carried
-        state.carried = max(0.0, used - can_use)
-        return GroupReading(min(used, can_use) / elapsed, memory, elapsed)
+        credit, state.carried = within_capacity(used + state.carried, min(max(threads, 1), self._cpus) * elapsed)
+        return GroupReading(credit / elapsed, memory, elapsed)
 
     @staticmethod
     def _member_gone(state: _WatchState, pid: int, m: _Member) -> None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from sampler.backend import BackendChoice
 from sampler.bpf_sched import settle
-from sampler.proc_groups import GroupReading, ProcGroupSampler
+from sampler.proc_groups import GroupReading, ProcGroupSampler, within_capacity
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window import RateSeries
 from sampler.window_sampler import WindowSampler
@@ -76,3 +76,14 @@ def test_a_sample_above_the_machine_is_a_bug_said_once_and_kept(tmp_path: Path,
     said = [r.getMessage() for r in caplog.records if "more than the machine" in r.getMessage()]
     assert len(said) == 1 and "engine s0: 1000.000 cores in a 0.1 s sample" in said[0], said
     assert summary["shards"][0]["cpu_cores"]["max"] == 1000.0  # not clipped: the bug stays visible
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.01), st.floats(0.0, 0.01)), min_size=1, max_size=100))
+def test_time_beyond_the_threads_is_carried_never_dropped(drawn: list[tuple[float, float]]) -> None:
+    carried, credited = 0.0, 0.0
+    for used, capacity in drawn:
+        credit, carried = within_capacity(used + carried, capacity)
+        assert 0 <= credit <= capacity and carried >= 0
+        credited += credit
+    assert math.isclose(credited + carried, sum(u for u, _ in drawn), abs_tol=1e-9)
