@@ -47,16 +47,22 @@ class _NodeLabels:
     base: str  # node="..."
     info: str = ""
     info_of: int = 0  # id() of the registration they were made from
-    shards: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    shards: dict[tuple[str, str, str, str | None, str | None, str | None], str] = field(default_factory=dict)
     gpus: dict[tuple[int, str], str] = field(default_factory=dict)
     mounts: dict[str, str] = field(default_factory=dict)
 
     def shard(self, s: Json) -> str:
-        key = (s.get("model") or "", s.get("replica") or "", s["id"])
+        key = (s.get("model") or "", s.get("replica") or "", s["id"], s.get("namespace"), s.get("pod"),
+               s.get("container"))  # fmt: skip
         labels = self.shards.get(key)
         if labels is None:
-            labels = self.shards[key] = (f'{self.base},model="{escape(key[0])}",replica="{escape(key[1])}",'
-                                         f'shard="{escape(key[2])}"')  # fmt: skip
+            labels = (f'{self.base},model="{escape(key[0])}",replica="{escape(key[1])}",'
+                      f'shard="{escape(key[2])}"')  # fmt: skip
+            # Kubernetes' names only where known: absent, not empty.
+            for label, value in zip(("namespace", "pod", "container"), key[3:], strict=True):
+                if value is not None:
+                    labels += f',{label}="{escape(value)}"'
+            self.shards[key] = labels
         return labels
 
     def gpu(self, g: Json) -> str:

@@ -73,6 +73,37 @@ def _group(text: str) -> tuple[str, str]:
     return name, selector
 
 
+SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+
+
+def _kubelet_flags(p: argparse.ArgumentParser) -> None:
+    """Where `k8s:` selectors learn this node's pods; unused without one."""
+    p.add_argument("--kubelet-url", default=None, metavar="URL",
+                   help="this node's kubelet (default: https://$NODE_IP:10250, else https://127.0.0.1:10250)")
+    p.add_argument("--kubelet-token-file", type=Path, default=None, metavar="PATH",
+                   help=f"bearer token for the kubelet, re-read at each poll (default: {SERVICE_ACCOUNT_TOKEN} "
+                        "where it exists)")  # fmt: skip
+    p.add_argument("--kubelet-ca-file", type=Path, default=None, metavar="PATH",
+                   help="CA bundle (PEM) the kubelet's certificate must chain to (default: not verified; "
+                        "kubelets serve self-signed certificates)")  # fmt: skip
+
+
+def _kubelet(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from sampler.kubelet import KubeletPods
+
+    url = args.kubelet_url or f"https://{os.environ.get('NODE_IP') or '127.0.0.1'}:10250"
+    token = args.kubelet_token_file
+    if token is None and SERVICE_ACCOUNT_TOKEN.is_file():
+        token = SERVICE_ACCOUNT_TOKEN
+    for flag, path in (("--kubelet-token-file", args.kubelet_token_file), ("--kubelet-ca-file", args.kubelet_ca_file)):
+        if path is not None and not path.is_file():
+            _fail(EXIT_USAGE, f"{flag} {path}: not a file")
+    try:
+        return KubeletPods(url, token, args.kubelet_ca_file)
+    except (ValueError, OSError) as e:  # a bad URL; a CA file that does not load
+        _fail(EXIT_USAGE, f"--kubelet-url/--kubelet-ca-file: {e}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nodesampler", description="How busy this machine is, and which engine makes it so.")
     p.add_argument("--version", action="version", version=f"nodesampler {__version__}")
@@ -91,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kernel-headers", type=Path, default=None, metavar="DIR",
                    help="a kernel source tree for the kernel backend, when /lib/modules/$(uname -r) has none")
     s.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
+    _kubelet_flags(s)
 
     a = sub.add_parser("agent", help="sample this node and send a heartbeat per window to the control plane")
     a.add_argument("--control-plane", required=True, metavar="URL", help="the control plane's agent listener")
@@ -109,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the host's / mounted in this container: disks are measured through it")
     a.add_argument("--kernel-headers", type=Path, default=None, metavar="DIR",
                    help="a kernel source tree for the kernel backend, when /lib/modules/$(uname -r) has none")
+    _kubelet_flags(a)
 
     c = sub.add_parser("controlplane", help="the fleet's registry, agent API, pages and /metrics")
     c.add_argument("--listen", required=True, metavar="ADDR", help="HOST:PORT for agents")
@@ -164,6 +197,7 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     sleep: Callable[[float], None] | None = None,
     node: str | None = None,
     host_root: Path | None = None,
+    kubelet=None,  # noqa: ANN001
 ):
     from sampler.backend import BackendUnavailable, open_backend
     from sampler.nvml import GpuReader
@@ -192,11 +226,14 @@ def _make_sampler(  # type: ignore[no-untyped-def]
         hz = finest
     watches = [GroupWatch(name, GroupSelector.parse(sel)) for name, sel in groups] or None
     return WindowSampler(proc, choice, group_sampler, watches, hz=hz, node=node, gpus=GpuReader(),
-                         gpu_grace=gpu_grace, sleep=sleep or time.sleep, host_root=host_root)  # fmt: skip
+                         gpu_grace=gpu_grace, sleep=sleep or time.sleep, host_root=host_root,
+                         kubelet=kubelet)  # fmt: skip
 
 
 def _close(sampler) -> None:  # type: ignore[no-untyped-def]
     sampler.groups.close()
+    if sampler.kubelet is not None:
+        sampler.kubelet.close()
     sampler.runqueue.close()
     if sampler.gpus is not None:
         sampler.gpus.close()
@@ -232,7 +269,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     host_view.join_host_cgroup_namespace(args.proc_root)  # as the agent: the host's cgroup paths
     # One window: it may wait for NVML to start (seconds per GPU) and to answer.
     sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root, args.kernel_headers, gpu_grace=5.0,
-                            host_root=args.host_root)  # fmt: skip
+                            host_root=args.host_root, kubelet=_kubelet(args))  # fmt: skip
     try:
         sampler.gpus.wait_ready(30.0)
         sampler.prime(min(1.0, args.duration))
@@ -342,7 +379,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         stopping.wait(seconds)
 
     sampler = _make_sampler(args.backend, [], args.hz, args.proc_root, args.kernel_headers, sleep=sleep, node=node,
-                            host_root=args.host_root)  # fmt: skip
+                            host_root=args.host_root, kubelet=_kubelet(args))  # fmt: skip
     if config is not None:
         sampler.watches = config.watches
     logging.getLogger().setLevel(logging.INFO)

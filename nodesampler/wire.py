@@ -205,6 +205,8 @@ def _shard(value: Any, field: Field) -> Json:
     out: Json = {"id": name(s.get("id"), (field, "id"))}
     optional(s, "model", field, name, out)
     optional(s, "replica", field, name, out)
+    for key in ("namespace", "pod", "container"):  # Kubernetes' names, for a pod's shard
+        optional(s, key, field, lambda v, f: name(v, f, 253), out)
     optional(s, "selector", field, _text, out)
     optional(s, "command", field, _text, out)
     optional(s, "pgid", field, lambda v, f: integer(v, f, 1, 1 << 31), out)

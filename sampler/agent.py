@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import random
+import re
 import signal
 import socket
 import ssl
@@ -29,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from nodesampler import __version__, wire
+from sampler.pods import LABEL_KEY
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window_sampler import WindowSampler
 
@@ -42,8 +44,13 @@ class ConfigError(ValueError):
     pass
 
 
+# A pod's endpoint: its IP, filled in from the kubelet's answer, and a port and path the config fixes.
+_POD_METRICS_URL = re.compile(r"https?://\{pod_ip\}:[0-9]{1,5}(/[!-~]*)?")
+
+
 def parse_config(data: bytes, source: str = "config") -> list[GroupWatch]:
-    """The agent's TOML: one [[shard]] table per engine (id, model, replica, select, metrics_url)."""
+    """The agent's TOML: one [[shard]] table per engine (id, model, replica, select, metrics_url;
+    a `k8s:` shard, one per matching pod: model_label, replica_label, and no id)."""
     try:
         doc = tomllib.loads(data.decode())
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
@@ -56,25 +63,38 @@ def parse_config(data: bytes, source: str = "config") -> list[GroupWatch]:
         where = f"{source}: shard {i + 1}"
         if not isinstance(s, dict):
             raise ConfigError(f"{where}: must be a table")
+        if not isinstance(s.get("select"), str):
+            raise ConfigError(f"{where}: 'select' must be a selector string")
         try:
-            sid = wire.name(s.get("id"), "id")
+            selector = GroupSelector.parse(s["select"])
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        pods = selector.kind == "k8s"
+        if pods and "id" in s:
+            raise ConfigError(f"{where}: a k8s: shard's id is each pod's NAMESPACE/POD[/CONTAINER]: drop 'id'")
+        try:
+            sid = f"k8s:{i}" if pods else wire.name(s.get("id"), "id")
             model = wire.name(s["model"], "model") if s.get("model") is not None else None
             replica = wire.name(s["replica"], "replica") if s.get("replica") is not None else None
         except wire.WireError as e:
             raise ConfigError(f"{where}: {e}") from None
-        if not isinstance(s.get("select"), str):
-            raise ConfigError(f"{where}: 'select' must be a selector string")
+        labels = {}
+        for key in ("model_label", "replica_label"):
+            value = s.get(key)
+            if value is not None and (not pods or not isinstance(value, str) or not LABEL_KEY.fullmatch(value)):
+                raise ConfigError(f"{where}: '{key}' must be a pod label's name, on a k8s: shard")
+            labels[key] = value
         metrics_url = s.get("metrics_url")
         if metrics_url is not None and not (
             isinstance(metrics_url, str) and metrics_url.startswith(("http://", "https://"))
             and len(metrics_url) <= 2048 and metrics_url.isprintable() and " " not in metrics_url
         ):  # fmt: skip
             raise ConfigError(f"{where}: 'metrics_url' must be an http:// or https:// URL")
-        try:
-            selector = GroupSelector.parse(s["select"])
-        except ValueError as e:
-            raise ConfigError(f"{where}: {e}") from None
-        watches.append(GroupWatch(sid, selector, model, replica, metrics_url))
+        if pods and metrics_url is not None and not _POD_METRICS_URL.fullmatch(metrics_url):
+            raise ConfigError(f"{where}: a k8s: shard's 'metrics_url' is http(s)://{{pod_ip}}:PORT/PATH")
+        if not pods and metrics_url is not None and "{pod_ip}" in metrics_url:
+            raise ConfigError(f"{where}: '{{pod_ip}}' is a k8s: shard's alone")
+        watches.append(GroupWatch(sid, selector, model, replica, metrics_url, **labels))
     ids = [w.id for w in watches]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"{source}: shard ids must be unique")

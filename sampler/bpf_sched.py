@@ -289,10 +289,9 @@ class BpfGroupSampler:
             pids = table.resolve(gw.selector)
             pgids = sorted({table.stats[p].pgrp for p in pids if table.stats[p].pgrp > 0})
             command = table.stats[pgids[0]].comm if len(pgids) == 1 and pgids[0] in table.stats else None
-            same = prev is not None and prev.watch == gw
+            fresh, carried = (prev.fresh, prev.carried) if prev is not None and prev.watch == gw else (True, 0.0)
             threads = sum(table.stats[p].threads for p in pids if p in table.stats)
-            new[gw.id] = _Watch(gw, pids, pgids, command, prev.fresh if same else True, max(threads, 1),
-                                prev.carried if same else 0.0)  # fmt: skip
+            new[gw.id] = _Watch(gw, pids, pgids, command, fresh, max(threads, 1), carried)
             for pid in pids:
                 watches_of.setdefault(pid, set()).add(gw.id)
 

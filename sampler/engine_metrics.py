@@ -19,17 +19,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from sampler.http_fetch import FetchError, fetch
+
 log = logging.getLogger(__name__)
 
 DEADLINE_S = 2.0
+ACCEPT = {"Accept": "text/plain;version=0.0.4"}
 MAX_BYTES = 8 << 20  # a vLLM's /metrics is ~100 KiB; histograms per model and LoRA adapter grow it
 
 # Our field -> the families engines publish it as, first found wins. Requests
@@ -45,32 +46,8 @@ _SUMMED = {"requests_waiting", "requests_running"}
 _WANTED = {name: field for field, names in FAMILIES.items() for name in names}
 
 
-class EngineMetricsError(Exception):
+class EngineMetricsError(FetchError):
     """Why an engine's metrics gave no figures this window."""
-
-
-def fetch(url: str, deadline_s: float = DEADLINE_S, max_bytes: int = MAX_BYTES) -> bytes:
-    """The endpoint's body, whole within the deadline and the size cap."""
-    end = time.monotonic() + deadline_s
-    request = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})
-    try:
-        with urllib.request.urlopen(request, timeout=deadline_s) as r:  # noqa: S310 (http and https only: checked in the config)
-            chunks, size = [], 0
-            # read1: what one read of the socket gives, so a server that drips
-            # a byte at a time meets the deadline between reads.
-            while chunk := r.read1(65536):
-                size += len(chunk)
-                if size > max_bytes:
-                    raise EngineMetricsError(f"more than {max_bytes >> 20} MiB")
-                if time.monotonic() > end:
-                    raise EngineMetricsError(f"not whole within {deadline_s:g} s")
-                chunks.append(chunk)
-    except urllib.error.HTTPError as e:
-        raise EngineMetricsError(f"HTTP {e.code}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        raise EngineMetricsError(f"{type(reason).__name__}: {reason}") from None
-    return b"".join(chunks)
 
 
 def parse(body: bytes) -> dict[str, float]:
@@ -128,8 +105,8 @@ class EngineMetricsReader:
 
     def _run(self, read: _Read) -> None:
         try:
-            read.result = parse(fetch(read.url, self.deadline_s, self.max_bytes))
-        except EngineMetricsError as e:
+            read.result = parse(fetch(read.url, self.deadline_s, self.max_bytes, ACCEPT))
+        except FetchError as e:
             read.error = str(e)
         except Exception as e:  # a bug in the parser: this window only
             read.error = f"{type(e).__name__}: {e}"

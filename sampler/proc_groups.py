@@ -214,7 +214,7 @@ class ProcGroupSampler:
             if st.start_ticks != m.start_ticks:
                 self._member_gone(state, pid, m)  # pid reused: the member exited
                 continue
-            if st.pgrp != m.pgrp and state.watch.selector.kind != "cgroup":
+            if st.pgrp != m.pgrp and state.watch.selector.kind not in ("cgroup", "containers"):
                 del state.members[pid]  # left the group (setpgid/setsid): no longer ours
                 continue
             alive += 1

@@ -7,7 +7,13 @@ A selector names processes the way an operator knows an engine:
 - `cmdline:RE`   every process group whose leader's command line matches RE
                  (`re.search`, so a fragment of the command line is enough);
 - `cgroup:PATH`  every process in the cgroup PATH or below it (v2 path, or the
-                 path in any v1 hierarchy), e.g. a pod's or a systemd unit's.
+                 path in any v1 hierarchy), e.g. a pod's or a systemd unit's;
+- `k8s:NAMESPACE/LABEL_SELECTOR[#CONTAINER]`  each pod on this node that
+                 matches, one shard per pod (sampler/pods.py): the agent turns
+                 it into one `containers:` watch per pod at each walk.
+
+`containers:ID,ID` (the processes in those containers, by the ids their
+cgroup paths name) is what a pod becomes; it is not for configs.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from sampler import procfs
+from sampler import container_ids, procfs
+from sampler.pods import Pod, PodSelector
 
-KINDS = ("pgid", "pid", "cmdline", "cgroup")
+KINDS = ("pgid", "pid", "cmdline", "cgroup", "k8s")
 T = TypeVar("T")
 
 
@@ -29,6 +36,7 @@ class GroupSelector:
     kind: str
     value: str
     pattern: re.Pattern[str] | None = field(default=None, compare=False)
+    pods: PodSelector | None = field(default=None, compare=False)
 
     @classmethod
     def parse(cls, text: str) -> GroupSelector:
@@ -44,6 +52,8 @@ class GroupSelector:
                 return cls(kind, value, re.compile(value))
             except re.error as e:
                 raise ValueError(f"selector {text!r}: bad regular expression: {e}") from None
+        if kind == "k8s":
+            return cls(kind, value, pods=PodSelector.parse(value))
         if not value.startswith("/"):
             raise ValueError(f"selector {text!r}: cgroup path must start with '/'")
         return cls(kind, value.rstrip("/") or "/")
@@ -61,6 +71,13 @@ class GroupWatch:
     model: str | None = None
     replica: str | None = None
     metrics_url: str | None = None  # the engine's own Prometheus endpoint: its queue, read once a window
+    # A `k8s:` watch: which pod labels give its pods' model and replica.
+    model_label: str | None = None
+    replica_label: str | None = None
+    # Who the engine is to Kubernetes (a pod's watch): shown and exported as labels.
+    namespace: str | None = None
+    pod: str | None = None
+    container: str | None = None
 
 
 class ProcessTable:
@@ -80,6 +97,7 @@ class ProcessTable:
             self.by_group.setdefault(st.pgrp, []).append(pid)
         self._cmdlines: dict[int, str | None] = {}
         self._cgroups: dict[int, list[str] | None] = {}
+        self._containers: dict[int, str] | None = None
 
     @classmethod
     def walk(cls, proc: Path) -> ProcessTable:
@@ -97,6 +115,16 @@ class ProcessTable:
 
     def cgroups(self, pid: int) -> list[str] | None:
         return self._read_once(self._cgroups, pid, "cgroup", procfs.parse_cgroup_paths)
+
+    def container_id(self, pid: int) -> str | None:
+        paths = self.cgroups(pid)
+        return None if paths is None else container_ids.from_cgroup_paths(paths)
+
+    def container_ids(self) -> dict[int, str]:
+        """Each process's container, where its cgroup path names one (once per walk)."""
+        if self._containers is None:
+            self._containers = {pid: cid for pid in self.stats if (cid := self.container_id(pid)) is not None}
+        return self._containers
 
     def _read_once(self, cache: dict[int, T | None], pid: int, name: str, parse: Callable[[bytes], T]) -> T | None:
         """/proc/<pid>/<name>, parsed, read at most once per walk; None once the process is gone."""
@@ -124,6 +152,11 @@ class ProcessTable:
                     if line and sel.pattern.search(line):
                         out.extend(pids)
             return out
+        if sel.kind == "containers":
+            wanted = set(sel.value.split(","))
+            return [pid for pid, cid in self.container_ids().items() if cid in wanted]
+        if sel.kind == "k8s":
+            return []  # a pod selector names pods, each resolved as its `containers:` watch
         prefix = "" if sel.value == "/" else sel.value
         return [
             pid
@@ -147,3 +180,35 @@ def busiest_groups(before: dict[int, int], after: dict[int, int], n: int, exclud
     used = [(u, g) for u, g in used if u > 0]
     used.sort(reverse=True)
     return [g for _, g in used[:n]]
+
+
+def pod_watches(w: GroupWatch, pods: list[Pod]) -> list[GroupWatch]:
+    """A `k8s:` watch made concrete: one watch per pod it matches, named
+    NAMESPACE/POD[/CONTAINER], counting that pod's (or container's) processes.
+    A pod whose chosen container is not running is left out until it runs."""
+    sel = w.selector.pods
+    assert sel is not None
+    out = []
+    for pod in pods:
+        if not sel.matches(pod):
+            continue
+        if sel.container is not None:
+            ids = [pod.containers[sel.container]] if sel.container in pod.containers else []
+        else:
+            ids = sorted(set(pod.containers.values()))
+        if not ids:
+            continue
+        model = pod.labels.get(w.model_label) if w.model_label else None
+        replica = pod.labels.get(w.replica_label) if w.replica_label else None
+        url = w.metrics_url.replace("{pod_ip}", _url_host(pod.ip)) if w.metrics_url and pod.ip else None
+        out.append(GroupWatch(
+            pod.key + (f"/{sel.container}" if sel.container else ""),
+            GroupSelector("containers", ",".join(ids)),
+            model or w.model, replica or w.replica, url,
+            namespace=pod.namespace, pod=pod.name, container=sel.container,
+        ))  # fmt: skip
+    return out
+
+
+def _url_host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip

@@ -19,11 +19,12 @@ from nodesampler import wire
 from sampler.backend import BackendChoice, GroupSampler
 from sampler.cfs import CGROUP_ROOT, CfsBandwidthReader
 from sampler.engine_metrics import EngineMetricsReader
+from sampler.kubelet import KubeletPods
 from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from sampler.nvml import GpuReader, GpuReading
 from sampler.proc_groups import USER_HZ, GroupReading
 from sampler.runqueue import RunQueueWaitSampler
-from sampler.selectors import GroupSelector, GroupWatch, ProcessTable, busiest_groups
+from sampler.selectors import GroupSelector, GroupWatch, ProcessTable, busiest_groups, pod_watches
 from sampler.window import RateSeries
 
 BUSIEST_GROUPS = 5
@@ -47,6 +48,7 @@ class WindowSampler:
         gpu_grace: float = 0.0,
         host_root: Path | None = None,
         cgroup_root: Path = CGROUP_ROOT,
+        kubelet: KubeletPods | None = None,
     ) -> None:
         if hz <= 0:
             raise ValueError("hz must be positive")
@@ -64,6 +66,8 @@ class WindowSampler:
         self.engine_metrics = EngineMetricsReader()
         self.groups = groups
         self.gpus = gpus
+        self.kubelet = kubelet  # this node's pods, for `k8s:` watches
+        self._said: set[str] = set()  # problems of the config already logged
         # How long a window's end may wait for its GPU reading: 0 for the
         # agent's endless loop; a one-shot `sample` can afford to wait.
         self.gpu_grace = gpu_grace
@@ -81,6 +85,8 @@ class WindowSampler:
         """Take the first readings, so that the first window has something to
         compare with; with no configured groups, also learn which groups are
         busy (a walk at each end of `seconds`)."""
+        if self.kubelet is not None and any(w.selector.kind == "k8s" for w in self.watches or ()):
+            self.kubelet.wait_for_poll(0, self.kubelet.deadline_s + 1)  # the first window knows the pods
         self._discover()
         self.cpu.sample()
         self.groups.sample()
@@ -98,8 +104,34 @@ class WindowSampler:
             top = [] if self._group_ticks is None else busiest_groups(self._group_ticks, ticks, BUSIEST_GROUPS, set())
             self._group_ticks = ticks
             watches = [GroupWatch(f"pgid:{g}", GroupSelector("pgid", str(g))) for g in top]
+        elif any(w.selector.kind == "k8s" for w in watches):
+            watches = self._with_pods(watches, table)
         self.groups.discover(watches, table)
         self._members = {w.id: set(table.resolve(w.selector)) for w in watches}
+
+    def _with_pods(self, watches: list[GroupWatch], table: ProcessTable) -> list[GroupWatch]:
+        """Each `k8s:` watch as one watch per pod it matches now; a shard id
+        met twice (two selectors matching one pod) is the first's."""
+        pods = self.kubelet.pods() if self.kubelet is not None else None
+        if self.kubelet is None:
+            self._say("no kubelet: k8s: selectors need the agent's --kubelet-url")
+        out, ids = [], set()
+        for w in watches:
+            for made in [w] if w.selector.kind != "k8s" else pod_watches(w, pods or []):
+                if made.id in ids:
+                    self._say(f"shard {made.id} matched by more than one selector: the first counts it")
+                    continue
+                ids.add(made.id)
+                out.append(made)
+        if self.kubelet is not None and pods is not None:
+            known = {cid for pod in pods for cid in pod.containers.values()}
+            self.kubelet.note_unknown(set(table.container_ids().values()) - known)
+        return out
+
+    def _say(self, problem: str) -> None:
+        if problem not in self._said:
+            self._said.add(problem)
+            log.warning("%s", problem)
 
     def run_window(self, seconds: float) -> dict[str, Any]:
         start_wall = self._wall()
@@ -253,6 +285,9 @@ class WindowSampler:
             out["model"] = w.model
         if w.replica is not None:
             out["replica"] = w.replica
+        for key in ("namespace", "pod", "container"):
+            if (value := getattr(w, key)) is not None:
+                out[key] = value
         if len(pgids) == 1:
             out["pgid"] = pgids[0]
         out["pgids"] = pgids
