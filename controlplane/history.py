@@ -73,7 +73,8 @@ def flatten(hb: Json) -> Iterator[tuple[str, Labels, float]]:
     for window, value in (m.get("load") or {}).items():
         yield "llmgw_node_load", (("window", window),), value
     for s in hb.get("shards") or ():
-        labels = (("model", s.get("model") or ""), ("replica", s.get("replica") or ""), ("shard", s["id"]))
+        labels: Labels = (("model", s.get("model") or ""), ("replica", s.get("replica") or ""), ("shard", s["id"]))
+        labels += tuple((key, s[key]) for key in ("namespace", "pod", "container") if s.get(key) is not None)
         cores = s.get("cpu_cores") or {}
         if "mean" in cores:
             yield "llmgw_shard_cpu_cores", labels, cores["mean"]

@@ -32,6 +32,7 @@ MAX_DISKS = 128
 MAX_PGIDS = 1024
 MAX_NAME = 128  # model, replica and shard names: free printable text
 MAX_TEXT = 512
+MAX_K8S_NAME = 253  # a pod's name; namespaces and containers are 63
 MAX_BYTES = 2**62  # an exabyte and more; keeps every count an exact int64
 MAX_CORES = 100_000.0
 
@@ -206,7 +207,7 @@ def _shard(value: Any, field: Field) -> Json:
     optional(s, "model", field, name, out)
     optional(s, "replica", field, name, out)
     for key in ("namespace", "pod", "container"):  # Kubernetes' names, for a pod's shard
-        optional(s, key, field, lambda v, f: name(v, f, 253), out)
+        optional(s, key, field, lambda v, f: name(v, f, MAX_K8S_NAME), out)
     optional(s, "selector", field, _text, out)
     optional(s, "command", field, _text, out)
     optional(s, "pgid", field, lambda v, f: integer(v, f, 1, 1 << 31), out)
@@ -422,6 +423,7 @@ def fit_heartbeat(summary: Json) -> Json:
             seen.add(sid)
             s["id"] = sid
             _fit_text(s, ("model", "replica"), MAX_NAME)
+            _fit_text(s, ("namespace", "pod", "container"), MAX_K8S_NAME)
             _fit_text(s, ("selector", "command"), MAX_TEXT)
             if isinstance(s.get("pgids"), list) and len(s["pgids"]) > MAX_PGIDS:
                 s["pgids"] = s["pgids"][:MAX_PGIDS]

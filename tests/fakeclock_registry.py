@@ -71,6 +71,9 @@ def fleet_registry() -> tuple[NodeRegistry, FakeClock]:
     register("cpu-2", backend="proc")
     beat(_heartbeat("cpu-2", [], [
         {"id": "pgid:77", "pgid": 77, "cpu_cores": {"mean": 2.0, "p95": 3.0, "max": 4.0}, "memory_bytes": GiB},
+        {"id": "llm/engine-0/vllm", "namespace": "llm", "pod": "engine-0", "container": "vllm",
+         "model": "qwen-0.5b", "pgids": [90, 91], "cpu_cores": {"mean": 1.5, "p95": 1.75, "max": 2.0},
+         "memory_bytes": 2 * GiB},
     ]))  # fmt: skip
     register("new-4")
     clock.advance(2.5)

@@ -108,6 +108,7 @@ class PlayedPod:
     config_maps: dict[str, dict[str, bytes]] = field(default_factory=dict)
     sa_tokens: dict[str, str] = field(default_factory=dict)  # audience -> token ("" audience: the API server's)
     cluster_ca: bytes = b""
+    host_ip: str = "127.0.0.1"  # the node's address (status.hostIP)
     hosts: dict[str, str] = field(default_factory=dict)  # Service DNS name -> address
     volumes: dict[str, KubeletFiles] = field(default_factory=dict)  # filled by podman_run
 
@@ -133,7 +134,7 @@ class PlayedPod:
                 [(kind, src)] = source.items()
                 assert kind == "serviceAccountToken", f"projected source {kind} not mapped"
                 assert 600 <= src["expirationSeconds"] <= 86400  # what the API server grants
-                files[src["path"]] = self.sa_tokens[src["audience"]].encode()
+                files[src["path"]] = self.sa_tokens[src.get("audience", "")].encode()
             return KubeletFiles(where, files, mode=0o600)
         raise AssertionError(f"volume {spec['name']}: kind not mapped: {sorted(spec)}")
 
@@ -190,8 +191,9 @@ def podman_run(pod: dict[str, Any], played: PlayedPod, name: str, work: Path, im
             env[e["name"]] = e["value"]
         else:
             path = e["valueFrom"]["fieldRef"]["fieldPath"]
-            assert path == "spec.nodeName", f"downward API field {path} not mapped"
-            env[e["name"]] = played.node
+            fields = {"spec.nodeName": played.node, "status.hostIP": played.host_ip}
+            assert path in fields, f"downward API field {path} not mapped"
+            env[e["name"]] = fields[path]
     for k, v in env.items():
         argv += ["--env", f"{k}={v}"]
     volumes = {v["name"]: v for v in pod.get("volumes", [])}

@@ -182,7 +182,8 @@ class Cluster:
         tls = dict(self.tls) if ca is None else {**self.tls, "ca.crt": ca}
         played = pods.PlayedPod(node=node, secrets={"nodesampler-controlplane-tls": tls},
                                 config_maps={} if config is None else {"nodesampler-agent": {"agent.toml": config}},
-                                sa_tokens={"nodesampler": token}, hosts=self.hosts())  # fmt: skip
+                                sa_tokens={"nodesampler": token, "": f"api-token-of-{node}"},
+                                hosts=self.hosts())  # fmt: skip
         name = f"nodesampler-test-agent-{node}"
         self._run(ds["spec"]["template"]["spec"], played, name)
         return name

@@ -27,7 +27,7 @@ def test_kustomization_applies_every_manifest_once() -> None:
                      ("Service", "nodesampler-pages"), ("NetworkPolicy", "nodesampler-controlplane"),
                      ("ServiceMonitor", "nodesampler")}  # fmt: skip
     for d in manifests():
-        if d["kind"] not in ("Namespace", "ClusterRoleBinding"):
+        if d["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
             assert d["metadata"]["namespace"] == "nodesampler", d["metadata"]["name"]
 
 
@@ -50,12 +50,25 @@ def test_daemonset() -> None:
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     # The token is the pod's own, projected for our audience: no per-node Secret.
     token = next(m for m in agent["volumeMounts"] if args["token-file"].startswith(m["mountPath"] + "/"))
-    [source] = volumes[token["name"]]["projected"]["sources"]
-    assert source["serviceAccountToken"]["audience"] == "nodesampler"
+    sources = {s["serviceAccountToken"]["path"]: s["serviceAccountToken"]
+               for s in volumes[token["name"]]["projected"]["sources"]}  # fmt: skip
+    assert sources[args["token-file"].rsplit("/", 1)[1]]["audience"] == "nodesampler"
+    # The kubelet's token is the API server's audience (the kubelet checks it there), on this node's kubelet.
+    assert "audience" not in sources[args["kubelet-token-file"].rsplit("/", 1)[1]]
+    assert args["kubelet-url"] == "https://$(NODE_IP):10250"
+    assert env["NODE_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
     ca = next(m for m in agent["volumeMounts"] if args["ca-file"].startswith(m["mountPath"] + "/"))
     assert volumes[ca["name"]]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # never the key
     config = next(m for m in agent["volumeMounts"] if args["config"].startswith(m["mountPath"] + "/"))
     assert volumes[config["name"]]["configMap"]["optional"] is True
+
+
+def test_the_agent_may_read_its_kubelets_pods_and_nothing_else() -> None:
+    role = find("ClusterRole", "nodesampler-agent")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes/proxy"], "verbs": ["get"]}]
+    binding = find("ClusterRoleBinding", "nodesampler-agent")
+    assert binding["roleRef"]["name"] == "nodesampler-agent"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "nodesampler-agent", "namespace": "nodesampler"}]
 
 
 def test_controlplane_verifies_the_agents_account() -> None:

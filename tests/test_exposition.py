@@ -78,9 +78,15 @@ def test_families_and_labels_are_the_contract() -> None:
     registry, _ = fleet_registry()
     got = samples(FleetExposition(registry).render())
     assert set(got) == set(CONTRACT)  # the fleet has a sample of every family
+    pods = 0
     for name, series in got.items():
         for labels, _ in series:
-            assert set(labels) == {"node"} | CONTRACT[name], name
+            # A pod's shard adds who it is to Kubernetes; no other series has those labels, not even empty.
+            k8s = {"namespace", "pod", "container"} if name.startswith("llmgw_shard_") and "pod" in labels else set()
+            pods += bool(k8s)
+            assert set(labels) == {"node"} | CONTRACT[name] | k8s, name
+            assert all(value != "" for key, value in labels.items() if key in ("namespace", "pod", "container"))
+    assert pods >= 3  # cores, max, memory of the pod's shard
 
 
 def test_absent_is_not_zero() -> None:

@@ -337,3 +337,27 @@ async def test_the_cluster_page_refuses_bad_filters_and_escapes_the_good(aiohttp
     page = await (await client.get('/?q=<script>"x"</script>')).text()
     assert "<script>\"x\"" not in page and "&lt;script&gt;" in page
     assert "No node matches." in parse(page)
+
+
+async def test_a_pods_row_names_it_and_links_to_its_hour(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+    state = registry.get("cpu-2")
+    assert state is not None and state.heartbeat is not None
+    history = EmbeddedHistory(interval=5)
+    now = time.time()
+    for k in range(12, 0, -1):
+        hb = json.loads(json.dumps(state.heartbeat))
+        hb["shards"][1]["cpu_cores"] = {"mean": 0.5, "p95": 1.0, "max": float(k)}
+        history.record("cpu-2", hb, at=now - 5 * k)
+    client = await pages_client(aiohttp_client, registry, history)
+    page = await (await client.get("/node/cpu-2")).text()
+    assert "namespace llm · pod engine-0 · container vllm" in parse(page)
+    link = re.search(r'<a href="(\?shard=[^"]+)"[^>]*>llm/engine-0/vllm</a>', page)
+    assert link is not None and link.group(1) == "?shard=llm/engine-0/vllm#history"
+    page = await (await client.get("/node/cpu-2?shard=llm/engine-0/vllm")).text()
+    assert "The last hour of llm/engine-0/vllm, and of the node" in parse(page)
+    figure = re.search(r"<figcaption>CPU cores of llm/engine-0/vllm[^<]*</figcaption>(.*?)</figure>", page, re.S)
+    assert figure is not None and re.findall(r"</i>([^<]*)</span>", figure.group(1)) == ["mean", "max"]
+    assert len(re.findall(r'<path d="M', figure.group(1))) == 2  # both lines drawn from the hour's heartbeats
+    for bad in ("", "x" * 200, "a\x1b[2J"):
+        assert (await client.get("/node/cpu-2", params={"shard": bad})).status == 400

@@ -122,3 +122,20 @@ def test_a_crowded_hostile_machine_is_accepted_whole(tmp_path: Path) -> None:
     assert len(disks) == wire.MAX_DISKS and parsed["machine"]["disks_left_out"] == 500 - wire.MAX_DISKS
     assert all(d["mount"].isprintable() for d in disks)
     assert len(wire.dumps(summary)) <= wire.MAX_BODY_BYTES
+
+
+def test_a_pods_names_travel_whole_or_cut_never_refused() -> None:
+    long_pod = "p" * 300  # longer than any pod's name may be: cut to the wire's limit, the shard kept
+    summary = {"node": "n1", "seq": 1, "backend": "bpf", "window": {"start": 1.0, "end": 2.0, "samples": 10},
+               "machine": {"cpus": 2},
+               "shards": [{"id": "llm/engine-0", "namespace": "llm", "pod": "engine-0", "container": "vllm"},
+                          {"id": "llm/x", "namespace": "llm", "pod": long_pod}]}  # fmt: skip
+    dropped: list[dict[str, str]] = []
+    body = wire.parse_heartbeat(wire.dumps(wire.fit_heartbeat(summary)), dropped)
+    assert not dropped
+    first, second = body["shards"]
+    assert (first["namespace"], first["pod"], first["container"]) == ("llm", "engine-0", "vllm")
+    assert len(second["pod"]) == wire.MAX_K8S_NAME and "container" not in second
+    raw = {**summary, "shards": [{"id": "x", "pod": "a\x1b[2J"}, {"id": "y", "namespace": ""}]}
+    body = wire.parse_heartbeat(wire.dumps(raw), dropped)  # unfitted: each bad shard left out alone
+    assert body["shards"] == [] and [d["field"] for d in dropped] == ["shards[0].pod", "shards[1].namespace"]

@@ -21,6 +21,7 @@ from aiohttp import web
 from controlplane.history import ChartSpec, EmbeddedHistory, History, HistoryError, PrometheusHistory, Series
 from controlplane.keys import REGISTRY
 from controlplane.registry import NodeRegistry, NodeState
+from nodesampler import wire
 from web.charts import columns, format_value, svg_chart
 
 HISTORY = web.AppKey("history", object)  # a History (embedded or Prometheus)
@@ -74,6 +75,7 @@ def _node_view(state: NodeState, now: float, stale_after: float) -> dict[str, An
     for s in (hb or {}).get("shards") or []:
         cores = (s.get("cpu_cores") or {}).get("mean")
         engines.append({"shard": s["id"], "model": s.get("model"), "replica": s.get("replica"), "cores": cores,
+                        "namespace": s.get("namespace"), "pod": s.get("pod"), "container": s.get("container"),
                         "cores_max": (s.get("cpu_cores") or {}).get("max"),
                         "share": None if cores is None or not cpus else min(1.0, cores / cpus),
                         "memory": s.get("memory_bytes"), "gpu_memory": s.get("gpu_memory_bytes"),
@@ -116,6 +118,21 @@ async def _charts(history: History, specs: list[tuple[str, list[tuple[ChartSpec,
             continue
         svgs.append(svg_chart(title, series, start, now, unit, y_max))
     return svgs, errors
+
+
+def _shard_specs(node: str, shard: str) -> list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]]:
+    """One engine's hour: the charts a row of the engines table links to."""
+    f = (("node", node), ("shard", shard))
+    return [
+        (f"CPU cores of {shard} (window mean, and window max)",
+         [(ChartSpec("llmgw_shard_cpu_cores", f), "mean"), (ChartSpec("llmgw_shard_cpu_cores_max", f), "max")],
+         "cores", None),
+        (f"Memory of {shard}", [(ChartSpec("llmgw_shard_memory_bytes", f), "resident"),
+                                (ChartSpec("llmgw_shard_gpu_memory_bytes", f), "GPU")], "bytes", None),
+        (f"Requests waiting in {shard}", [(ChartSpec("llmgw_shard_requests_waiting", f), "waiting"),
+                                          (ChartSpec("llmgw_shard_requests_running", f), "running")],
+         "requests", None),
+    ]  # fmt: skip
 
 
 def _node_specs(node: str, view: dict[str, Any]) -> list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]]:
@@ -232,8 +249,13 @@ async def node_page(request: web.Request) -> web.Response:
     if state is None:
         raise web.HTTPNotFound(text="no such node")
     view = _node_view(state, registry.clock(), registry.stale_after)
-    charts, errors = await _charts(request.app[HISTORY], _node_specs(state.node, view), time.time())  # type: ignore[arg-type]
-    return _render(request, "node.html", n=view, charts=charts, history_errors=errors)
+    # ?shard=ID: one engine's hour first (a row's link), then the node's.
+    shard = request.query.get("shard")
+    if shard is not None and not (0 < len(shard) <= wire.MAX_NAME and shard.isprintable()):
+        raise web.HTTPBadRequest(text=f"shard: must be printable text of 1-{wire.MAX_NAME} characters")
+    specs = (_shard_specs(state.node, shard) if shard else []) + _node_specs(state.node, view)
+    charts, errors = await _charts(request.app[HISTORY], specs, time.time())  # type: ignore[arg-type]
+    return _render(request, "node.html", n=view, charts=charts, history_errors=errors, shard=shard)
 
 
 async def prometheus_session(app: web.Application) -> AsyncIterator[None]:
