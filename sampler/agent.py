@@ -16,7 +16,6 @@ import logging
 import os
 import platform
 import random
-import re
 import signal
 import socket
 import ssl
@@ -31,6 +30,7 @@ import aiohttp
 
 from nodesampler import __version__, wire
 from sampler.pods import LABEL_KEY
+from sampler.pods import METRICS_URL as POD_METRICS_URL
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window_sampler import WindowSampler
 
@@ -44,8 +44,6 @@ class ConfigError(ValueError):
     pass
 
 
-# A pod's endpoint: its IP, filled in from the kubelet's answer, and a port and path the config fixes.
-_POD_METRICS_URL = re.compile(r"https?://\{pod_ip\}:[0-9]{1,5}(/[!-~]*)?")
 
 
 def parse_config(data: bytes, source: str = "config") -> list[GroupWatch]:
@@ -90,8 +88,9 @@ def parse_config(data: bytes, source: str = "config") -> list[GroupWatch]:
             and len(metrics_url) <= 2048 and metrics_url.isprintable() and " " not in metrics_url
         ):  # fmt: skip
             raise ConfigError(f"{where}: 'metrics_url' must be an http:// or https:// URL")
-        if pods and metrics_url is not None and not _POD_METRICS_URL.fullmatch(metrics_url):
-            raise ConfigError(f"{where}: a k8s: shard's 'metrics_url' is http(s)://{{pod_ip}}:PORT/PATH")
+        if pods and metrics_url is not None and not POD_METRICS_URL.fullmatch(metrics_url):
+            raise ConfigError(f"{where}: a k8s: shard's 'metrics_url' is http(s)://{{pod_ip}}:PORT/PATH, "
+                              "PORT a number, {port:NAME} or {annotation:KEY}")  # fmt: skip
         if not pods and metrics_url is not None and "{pod_ip}" in metrics_url:
             raise ConfigError(f"{where}: '{{pod_ip}}' is a k8s: shard's alone")
         watches.append(GroupWatch(sid, selector, model, replica, metrics_url, **labels))

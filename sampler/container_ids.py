@@ -12,10 +12,11 @@ reports in a pod's `status.containerStatuses[].containerID`:
 - Docker (cri-dockerd): `docker-<id>.scope` (systemd) or `<id>` (cgroupfs).
 
 The same names on cgroup v1 (in each controller's hierarchy) and v2.
-The id is looked for in any component of the path, the last one that names
-a container winning: a path read in a private cgroup namespace starts with
-`/..`, and a container may make cgroups of its own below its own. CRI-O's
-conmon (the container's monitor, not the container) names none.
+The id is looked for in any component of the path, the outermost one that
+names a container winning: a path read in a private cgroup namespace starts
+with `/..`, and a container may make cgroups of its own below its own, even
+one named like another container (it cannot make one outside its own).
+CRI-O's conmon (the container's monitor, not the container) names none.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _SCHEMES = ("containerd://", "cri-o://", "docker://")
 
 def from_cgroup_path(path: str) -> str | None:
     """The container id a cgroup path names, or None."""
-    for part in reversed(path.split("/")):
+    for part in path.split("/"):
         m = _CONTAINER.fullmatch(part)
         if m:
             return m.group(1)

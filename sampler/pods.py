@@ -31,6 +31,9 @@ _EQUALS = re.compile(rf"({_KEY})\s*(==|=|!=)\s*({_VALUE})")
 _IN = re.compile(rf"({_KEY})\s+(in|notin)\s*\(\s*({_VALUE}(?:\s*,\s*{_VALUE})*)\s*\)")
 
 Labels = dict[str, str]
+_PORT_FIELD = re.compile(r"\{(port|annotation):([^{}]+)\}")
+# An engine's endpoint in a pod: its IP, and a port fixed, named or annotated.
+METRICS_URL = re.compile(rf"https?://\{{pod_ip\}}:(?:[0-9]{{1,5}}|\{{port:{_NAME}\}}|\{{annotation:{_KEY}\}})(?:/[!-z|~]*)?")
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,30 @@ class Pod:
     labels: Labels = field(default_factory=dict)
     containers: dict[str, str] = field(default_factory=dict)  # container name -> its running id
     ip: str | None = None  # status.podIP
+    # Short annotations (a port, a path) and named container ports: where an
+    # engine's metrics endpoint is, for a `metrics_url` template.
+    annotations: dict[str, str] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def metrics_url(self, template: str) -> str | None:
+        """`template` with `{pod_ip}`, `{port:NAME}` (a container port's
+        number) and `{annotation:KEY}` (a port number) filled in; None where
+        the pod has no such value."""
+        if self.ip is None:
+            return None
+        host = f"[{self.ip}]" if ":" in self.ip else self.ip
+
+        def port(m: re.Match[str]) -> str:
+            kind, key = m.group(1), m.group(2)
+            value = self.ports.get(key) if kind == "port" else self.annotations.get(key)
+            if value is None or not str(value).isdigit() or not 0 < int(value) < 65536:
+                raise KeyError(key)
+            return str(int(value))
+
+        try:
+            return _PORT_FIELD.sub(port, template.replace("{pod_ip}", host))
+        except KeyError:
+            return None
 
     @property
     def key(self) -> str:
@@ -161,6 +188,12 @@ def parse_pod(item: Any) -> Pod | None:
             bare = container_ids.from_status(cid) if isinstance(cid, str) else None
             if bare is not None:  # none yet: not started
                 containers[_text(cs.get("name"), 63)] = bare
+    annotations = meta.get("annotations")
+    # Kept only where short and printable: a port or a path, never a
+    # last-applied-configuration (which costs nothing to skip, and fails no pod).
+    annotations = {k: v for k, v in (annotations if isinstance(annotations, dict) else {}).items()
+                   if isinstance(k, str) and isinstance(v, str) and len(k) <= 317 and 0 < len(v) <= 253
+                   and (k + v).isprintable()}  # fmt: skip
     return Pod(
         _text(meta.get("namespace"), 63),
         _text(meta.get("name")),
@@ -168,7 +201,21 @@ def parse_pod(item: Any) -> Pod | None:
         {_text(k, 317): _text(v, 63) if v != "" else "" for k, v in labels.items()},
         containers,
         _ip(status.get("podIP")),
+        annotations,
+        _ports(item.get("spec")),
     )
+
+
+def _ports(spec: Any) -> dict[str, int]:
+    """The pod's named container ports (`spec.containers[].ports[]`); the first of a name wins."""
+    out: dict[str, int] = {}
+    containers = spec.get("containers") if isinstance(spec, dict) else None
+    for c in containers if isinstance(containers, list) else []:
+        ports = c.get("ports") if isinstance(c, dict) else None
+        for p in ports if isinstance(ports, list) else []:
+            if isinstance(p, dict) and isinstance(p.get("name"), str) and type(p.get("containerPort")) is int:
+                out.setdefault(p["name"], p["containerPort"])
+    return out
 
 
 def parse_pod_list(data: bytes, skipped: Callable[[str], None]) -> list[Pod]:

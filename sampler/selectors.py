@@ -200,7 +200,7 @@ def pod_watches(w: GroupWatch, pods: list[Pod]) -> list[GroupWatch]:
             continue
         model = pod.labels.get(w.model_label) if w.model_label else None
         replica = pod.labels.get(w.replica_label) if w.replica_label else None
-        url = w.metrics_url.replace("{pod_ip}", _url_host(pod.ip)) if w.metrics_url and pod.ip else None
+        url = pod.metrics_url(w.metrics_url) if w.metrics_url else None
         out.append(GroupWatch(
             pod.key + (f"/{sel.container}" if sel.container else ""),
             GroupSelector("containers", ",".join(ids)),
@@ -208,7 +208,3 @@ def pod_watches(w: GroupWatch, pods: list[Pod]) -> list[GroupWatch]:
             namespace=pod.namespace, pod=pod.name, container=sel.container,
         ))  # fmt: skip
     return out
-
-
-def _url_host(ip: str) -> str:
-    return f"[{ip}]" if ":" in ip else ip

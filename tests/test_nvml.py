@@ -14,6 +14,7 @@ import pytest
 
 from sampler.backend import BackendChoice
 from sampler.nvml import GpuReader, GpuReading
+from sampler.pods import Pod
 from sampler.proc_groups import ProcGroupSampler
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.summary_text import render
@@ -326,3 +327,46 @@ def json_bytes(body: dict[str, Any]) -> bytes:
     import json
 
     return json.dumps(body).encode()
+
+
+class _Pods:
+    """The kubelet's answer, as KubeletPods gives it to the sampler."""
+
+    deadline_s = 1.0
+
+    def __init__(self, pods: list[Pod]) -> None:
+        self._pods = pods
+
+    def pods(self) -> list[Pod]:
+        return self._pods
+
+    def note_unknown(self, ids: set[str]) -> None:
+        pass
+
+    def wait_for_poll(self, after: int, timeout: float) -> int:
+        return after + 1
+
+
+def test_gpu_memory_and_share_by_pod(tmp_path: Path, readers: list[GpuReader]) -> None:
+    """NVML's per-process figures joined through pid -> container -> pod."""
+    a, b = "a" * 64, "b" * 64
+    proc = FakeProc(tmp_path / "proc")
+    for pid, cid in ((100, a), (101, a), (200, b)):  # engine-0: two processes; engine-1: one
+        proc.add(pid, rss=10, cgroup=f"/kubepods/burstable/pod-{cid[0]}/{cid}")
+    proc.add(300, rss=10)  # not in a pod
+    nvml = h200_node(2)
+    nvml.cards[0].processes = [(100, 7 * GiB), (200, 3 * GiB), (300, 1 * GiB)]
+    nvml.cards[1].processes = [(101, 5 * GiB)]
+    clock = FakeClock()
+    time = GpuTime(clock)
+    gpus = time.gpus = open_reader(nvml, readers)
+    pods = _Pods([Pod("llm", "engine-0", "u0", {"app": "vllm"}, {"vllm": a}),
+                  Pod("llm", "engine-1", "u1", {"app": "vllm"}, {"vllm": b})])  # fmt: skip
+    watches = [GroupWatch("k8s:0", GroupSelector.parse("k8s:llm/app=vllm"))]
+    ws = WindowSampler(proc.root, BackendChoice("proc", None), ProcGroupSampler(proc.root, clock), watches,
+                       hz=10, node="n1", clock=clock, wall_clock=clock, sleep=time.sleep, gpus=gpus,
+                       kubelet=pods)  # type: ignore[arg-type]  # fmt: skip
+    shards = {s["id"]: s for s in ws.run_window(1.0)["shards"]}
+    assert shards["llm/engine-0"]["gpu_memory_bytes"] == 12 * GiB  # both its processes, on both cards
+    assert shards["llm/engine-1"]["gpu_memory_bytes"] == 3 * GiB
+    assert (shards["llm/engine-0"]["namespace"], shards["llm/engine-0"]["pod"]) == ("llm", "engine-0")

@@ -40,6 +40,7 @@ CGROUP_PATHS = {
     "Docker, cgroupfs, v1": f"/kubepods/burstable/pod{UID}/{A}",
     "private cgroup namespace, v2": f"/../../kubepods-burstable-pod{UID_}.slice/cri-containerd-{A}.scope",
     "a container's own sub-cgroup": f"/kubepods/burstable/pod{UID}/{A}/workers/w1",
+    "a sub-cgroup named like another container": f"/kubepods/burstable/pod{UID}/{A}/{B}",
     "k3s, containerd, cgroupfs": f"/kubepods/besteffort/pod{UID}/{A}",
 }  # fmt: skip
 NOT_CONTAINERS = {
@@ -172,6 +173,17 @@ def test_a_pod_selector_is_one_shard_per_pod() -> None:
     assert made[0].selector == GroupSelector("containers", ",".join(sorted([A, B])))
     assert (made[0].model, made[0].replica, made[0].namespace, made[0].pod) == ("llama-3-8b", "r0", "llm", "engine-0")
     assert made[1].model is None and made[0].metrics_url == "http://10.244.1.7:8000/metrics"
+    # The endpoint's port: fixed, a container port's name, or an annotation.
+    named = pod_doc("llm", "engine-5", {"vllm": "d" * 64}, {"app": "vllm"}, ip="fd00::5",
+                    annotations={"prometheus.io/port": "9400", "kubectl.kubernetes.io/last-applied-configuration":
+                                 "{\n" + "x" * 100_000 + "}"})  # fmt: skip
+    named["spec"]["containers"][0]["ports"] = [{"name": "metrics", "containerPort": 8080}, {"containerPort": 1}]
+    [five] = parse_pod_list(podlist(named), lambda why: None)
+    assert five.metrics_url("http://{pod_ip}:{port:metrics}/metrics") == "http://[fd00::5]:8080/metrics"
+    assert five.metrics_url("http://{pod_ip}:{annotation:prometheus.io/port}/m") == "http://[fd00::5]:9400/m"
+    assert five.metrics_url("http://{pod_ip}:{port:http}/metrics") is None  # no such port: no queue figures
+    assert five.metrics_url("http://{pod_ip}:{annotation:kubectl.kubernetes.io/last-applied-configuration}/") is None
+    assert pods[1].metrics_url("http://{pod_ip}:{annotation:prometheus.io/port}/metrics") is None
     one = pod_watches(k8s_watch("k8s:*/app=vllm#vllm"), pods)
     assert [(w.id, w.container, w.selector.value) for w in one] == [
         ("llm/engine-0/vllm", "vllm", A), ("llm/engine-1/vllm", "vllm", A[::-1]),
@@ -183,13 +195,15 @@ def test_a_pod_selector_is_one_shard_per_pod() -> None:
 def test_the_config_takes_pod_selectors() -> None:
     [w] = parse_config(b'[[shard]]\nselect = "k8s:llm/app.kubernetes.io/name=vllm,tier in (engine)#vllm"\n'
                        b'model_label = "model"\nreplica_label = "app.kubernetes.io/instance"\n'
-                       b'metrics_url = "http://{pod_ip}:8000/metrics"\n')  # fmt: skip
+                       b'metrics_url = "http://{pod_ip}:{port:metrics}/metrics"\n')  # fmt: skip
     assert w.selector.kind == "k8s" and w.model_label == "model" and w.replica_label == "app.kubernetes.io/instance"
     for bad, why in [
         (b'[[shard]]\nid = "x"\nselect = "k8s:llm/app=vllm"\n', "drop 'id'"),
         (b'[[shard]]\nselect = "k8s:llm/app=vllm"\nmodel_label = "bad label!"\n', "model_label"),
         (b'[[shard]]\nid = "x"\nselect = "pgid:1"\nmodel_label = "model"\n', "model_label"),
         (b'[[shard]]\nselect = "k8s:llm/app=vllm"\nmetrics_url = "http://10.0.0.1:8000/metrics"\n', "pod_ip"),
+        (b'[[shard]]\nselect = "k8s:llm/app=vllm"\nmetrics_url = "http://{pod_ip}:{env:HOME}/metrics"\n', "pod_ip"),
+        (b'[[shard]]\nselect = "k8s:llm/app=vllm"\nmetrics_url = "http://{pod_ip}:{port:a b}/m"\n', "metrics_url"),
         (b'[[shard]]\nid = "x"\nselect = "pgid:1"\nmetrics_url = "http://{pod_ip}:8000/metrics"\n', "pod_ip"),
         (b'[[shard]]\nselect = "k8s:llm/app in (vllm"\n', "label selector"),
     ]:
