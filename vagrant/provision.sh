@@ -20,8 +20,10 @@ set -eu
 
 # The kernel tier needs bcc, numpy and pytest, and aiohttp and cryptography
 # for the pods test's kubelet over TLS (all Debian's, matched to the guest's
-# Python); procps, util-linux and kmod for the tests' own tools.
-PACKAGES="python3-bpfcc python3-numpy python3-prometheus-client python3-aiohttp python3-cryptography python3-pytest python3-pytest-timeout python3-venv python3-pip python3-setuptools procps util-linux kmod"
+# Python; python3-cffi-backend named because debootstrap does not resolve
+# the virtual package cryptography depends on); procps, util-linux and kmod
+# for the tests' own tools.
+PACKAGES="python3-bpfcc python3-numpy python3-prometheus-client python3-aiohttp python3-cryptography python3-cffi-backend python3-pytest python3-pytest-timeout python3-venv python3-pip python3-setuptools procps util-linux kmod"
 
 kernel=$(uname -r)
 project=1
