@@ -215,6 +215,11 @@ def load(
     return BpfGroupSampler(bpf, proc, pid_max, clock)
 
 
+# The most a sample's slice ends can read beyond its threads' time through the
+# scheduler's clock and the tracepoint's disagreeing (tens of us a switch).
+SWITCH_SLACK_S = 0.0002
+
+
 def settle(used: float, debt: float) -> tuple[float, float]:
     """A sample's seconds on CPU after what earlier samples counted ahead of
     the kernel (`debt`), and the debt left: never negative, nothing lost."""
@@ -412,6 +417,8 @@ class BpfGroupSampler:
         # where it grew more (the scheduler's clock and the tracepoint's are
         # read microseconds apart at each switch), beyond what the group's
         # threads could have used in the sample, the rest goes to the next.
+        # More than SWITCH_SLACK_S beyond is no clock's doing but threads the
+        # walk did not see (forked since): counted as measured.
         previous, self._prev_ns = self._prev_ns, current
         used_s = self._member_of @ ((current - previous).astype(np.float64) / 1e9)
         out = {}
@@ -425,7 +432,7 @@ class BpfGroupSampler:
             if not valid or not elapsed:
                 out[wid] = GroupReading(None, None, elapsed)
                 continue
-            credit, w.carried = within_capacity(used + w.carried, min(w.threads, self._cpus) * elapsed)
+            credit, w.carried = within_capacity(used + w.carried, min(w.threads, self._cpus) * elapsed, SWITCH_SLACK_S)
             out[wid] = GroupReading(credit / elapsed, None, elapsed)
         return out
 

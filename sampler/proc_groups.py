@@ -39,6 +39,7 @@ start time is a new process, not the old one's continuation.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -96,12 +97,17 @@ class _WatchState:
     carried: float = 0.0  # seconds counted by the counters that its threads could not have used yet
 
 
-def within_capacity(used: float, capacity: float) -> tuple[float, float]:
+def within_capacity(used: float, capacity: float, slack: float = math.inf) -> tuple[float, float]:
     """What a sample credits of `used` seconds when its group's threads could
     have used at most `capacity` in its time, and what is carried into the
     next sample: counters that move in steps place time a little late or
-    early, never more of it than there was."""
-    return min(used, capacity), max(0.0, used - capacity)
+    early, never more of it than there was. An excess over `slack` is not a
+    counter's step but threads the capacity did not know of (born since it
+    was counted): credited as measured."""
+    excess = used - capacity
+    if excess <= 0 or excess > slack:
+        return used, 0.0
+    return capacity, excess
 
 
 @dataclass(frozen=True, slots=True)

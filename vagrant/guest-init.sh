@@ -15,6 +15,12 @@ mkdir -p /out && mount -t 9p -o trans=virtio,version=9p2000.L out /out \
     && grep -i ' [tw] ' /proc/kallsyms >/out/kallsyms
 cd /src
 python=/opt/nodesampler/venv/bin/python
+# The loopback interface, which nothing else here brings up (the pods test's
+# kubelet listens on 127.0.0.1): SIOCGIFFLAGS, then SIOCSIFFLAGS with IFF_UP.
+$python -c 'import fcntl, socket, struct
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flags = struct.unpack_from("16sH", fcntl.ioctl(s, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]
+fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))' || echo "NODESAMPLER-LOOPBACK=down"
 echo "NODESAMPLER-KERNEL=$(uname -r) BCC=$(dpkg-query -W -f='${Version}' python3-bpfcc)"
 echo "NODESAMPLER-UPTIME=booted $(cut -d' ' -f1 /proc/uptime)"
 # Which backend the agent would load here, and if not the kernel's, why.
