@@ -28,6 +28,11 @@ class TestCA:
             .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False),
+                           critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(self.key.public_key()), critical=False)
             .sign(self.key, hashes.SHA256())
         )  # fmt: skip
 
@@ -50,6 +55,9 @@ class TestCA:
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            # As openssl and cert-manager make them: Python 3.13 verifies strictly (VERIFY_X509_STRICT).
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(self.key, hashes.SHA256())
         )  # fmt: skip
         key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
