@@ -98,7 +98,7 @@ def main() -> None:
         exe = build(Path(tmp))
         bare = [pingpong(exe, args.round_trips)[1] for _ in range(args.runs)]
         switch_ns = statistics.median(bare)
-        groups = bpf_sched.load(PROC)
+        groups = bpf_sched.load(PROC, bpf_stats=True)
         try:
             floor = statistics.median(empty_program_floor(exe, args.round_trips) for _ in range(args.runs))
             results = {}

@@ -44,8 +44,8 @@
  *
  * No kernel struct is read through the compile-time headers (they may not be
  * the running kernel's): offsets come from the running kernel's BTF
- * (TASK_PID_OFF, TASK_TGID_OFF, TASK_RUNTIME_OFF, TASK_RUN_DELAY_OFF), read
- * by the loader.
+ * (TASK_PID_OFF, TASK_TGID_OFF, TASK_RUNTIME_OFF, TASK_RUN_DELAY_OFF,
+ * TASK_SIGNAL_OFF, SIGNAL_LIVE_OFF), read by the loader.
  */
 
 #ifndef PID_MAX
@@ -76,9 +76,9 @@ BPF_PERCPU_ARRAY(dropped_forks, u64, 1);
 
 #define WAIT_BUCKETS 32
 #ifdef TASK_RUN_DELAY_OFF
-/* tid -> low 32 bits of its run_delay at its last switch out, | 1 (0: not seen).
- * Differences modulo 2^32 are exact for waits under 4 s. */
-BPF_ARRAY(last_delay, u32, PID_MAX);
+/* tid -> its run_delay at its last switch out, | 1 (0: not seen). 64 bits: a
+ * starved task waits seconds, and 32 bits of nanoseconds wrap at 4.29 s. */
+BPF_ARRAY(last_delay, u64, PID_MAX);
 /* slot * WAIT_BUCKETS + log2(wait ns) -> waits, per CPU, cumulative. */
 BPF_PERCPU_ARRAY(wait_hist, u64, MAX_SLOTS * WAIT_BUCKETS);
 /* slot -> ns waited, per CPU, cumulative. */
@@ -90,14 +90,14 @@ static __always_inline void record_wait(void *task, u32 slot)
     u64 delay = 0;
     bpf_probe_read_kernel(&pid, sizeof(pid), task + TASK_PID_OFF);
     bpf_probe_read_kernel(&delay, sizeof(delay), task + TASK_RUN_DELAY_OFF);
-    u32 *last = last_delay.lookup(&pid);
+    u64 *last = last_delay.lookup(&pid);
     if (!last)
         return;
-    u32 now = (u32)delay | 1, before = *last;
+    u64 now = delay | 1, before = *last;
     *last = now;
-    if (!before) /* first sight: a baseline, not a wait */
+    if (!before || now < before) /* first sight (or a tid reused unseen): a baseline, not a wait */
         return;
-    u32 waited = now - before;
+    u64 waited = now - before;
     u32 idx = slot * WAIT_BUCKETS + (waited ? bpf_log2l(waited) : 0);
     u64 *count = wait_hist.lookup(&idx);
     if (count)
@@ -224,18 +224,27 @@ RAW_TRACEPOINT_PROBE(sched_process_fork)
 }
 
 /* args: (struct task_struct *p), which is current. Fires for every thread;
- * the main thread's exit ends the process's membership. Its last slice is
- * still credited at its last switch out: cpu_run holds the slot. */
+ * the process's last thread ends its membership (a main thread that exits
+ * while workers run on leaves it a member): do_exit has counted the thread
+ * out of signal->live before this tracepoint, so 0 there is the last one.
+ * The pid cannot be reused before then (the leader is reaped after the last
+ * thread). Its last slice is still credited at its last switch out:
+ * cpu_run holds the slot. */
 RAW_TRACEPOINT_PROBE(sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id, tgid = id >> 32;
 #ifdef TASK_RUN_DELAY_OFF
-    u32 *last = last_delay.lookup(&pid); /* a reused tid starts unseen */
+    u64 *last = last_delay.lookup(&pid); /* a reused tid starts unseen */
     if (last)
         *last = 0;
 #endif
-    if (pid != tgid)
+    void *signal = 0;
+    int live = 1;
+    bpf_probe_read_kernel(&signal, sizeof(signal), (void *)ctx->args[0] + TASK_SIGNAL_OFF);
+    if (signal)
+        bpf_probe_read_kernel(&live, sizeof(live), signal + SIGNAL_LIVE_OFF);
+    if (live > 0)
         return 0;
     u8 *slot = slot_of(tgid);
     if (slot)

@@ -88,6 +88,12 @@ def _kubelet_flags(p: argparse.ArgumentParser) -> None:
                         "kubelets serve self-signed certificates)")  # fmt: skip
 
 
+def _bpf_stats_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bpf-stats", action="store_true",
+                   help="report the kernel programs' runs and run time (turns on the kernel's BPF statistics, "
+                        "which time every BPF program on the host, while the sampler runs)")  # fmt: skip
+
+
 def _kubelet(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from sampler.kubelet import KubeletPods
 
@@ -123,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a kernel source tree for the kernel backend, when /lib/modules/$(uname -r) has none")
     s.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
     _kubelet_flags(s)
+    _bpf_stats_flag(s)
 
     a = sub.add_parser("agent", help="sample this node and send a heartbeat per window to the control plane")
     a.add_argument("--control-plane", required=True, metavar="URL", help="the control plane's agent listener")
@@ -142,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--kernel-headers", type=Path, default=None, metavar="DIR",
                    help="a kernel source tree for the kernel backend, when /lib/modules/$(uname -r) has none")
     _kubelet_flags(a)
+    _bpf_stats_flag(a)
 
     c = sub.add_parser("controlplane", help="the fleet's registry, agent API, pages and /metrics")
     c.add_argument("--listen", required=True, metavar="ADDR", help="HOST:PORT for agents")
@@ -198,6 +206,7 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     node: str | None = None,
     host_root: Path | None = None,
     kubelet=None,  # noqa: ANN001
+    bpf_stats: bool = False,
 ):
     from sampler.backend import BackendUnavailable, open_backend
     from sampler.nvml import GpuReader
@@ -212,7 +221,7 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     if len(set(names)) != len(names):
         _fail(EXIT_USAGE, "--group: each NAME may be given once")
     try:
-        choice, group_sampler = open_backend(backend, proc, kernel_headers)
+        choice, group_sampler = open_backend(backend, proc, kernel_headers, bpf_stats=bpf_stats)
     except BackendUnavailable as e:
         _fail(EXIT_BACKEND, f"backend {backend} unavailable: {e}")
     finest = group_sampler.finest_hz
@@ -269,7 +278,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     host_view.join_host_cgroup_namespace(args.proc_root)  # as the agent: the host's cgroup paths
     # One window: it may wait for NVML to start (seconds per GPU) and to answer.
     sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root, args.kernel_headers, gpu_grace=5.0,
-                            host_root=args.host_root, kubelet=_kubelet(args))  # fmt: skip
+                            host_root=args.host_root, kubelet=_kubelet(args), bpf_stats=args.bpf_stats)  # fmt: skip
     try:
         sampler.gpus.wait_ready(30.0)
         sampler.prime(min(1.0, args.duration))
@@ -379,7 +388,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         stopping.wait(seconds)
 
     sampler = _make_sampler(args.backend, [], args.hz, args.proc_root, args.kernel_headers, sleep=sleep, node=node,
-                            host_root=args.host_root, kubelet=_kubelet(args))  # fmt: skip
+                            host_root=args.host_root, kubelet=_kubelet(args), bpf_stats=args.bpf_stats)  # fmt: skip
     if config is not None:
         sampler.watches = config.watches
     logging.getLogger().setLevel(logging.INFO)

@@ -57,6 +57,7 @@ def open_backend(
     proc: Path,
     kernel_headers: Path | None = None,
     clock: Callable[[], float] = time.monotonic,
+    bpf_stats: bool = False,
 ) -> tuple[BackendChoice, GroupSampler]:
     if asked not in CHOICES:
         raise ValueError(f"backend {asked!r}: expected one of {', '.join(CHOICES)}")
@@ -65,7 +66,7 @@ def open_backend(
     from sampler import bpf_sched
 
     try:
-        return BackendChoice("bpf", None), bpf_sched.load(proc, kernel_headers, clock=clock)
+        return BackendChoice("bpf", None), bpf_sched.load(proc, kernel_headers, clock=clock, bpf_stats=bpf_stats)
     except BackendUnavailable as e:
         if asked == "bpf":
             raise

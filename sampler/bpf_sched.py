@@ -22,7 +22,7 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ class _Watch:
     command: str | None
     fresh: bool = True  # no reading to take a delta from yet
     threads: int = 1  # its processes' threads at the walk
+    starts: dict[int, int] = field(default_factory=dict)  # pid -> its start time at the walk: the same process
     carried: float = 0.0  # seconds credited by the kernel that its threads could not have used yet
 
 
@@ -140,6 +141,8 @@ def compile_flags(offsets: dict[str, int], pid_max: int) -> list[str]:
         f"-DTASK_PID_OFF={offsets['pid']}",
         f"-DTASK_TGID_OFF={offsets['tgid']}",
         f"-DTASK_RUNTIME_OFF={offsets['runtime']}",
+        f"-DTASK_SIGNAL_OFF={offsets['signal']}",
+        f"-DSIGNAL_LIVE_OFF={offsets['live']}",
         *([f"-DTASK_RUN_DELAY_OFF={offsets['run_delay']}"] if "run_delay" in offsets else []),
     ]
 
@@ -185,7 +188,13 @@ def load(
     source: Path = SOURCE,
     btf_path: Path = btf.VMLINUX,
     clock: Callable[[], float] = time.monotonic,
+    bpf_stats: bool = False,
+    sysfs: Path = Path("/sys"),
 ) -> BpfGroupSampler:
+    """The programs compiled, loaded and attached. With `bpf_stats`, the
+    kernel's BPF statistics are turned on while the sampler lives (they time
+    every BPF program on the host, not ours alone) and each window reports
+    the programs' runs and run time."""
     try:
         from bcc import BPF, PerfSWConfig, PerfType
     except ImportError as e:
@@ -205,14 +214,68 @@ def load(
     cflags = compile_flags(offsets, pid_max)
     bpf = _compile(BPF, source, cflags, env)
     try:
+        ticked, tickless = tick_cpus(sysfs)
+    except (OSError, ValueError) as e:
+        bpf.cleanup()
+        raise BackendUnavailable(f"cannot tell which CPUs are online: {e}") from None
+    try:
         # The tick only learns the slot of a task that was already running when
-        # it was given one (samples count running slices themselves): 100 a second.
-        bpf.attach_perf_event(ev_type=PerfType.SOFTWARE, ev_config=PerfSWConfig.CPU_CLOCK,
-                              fn_name=b"on_tick", sample_period=TICK_NS)  # fmt: skip
+        # it was given one (samples count running slices themselves): 100 a
+        # second, on every CPU but those kept free of ticks (nohz_full,
+        # isolated), where such a task is learnt at its next switch.
+        event = (PerfType.SOFTWARE, PerfSWConfig.CPU_CLOCK)
+        if not tickless:
+            bpf.attach_perf_event(ev_type=event[0], ev_config=event[1], fn_name=b"on_tick", sample_period=TICK_NS)
+        else:
+            # bcc keeps one CPU's events per attach: gathered, so cleanup closes them all.
+            events = {}
+            for cpu in ticked:
+                bpf.attach_perf_event(ev_type=event[0], ev_config=event[1], fn_name=b"on_tick",
+                                      sample_period=TICK_NS, cpu=cpu)  # fmt: skip
+                events.update(bpf.open_perf_events[event])
+            bpf.open_perf_events[event] = events
     except Exception as e:
         bpf.cleanup()
         raise BackendUnavailable(f"attaching the cpu-clock perf event failed: {e}") from None
-    return BpfGroupSampler(bpf, proc, pid_max, clock)
+    if tickless:
+        log.info("no cpu-clock tick on CPUs %s (nohz_full or isolated)", format_cpu_list(tickless))
+    sampler = BpfGroupSampler(bpf, proc, pid_max, clock, bpf_stats)
+    sampler.tickless_cpus = tickless
+    return sampler
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """A kernel CPU list (`0-3,8,10-11`), as sysfs and the boot line write it."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r}")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(out)
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    return ",".join(str(c) for c in cpus)
+
+
+def tick_cpus(sysfs: Path = Path("/sys")) -> tuple[list[int], list[int]]:
+    """The online CPUs that get the cpu-clock tick, and those left without
+    it: a CPU the operator keeps free of the kernel's own ticks (nohz_full)
+    or of the scheduler (isolcpus) is not woken 100 times a second by us."""
+    cpu_dir = sysfs / "devices" / "system" / "cpu"
+    online = parse_cpu_list((cpu_dir / "online").read_text())
+    quiet: set[int] = set()
+    for name in ("nohz_full", "isolated"):
+        try:
+            text = (cpu_dir / name).read_text()
+        except OSError:  # a kernel without the file: no such CPUs
+            continue
+        if text.strip() != "(null)":  # nohz_full says so when the feature is built but unused
+            quiet.update(parse_cpu_list(text))
+    return [c for c in online if c not in quiet], [c for c in online if c in quiet]
 
 
 # The most a sample's slice ends can read beyond its threads' time through the
@@ -235,9 +298,11 @@ class BpfGroupSampler:
     CPU time is the sum over the slots whose set holds it, a matrix product.
     """
 
-    def __init__(self, bpf: Any, proc: Path, pid_max: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, bpf: Any, proc: Path, pid_max: int, clock: Callable[[], float] = time.monotonic,
+                 bpf_stats: bool = False) -> None:  # fmt: skip
         self.bpf, self.proc, self._clock = bpf, proc, clock
         self.finest_hz: float | None = None  # nanoseconds, up to each sample
+        self.tickless_cpus: list[int] = []  # CPUs without the cpu-clock tick (nohz_full, isolated)
         # The kernel's tgid -> slot bytes, shared memory: reading and writing
         # membership costs no system call.
         table = bpf.get_table(b"task_slot")
@@ -257,7 +322,7 @@ class BpfGroupSampler:
         self._member_of = np.zeros((0, 0))  # [watch, slot] = 1 where the slot counts for the watch
         self._last_at: float | None = None
         self._cpus = os.cpu_count() or 1
-        self._stats_fd = _enable_bpf_stats()
+        self._stats_fd = _enable_bpf_stats() if bpf_stats else None
         # The wait histogram, where the kernel keeps run_delay (CONFIG_SCHED_INFO).
         try:
             self._wait_hist, self._wait_ns = bpf.get_table(b"wait_hist"), bpf.get_table(b"wait_ns")
@@ -277,7 +342,10 @@ class BpfGroupSampler:
 
     def close(self) -> None:
         del self.task_slot  # the view goes before the mapping it looks into
-        self._task_slot_map.close()
+        try:
+            self._task_slot_map.close()
+        except BufferError:  # a view still held (a traceback's frame): unmapped when it goes
+            log.debug("task_slot still viewed at close: unmapped later")
         self.bpf.cleanup()
         if self._stats_fd is not None:
             os.close(self._stats_fd)
@@ -296,7 +364,9 @@ class BpfGroupSampler:
             command = table.stats[pgids[0]].comm if len(pgids) == 1 and pgids[0] in table.stats else None
             fresh, carried = (prev.fresh, prev.carried) if prev is not None and prev.watch == gw else (True, 0.0)
             threads = sum(table.stats[p].threads for p in pids if p in table.stats)
-            new[gw.id] = _Watch(gw, pids, pgids, command, fresh, max(threads, 1), carried)
+            starts = {p: table.stats[p].start_ticks for p in pids if p in table.stats}
+            new[gw.id] = _Watch(gw, pids, pgids, command, fresh, threads=max(threads, 1), starts=starts,
+                                carried=carried)  # fmt: skip
             for pid in pids:
                 watches_of.setdefault(pid, set()).add(gw.id)
 
@@ -340,12 +410,15 @@ class BpfGroupSampler:
         (they left their group, or their watch went), as are entries of slots
         no longer in use. True when a process was given a slot it lacked."""
         slots = self.task_slot
+        # Computed on a copy: the kernel writes the map at every fork and exit,
+        # and numpy's flatnonzero refuses an array that changes under it.
+        snapshot = slots.copy()
         live = np.zeros(MAX_SLOTS, dtype=bool)
         live[list(set(want.values()))] = True
-        have = np.flatnonzero(slots)
+        have = np.flatnonzero(snapshot)
         seen = np.fromiter(table.stats.keys(), dtype=np.int64)
         wanted = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
-        stale = have[~live[slots[have]] | (np.isin(have, seen) & ~np.isin(have, wanted))]
+        stale = have[~live[snapshot[have]] | (np.isin(have, seen) & ~np.isin(have, wanted))]
         slots[stale] = 0
         pids = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
         values = np.fromiter(want.values(), dtype=np.uint8, count=len(want))
@@ -369,7 +442,7 @@ class BpfGroupSampler:
 
     def task_pids(self) -> set[int]:
         """The processes the kernel now counts for some watch."""
-        return set(np.flatnonzero(self.task_slot).tolist())
+        return set(np.flatnonzero(self.task_slot.copy()).tolist())
 
     def map_size(self) -> int:
         return int(np.count_nonzero(self.task_slot))
@@ -444,18 +517,24 @@ class BpfGroupSampler:
             pages, alive = 0, False
             for pid in w.pids:
                 try:
-                    pages += procfs.read_pid_stat(self.proc, pid).rss_pages
-                    alive = True
+                    st = procfs.read_pid_stat(self.proc, pid)
                 except (procfs.ProcessGone, procfs.ProcParseError):
                     continue
+                if st.start_ticks != w.starts.get(pid, st.start_ticks):
+                    continue  # the pid was reused since the walk: another process's memory
+                pages += st.rss_pages
+                alive = True
             out[w.watch.id] = pages * PAGE_SIZE if alive else None
         return out
 
     # --- the programs' own cost ---------------------------------------------------------
 
     def program_stats(self) -> dict[str, tuple[int, int]]:
-        """Per program: cumulative (run_time_ns, run_cnt) as the kernel counts them."""
-        out = {}
+        """Per program: cumulative (run_time_ns, run_cnt) as the kernel counts
+        them; nothing unless asked for (`bpf_stats`)."""
+        out: dict[str, tuple[int, int]] = {}
+        if self._stats_fd is None:
+            return out
         for name in PROGRAMS:
             fn = self.bpf.funcs.get(name.encode())
             if fn is not None and (st := _program_stats(fn.fd)) is not None:

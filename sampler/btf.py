@@ -96,15 +96,19 @@ def struct_member_offsets(data: bytes, wanted: dict[str, list[str]]) -> dict[str
 
 
 def task_offsets(path: Path = VMLINUX) -> dict[str, int]:
-    """Where a task keeps its pid, its tgid, and the CPU time the scheduler
-    has accounted to it (se.sum_exec_runtime, ns), in the running kernel."""
+    """Where a task keeps its pid, its tgid, the CPU time the scheduler has
+    accounted to it (se.sum_exec_runtime, ns) and its process's count of
+    live threads (signal->live), in the running kernel."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise BtfError(f"kernel BTF unreadable ({path}: {e.strerror}); needs CONFIG_DEBUG_INFO_BTF") from None
-    found = struct_member_offsets(data, {"task_struct": ["pid", "tgid", "se"], "sched_entity": ["sum_exec_runtime"]})
+    found = struct_member_offsets(data, {"task_struct": ["pid", "tgid", "se", "signal"],
+                                         "sched_entity": ["sum_exec_runtime"], "signal_struct": ["live"]})  # fmt: skip
     task = found["task_struct"]
-    out = {"pid": task["pid"], "tgid": task["tgid"], "runtime": task["se"] + found["sched_entity"]["sum_exec_runtime"]}
+    out = {"pid": task["pid"], "tgid": task["tgid"], "runtime": task["se"] + found["sched_entity"]["sum_exec_runtime"],
+           # The process's live threads (an atomic_t: its counter first), for its last thread's exit.
+           "signal": task["signal"], "live": found["signal_struct"]["live"]}  # fmt: skip
     try:
         # The scheduler's run-queue wait per task (CONFIG_SCHED_INFO): optional,
         # its absence only leaves the wait histogram out.

@@ -79,7 +79,7 @@ def render(summary: dict[str, Any]) -> str:
         lines.append(f"disk     {DASH}")
     for d in disks or ():
         lines.append(f"disk     {d['mount']}  {_bytes(d['used_bytes'])} used of {_bytes(d['bytes'])}")
-    if bpf := summary.get("bpf"):
+    if (bpf := summary.get("bpf")) and bpf.get("programs"):
         seconds = w["end"] - w["start"]
         runs = sum(p["runs"] for p in bpf["programs"].values())
         busy = sum(p["run_time_ns"] for p in bpf["programs"].values()) / 1e9

@@ -264,11 +264,17 @@ class WindowSampler:
             shard.update(reading.shard_utilisation.get(shard["id"], {}))
 
     def _program_cost(self) -> dict[str, Any] | None:
-        """The kernel programs' run count and run time in this window, from the
-        kernel's own BPF statistics."""
-        now = self.groups.program_stats()
-        if not now:
+        """The kernel backend's forks it could not count, and (with
+        --bpf-stats) its programs' run count and run time in this window, from
+        the kernel's own BPF statistics."""
+        dropped, now = self.groups.dropped_forks(), self.groups.program_stats()
+        if dropped is None and not now:
             return None
+        out: dict[str, Any] = {"dropped_forks": dropped}
+        if tickless := getattr(self.groups, "tickless_cpus", None):
+            out["tickless_cpus"] = tickless  # a running task is learnt there at its next switch, not at the tick
+        if not now:
+            return out
         before, self._program_stats = self._program_stats, now
         programs = {}
         for name, (ns, runs) in now.items():
@@ -276,7 +282,7 @@ class WindowSampler:
             d_ns, d_runs = ns - ns0, runs - runs0
             programs[name] = {"runs": d_runs, "run_time_ns": d_ns,
                               "ns_per_run": round(d_ns / d_runs, 1) if d_runs > 0 else None}  # fmt: skip
-        return {"programs": programs, "dropped_forks": self.groups.dropped_forks()}
+        return {**out, "programs": programs}
 
     def _shard(self, w: GroupWatch, cores: RateSeries, memory: int | None) -> dict[str, Any]:
         pgids, command = self.groups.describe(w.id)

@@ -38,10 +38,20 @@ def group() -> Iterator[list[subprocess.Popen[str]]]:
 @pytest.fixture
 def bpf_groups() -> Iterator[BpfGroupSampler]:
     """The kernel backend, loaded into this kernel; closed after the test."""
+    yield from _bpf_groups(bpf_stats=False)
+
+
+@pytest.fixture
+def bpf_groups_with_stats() -> Iterator[BpfGroupSampler]:
+    """The same, with the kernel's BPF statistics on (--bpf-stats)."""
+    yield from _bpf_groups(bpf_stats=True)
+
+
+def _bpf_groups(bpf_stats: bool) -> Iterator[BpfGroupSampler]:
     from sampler import bpf_sched
 
     try:
-        sampler = bpf_sched.load(PROC)
+        sampler = bpf_sched.load(PROC, bpf_stats=bpf_stats)
     except BackendUnavailable as e:
         if REQUIRE_BPF:
             pytest.fail(f"NODESAMPLER_REQUIRE_BPF=1 and the kernel backend cannot load: {e}")

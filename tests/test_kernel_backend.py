@@ -180,7 +180,8 @@ sys.stdin.readline()
 """
 
 
-def test_pid_churn_leaves_the_task_map_bounded(bpf_groups: bpf_sched.BpfGroupSampler) -> None:
+def test_pid_churn_leaves_the_task_map_bounded(bpf_groups_with_stats: bpf_sched.BpfGroupSampler) -> None:
+    bpf_groups = bpf_groups_with_stats  # the fork program's run count proves the churn happened
     p = subprocess.Popen([sys.executable, "-c", FORK_CHURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, process_group=0)  # fmt: skip
     assert p.stdin is not None and p.stdout is not None
@@ -278,8 +279,8 @@ def test_overlapping_watches_each_get_the_whole_group(
     assert r["by-pgid"].cores is not None and r["by-pgid"].cores > 0.5
 
 
-def test_program_cost_is_in_the_summary(bpf_groups: bpf_sched.BpfGroupSampler) -> None:
-    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, None, hz=10)
+def test_program_cost_is_in_the_summary_when_asked_for(bpf_groups_with_stats: bpf_sched.BpfGroupSampler) -> None:
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups_with_stats, None, hz=10)
     ws.prime(0)
     summary = ws.run_window(0.5)
     assert summary["backend"] == "bpf"
@@ -288,6 +289,19 @@ def test_program_cost_is_in_the_summary(bpf_groups: bpf_sched.BpfGroupSampler) -
     tick = programs["on_tick"]
     assert tick["runs"] > 0 and tick["run_time_ns"] > 0 and tick["ns_per_run"] > 0
     assert summary["bpf"]["dropped_forks"] == 0
+
+
+def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups: bpf_sched.BpfGroupSampler) -> None:
+    """BPF_ENABLE_STATS times every BPF program on the host: not ours to turn on by default."""
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, None, hz=10)
+    ws.prime(0)
+    summary = ws.run_window(0.3)
+    assert summary["bpf"] == {"dropped_forks": 0}
+    enabled = Path("/proc/sys/kernel/bpf_stats_enabled")
+    if enabled.exists() and enabled.read_text().strip() == "0":  # nobody else holds them on either
+        # The kernel counted no run of ours: statistics were off all along.
+        tick = bpf_groups.bpf.funcs[b"on_tick"]
+        assert bpf_sched._program_stats(tick.fd) == (0, 0)
 
 
 # --- falling back -----------------------------------------------------------------
