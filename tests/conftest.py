@@ -31,7 +31,8 @@ def group() -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
     yield started
     for p in started:
-        os.killpg(p.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # a test may have ended it itself
+            os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
 

@@ -81,7 +81,7 @@ def test_a_process_whose_main_thread_exited_stays_a_member(
 # priority 99 on the same CPU holds it for longer than 32 bits of nanoseconds.
 RT_WORKER = """
 import os, sys, time
-os.sched_setaffinity(0, {CPU})
+os.sched_setaffinity(0, [{CPU}])
 os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
 print("ready", flush=True)
 while True:
@@ -92,7 +92,7 @@ while True:
 """
 RT_HOG = """
 import os, time
-os.sched_setaffinity(0, {CPU})
+os.sched_setaffinity(0, [{CPU}])
 os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(99))
 end = time.monotonic() + {SECONDS}
 while time.monotonic() < end:
