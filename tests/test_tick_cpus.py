@@ -39,7 +39,8 @@ def sysfs(tmp_path: Path, **files: str) -> Path:
     ({"online": "0-3,6-7\n", "nohz_full": "3,6\n", "isolated": "3\n"}, [0, 1, 2, 7], [3, 6]),
     ({"online": "0-1\n"}, [0, 1], []),  # a kernel built without either file
 ])  # fmt: skip
-def test_ticked_and_tickless_cpus(tmp_path: Path, files: dict[str, str], ticked: list[int], tickless: list[int]) -> None:
+def test_ticked_and_tickless_cpus(tmp_path: Path, files: dict[str, str], ticked: list[int],
+                                  tickless: list[int]) -> None:  # fmt: skip
     assert tick_cpus(sysfs(tmp_path, **files)) == (ticked, tickless)
 
 
