@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from html.parser import HTMLParser
 from typing import Any
 
@@ -259,16 +260,26 @@ async def test_a_starved_engine_is_marked_and_says_why(aiohttp_client: Any) -> N
     assert "host-bound" not in cpu and " ok" not in cpu  # nothing measured to judge by: a dash, not "ok"
 
 
-async def test_the_embedded_history_charts_the_engines_own_queue(aiohttp_client: Any) -> None:
-    registry, _ = fleet_registry()
-    state = registry.get("gpu-1")
+def a_minute_of(registry: NodeRegistry, node: str, vary: Callable[[dict[str, Any], int], None]) -> EmbeddedHistory:
+    """The node's heartbeat recorded 12 times, 5 s apart up to now, `vary` making the k-th its own."""
+    state = registry.get(node)
     assert state is not None and state.heartbeat is not None
     history = EmbeddedHistory(interval=5)
     now = time.time()
     for k in range(12, 0, -1):
         hb = json.loads(json.dumps(state.heartbeat))
+        vary(hb, k)
+        history.record(node, hb, at=now - 5 * k)
+    return history
+
+
+async def test_the_embedded_history_charts_the_engines_own_queue(aiohttp_client: Any) -> None:
+    registry, _ = fleet_registry()
+
+    def queue(hb: dict[str, Any], k: int) -> None:
         hb["shards"][1]["requests_waiting"] = float(k)
-        history.record("gpu-1", hb, at=now - 5 * k)
+
+    history = a_minute_of(registry, "gpu-1", queue)
     client = await pages_client(aiohttp_client, registry, history)
     page = await (await client.get("/node/gpu-1")).text()
     figure = re.search(r"<figcaption>Requests waiting[^<]*</figcaption>(.*?)</figure>", page, re.S)
@@ -341,14 +352,11 @@ async def test_the_cluster_page_refuses_bad_filters_and_escapes_the_good(aiohttp
 
 async def test_a_pods_row_names_it_and_links_to_its_hour(aiohttp_client: Any) -> None:
     registry, _ = fleet_registry()
-    state = registry.get("cpu-2")
-    assert state is not None and state.heartbeat is not None
-    history = EmbeddedHistory(interval=5)
-    now = time.time()
-    for k in range(12, 0, -1):
-        hb = json.loads(json.dumps(state.heartbeat))
+
+    def cores(hb: dict[str, Any], k: int) -> None:
         hb["shards"][1]["cpu_cores"] = {"mean": 0.5, "p95": 1.0, "max": float(k)}
-        history.record("cpu-2", hb, at=now - 5 * k)
+
+    history = a_minute_of(registry, "cpu-2", cores)
     client = await pages_client(aiohttp_client, registry, history)
     page = await (await client.get("/node/cpu-2")).text()
     assert "namespace llm · pod engine-0 · container vllm" in parse(page)
