@@ -123,9 +123,9 @@ class KubeletPods:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before the poll: a refresh asked during it polls again at once
             self._poll_once()
             self._wake.wait(self.poll_s)
-            self._wake.clear()
 
     def _poll_once(self) -> None:
         began, error = self._clock(), None
