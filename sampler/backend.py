@@ -33,6 +33,8 @@ class GroupSampler(Protocol):
     # the command line allows): a counter in clock ticks cannot place time
     # finer than a tick.
     finest_hz: float | None
+    # CPUs without the kernel backend's cpu-clock tick (nohz_full, isolated).
+    tickless_cpus: list[int]
 
     @property
     def watches(self) -> list[GroupWatch]: ...

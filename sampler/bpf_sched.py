@@ -239,9 +239,7 @@ def load(
         raise BackendUnavailable(f"attaching the cpu-clock perf event failed: {e}") from None
     if tickless:
         log.info("no cpu-clock tick on CPUs %s (nohz_full or isolated)", format_cpu_list(tickless))
-    sampler = BpfGroupSampler(bpf, proc, pid_max, clock, bpf_stats)
-    sampler.tickless_cpus = tickless
-    return sampler
+    return BpfGroupSampler(bpf, proc, pid_max, clock, bpf_stats, tickless)
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -299,10 +297,10 @@ class BpfGroupSampler:
     """
 
     def __init__(self, bpf: Any, proc: Path, pid_max: int, clock: Callable[[], float] = time.monotonic,
-                 bpf_stats: bool = False) -> None:  # fmt: skip
+                 bpf_stats: bool = False, tickless_cpus: list[int] | None = None) -> None:  # fmt: skip
         self.bpf, self.proc, self._clock = bpf, proc, clock
         self.finest_hz: float | None = None  # nanoseconds, up to each sample
-        self.tickless_cpus: list[int] = []  # CPUs without the cpu-clock tick (nohz_full, isolated)
+        self.tickless_cpus = tickless_cpus or []  # CPUs without the cpu-clock tick (nohz_full, isolated)
         # The kernel's tgid -> slot bytes, shared memory: reading and writing
         # membership costs no system call.
         table = bpf.get_table(b"task_slot")

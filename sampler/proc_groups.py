@@ -128,6 +128,7 @@ class ProcGroupSampler:
         # The processes' own CPU clocks where they name this procfs's processes; else ticks.
         self._cpu_ns = process_cpu_ns if own_pid_namespace(proc) else None
         self.finest_hz: float | None = FINEST_HZ
+        self.tickless_cpus: list[int] = []  # /proc needs no tick of ours
         self._cpus = os.cpu_count() or 1
         self._states: dict[str, _WatchState] = {}
         self._last_at: float | None = None

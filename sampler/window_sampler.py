@@ -271,7 +271,7 @@ class WindowSampler:
         if dropped is None and not now:
             return None
         out: dict[str, Any] = {"dropped_forks": dropped}
-        if tickless := getattr(self.groups, "tickless_cpus", None):
+        if tickless := self.groups.tickless_cpus:
             out["tickless_cpus"] = tickless  # a running task is learnt there at its next switch, not at the tick
         if not now:
             return out

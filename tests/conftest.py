@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -108,6 +109,12 @@ class CpuCgroup:
 
     def throttled_seconds(self) -> float:
         return parse_cpu_stat((self.path / "cpu.stat").read_bytes()).throttled_seconds
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def unavailable(reason: str) -> NoReturn:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import ssl
 import threading
 from pathlib import Path
@@ -16,14 +15,9 @@ from typing import Any
 from aiohttp import web
 
 from tests.certs import TestCA
+from tests.conftest import free_port
 
 TOKEN = "kubelet-test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pod_doc(namespace: str, name: str, containers: dict[str, str], labels: dict[str, str] | None = None,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,11 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import free_port
+
 pytestmark = pytest.mark.live
 
 INTERVAL = 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Fleet:

@@ -20,8 +20,8 @@ from sampler.backend import BackendChoice
 from sampler.engine_metrics import EngineMetricsError, EngineMetricsReader, parse
 from sampler.proc_groups import ProcGroupSampler
 from sampler.window_sampler import WindowSampler
+from tests.conftest import free_port
 from tests.fakeproc import FakeClock, FakeProc
-from tests.test_agent_processes import free_port
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -22,7 +22,7 @@ from controlplane import pages_api
 from controlplane.history import ChartSpec, EmbeddedHistory, PrometheusHistory, Series
 from controlplane.registry import NodeRegistry
 from nodesampler import wire
-from tests.test_agent_processes import free_port
+from tests.conftest import free_port
 from web.pages import add_pages
 
 pytestmark = pytest.mark.live

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_agent_processes import free_port
+from tests.conftest import free_port
 from tests.workloads import BURN_ONE_CORE, start_group
 
 pytestmark = pytest.mark.live
