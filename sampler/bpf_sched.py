@@ -431,7 +431,9 @@ class BpfGroupSampler:
         # that pid would be credited to this group.
         for pid in added.tolist():
             try:
-                alive = procfs.read_pid_stat(self.proc, pid).start_ticks == table.stats[pid].start_ticks
+                st = procfs.read_pid_stat(self.proc, pid)
+                # A zombie has exited: its exit was seen, and its pid may be reused once it is reaped.
+                alive = st.start_ticks == table.stats[pid].start_ticks and st.state not in ("Z", "X")
             except (procfs.ProcessGone, procfs.ProcParseError):
                 alive = False
             if not alive:

@@ -232,6 +232,7 @@ class PidStat:
     start_ticks: int  # start time since boot: with the pid, names the process
     rss_pages: int
     threads: int = 1
+    state: str = "R"  # R, S, D, ...; Z: exited, not yet reaped (no longer runs)
 
 
 def parse_pid_stat(data: bytes) -> PidStat:
@@ -256,6 +257,7 @@ def parse_pid_stat(data: bytes) -> PidStat:
             start_ticks=int(f[19]),
             rss_pages=int(f[21]),
             threads=int(f[17]),
+            state=f[0].decode("ascii", "replace"),
         )
     except ValueError:
         raise ProcParseError(f"pid stat with a non-numeric field: {data[:80]!r}") from None

@@ -18,6 +18,9 @@ def test_pid_stat_parses_hostile_command_names(comm: str) -> None:
                                              start=777, rss=321))
     assert (st.pid, st.comm, st.ppid, st.pgrp) == (42, comm, 7, 40)
     assert (st.self_ticks, st.child_ticks, st.start_ticks, st.rss_pages) == (16, 5, 777, 321)
+    zombie = pid_stat_line(42, comm).replace(b") S ", b") Z ") if b") S " in pid_stat_line(42, comm) else None
+    if zombie is not None:  # the state after the name, whatever the name holds
+        assert procfs.parse_pid_stat(zombie).state == "Z" and st.state != "Z"
 
 
 @pytest.mark.parametrize(
