@@ -23,7 +23,7 @@ from sampler.proc_groups import ProcGroupSampler
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window_sampler import WindowSampler
 from tests.conftest import AccuracyLog
-from tests.workloads import BURST_THREE, HALF_OF_20MS, PROC, process_cpu_seconds, start_group
+from tests.workloads import BURST_PERIOD_S, BURST_THREE, HALF_OF_20MS, PROC, process_cpu_seconds, start_group
 
 pytestmark = pytest.mark.live
 
@@ -33,6 +33,16 @@ BUSY = "print('ready', flush=True)\nwhile True:\n    pass\n"
 # name -> (code, threads, burst level in cores, burst length in seconds)
 WORKLOADS = {"half": (HALF_OF_20MS, 1, 1.0, 0.010), "burst3": (BURST_THREE, 3, 3.0, 0.030),
              "busy": (BUSY, 1, 1.0, float("inf"))}  # fmt: skip
+# The truth (schedstat) lags a running thread by up to a tick: at an edge
+# inside burst3's burst, two CPUs' ticks (8 ms) against a window's 0.2 s of
+# CPU. Its bursts are set by the clock, so its windows start (and, 2.0 s
+# being 4 periods less 20 ms, end) half a period after a burst's start,
+# where no thread runs: there the truth is exact, and the mean is held to
+# 0.5% (a slice lost at a switch the tracepoint did not show is 1 to 5%).
+# The others run one thread at the edges: a tick against a second of CPU,
+# held to 3%.
+QUIET_PHASE_S = {"burst3": BURST_PERIOD_S / 2}
+MEAN_BOUND = {"burst3": 0.005}
 
 
 @pytest.fixture(params=["bpf", "proc"])
@@ -84,9 +94,12 @@ def test_every_rate_keeps_the_mean_and_the_bursts(
     group.append(p)
     failures = []
     for hz in (r for r in RATES if groups.finest_hz is None or r <= groups.finest_hz):
+        if (phase := QUIET_PHASE_S.get(workload)) is not None:
+            time.sleep((phase - time.monotonic()) % BURST_PERIOD_S)
         cores, truth = window_against_truth(groups, name, p.pid, hz)
-        accuracy.record(f"{workload} mean at {hz} Hz, {name}", cores["mean"], truth, 0.03)
-        checks = [("mean", abs(cores["mean"] - truth) <= 0.03 * truth),
+        bound = MEAN_BOUND.get(workload, 0.03)
+        accuracy.record(f"{workload} mean at {hz} Hz, {name}", cores["mean"], truth, bound)
+        checks = [("mean", abs(cores["mean"] - truth) <= bound * truth),
                   ("max above the threads", cores["max"] <= threads * 1.02)]  # fmt: skip
         if 1 / hz < burst_s:  # a sample can fall inside one burst: it must show its level
             accuracy.record(f"{workload} max at {hz} Hz, {name}", cores["max"], level, 0.10)

@@ -49,12 +49,13 @@ while True:
 # sha256 of a buffer releases the GIL: the threads run at once. 505, not 500:
 # the bursts drift 5 ms against a sampler's 10, 20 or 50 ms grid, so within
 # four bursts one holds a whole sample of any period under 30 ms.
-BURST_THREE = """
+BURST_PERIOD_S = 0.505
+BURST_THREE = f"""
 import hashlib, math, threading, time
 data = bytes(1 << 16)
 def burst():
     while True:
-        start = math.ceil(time.monotonic() / 0.505) * 0.505
+        start = math.ceil(time.monotonic() / {BURST_PERIOD_S}) * {BURST_PERIOD_S}
         time.sleep(max(0.0, start - time.monotonic()))
         while time.monotonic() < start + 0.030:
             hashlib.sha256(data).digest()
@@ -133,9 +134,11 @@ def group_cpu_seconds(pgid: int) -> float:
 
 def process_cpu_seconds(pid: int) -> float:
     """The kernel's account of one process that forks nothing: its threads'
-    on-CPU nanoseconds (schedstat, brought up to the read), in a handful of
-    reads. A burst's edge moves by milliseconds: a truth that walks all of
-    /proc first reads it tens of milliseconds late."""
+    on-CPU nanoseconds (schedstat), in a handful of reads. A burst's edge
+    moves by milliseconds: a truth that walks all of /proc first reads it
+    tens of milliseconds late. A running thread's schedstat is brought up to
+    date only at a tick or a switch, so it can be a tick behind (4 ms at
+    HZ=250): exact only while the process's threads are off CPU."""
     total = 0.0
     for tid in os.listdir(PROC / str(pid) / "task"):
         try:
