@@ -18,6 +18,18 @@
  * the CPUs whose `seq` did not move. No clock is read on a switch between
  * two unwatched tasks.
  *
+ * Some kernels switch tasks without this tracepoint now and then (the CI
+ * host's did, a few times a second, its switch count running ahead of the
+ * program's runs): each CPU remembers the task it was last seen switching
+ * to, and a switch out of another task, or a tick in one, shows a switch in
+ * that was not seen. That task's slice is then what its runtime grew since
+ * the fair class picked it (se.prev_sum_exec_runtime), at most a tick's
+ * period (longer, the tick would have found it first); a task of another
+ * class keeps no such mark and its unseen slice is not counted. Such time
+ * is credited late (`late`: userspace spreads it over the samples after).
+ * The slice the CPU was counting belonged to a task whose switch out was
+ * not seen either: its end is unknown, and it is dropped.
+ *
  * The credit of a slice is its runtime's growth; for a task learnt at the
  * cpu-clock tick (it was running when userspace gave it a slot), at most the
  * time since the tick: its runtime then was the last scheduler tick's, and
@@ -44,8 +56,9 @@
  *
  * No kernel struct is read through the compile-time headers (they may not be
  * the running kernel's): offsets come from the running kernel's BTF
- * (TASK_PID_OFF, TASK_TGID_OFF, TASK_RUNTIME_OFF, TASK_RUN_DELAY_OFF,
- * TASK_SIGNAL_OFF, SIGNAL_LIVE_OFF), read by the loader.
+ * (TASK_PID_OFF, TASK_TGID_OFF, TASK_POLICY_OFF, TASK_RUNTIME_OFF,
+ * TASK_PICKED_RUNTIME_OFF, TASK_RUN_DELAY_OFF, TASK_SIGNAL_OFF,
+ * SIGNAL_LIVE_OFF), read by the loader.
  */
 
 #ifndef PID_MAX
@@ -54,17 +67,30 @@
 #ifndef MAX_SLOTS
 #define MAX_SLOTS 256
 #endif
+#ifndef TICK_NS
+#define TICK_NS 10000000
+#endif
 
 /* tgid / 8 -> eight one-byte slots. BPF_F_MMAPABLE: userspace maps it. */
 BPF_F_TABLE("array", u32, u64, task_slot, (PID_MAX + 7) / 8, BPF_F_MMAPABLE);
-/* slot -> on-CPU ns, per CPU, cumulative: never cleared, userspace takes deltas. */
-BPF_PERCPU_ARRAY(slot_ns, u64, MAX_SLOTS);
+/* slot -> on-CPU ns, per CPU, cumulative: never cleared, userspace takes
+ * deltas. `late`: the part of `ns` credited for slices whose switch in was
+ * not seen, spent before userspace could count it (it spreads it over the
+ * samples that follow, as their threads had room). */
+struct slot_time {
+    u64 ns;
+    u64 late;
+};
+BPF_PERCPU_ARRAY(slot_ns, struct slot_time, MAX_SLOTS);
 
 /* What each CPU is running: its task's slot, that task's runtime when it was
- * switched in (or learnt), and when (ns, CLOCK_MONOTONIC). Read by userspace. */
+ * switched in (or learnt), and when (ns, CLOCK_MONOTONIC). Read by userspace.
+ * `task`: the task it was last seen switching to, watched or not; compared
+ * with the task switching out, never read through. */
 struct cpu_run {
     u64 start;
     u64 since;
+    u64 task;
     u32 slot;
     u32 seq;
     u32 learnt; /* 1: learnt at the tick, `start` may be stale */
@@ -123,20 +149,62 @@ static __always_inline u64 runtime_of(void *task)
 }
 
 /* Credit the slice that ends now to its slot: its runtime's growth (for a
- * slice learnt at the tick, at most the wall time since then). */
+ * slice learnt at the tick, at most the wall time since then). What it grew
+ * beyond its wall time since `since` was spent before userspace counted the
+ * slice as running (the scheduler's clock starts a slice at its pick, a
+ * tick-learnt one's runtime was last brought up to date before the tick):
+ * late. */
 static __always_inline void credit(struct cpu_run *run, u64 runtime, u64 now)
 {
     if (!run->slot || runtime <= run->start)
         return;
     u64 grown = runtime - run->start;
-    if (run->learnt) {
-        u64 wall = now > run->since ? now - run->since : 0;
+    u64 wall = now > run->since ? now - run->since : 0;
+    if (run->learnt && grown > wall)
+        grown = wall;
+    struct slot_time *t = slot_ns.lookup(&run->slot);
+    if (t) { /* this CPU's own entry: no atomics needed */
+        t->ns += grown;
         if (grown > wall)
-            grown = wall;
+            t->late += grown - wall;
     }
-    u64 *ns = slot_ns.lookup(&run->slot);
-    if (ns)
-        *ns += grown; /* this CPU's own entry: no atomics needed */
+}
+
+/* Time spent before anyone could count it: credited, and marked late. */
+static __always_inline void credit_late(u32 slot, u64 grown)
+{
+    struct slot_time *t = slot_ns.lookup(&slot);
+    if (t && grown) {
+        t->ns += grown;
+        t->late += grown;
+    }
+}
+
+/* What a task switched in unseen has run since the fair class picked it, at
+ * most a tick's period; 0 for a task of another class (no such mark). */
+static __always_inline u64 unseen_slice(void *task, u64 runtime)
+{
+    u32 policy = 0;
+    u64 picked = 0;
+    bpf_probe_read_kernel(&policy, sizeof(policy), task + TASK_POLICY_OFF);
+    if (policy != 0 && policy != 3 && policy != 5) /* SCHED_NORMAL, SCHED_BATCH, SCHED_IDLE */
+        return 0;
+    bpf_probe_read_kernel(&picked, sizeof(picked), task + TASK_PICKED_RUNTIME_OFF);
+    if (runtime <= picked)
+        return 0;
+    return runtime - picked < TICK_NS ? runtime - picked : TICK_NS;
+}
+
+/* prev ends a slice whose start was not seen: credit it to prev's slot (if
+ * any), and drop the slice this CPU was counting (its task left unseen). */
+static __always_inline void end_unseen(struct cpu_run *run, void *prev)
+{
+    run->slot = 0;
+    u32 tgid = 0;
+    bpf_probe_read_kernel(&tgid, sizeof(tgid), prev + TASK_TGID_OFF);
+    u8 *slot = slot_of(tgid);
+    if (slot && *slot)
+        credit_late(*slot, unseen_slice(prev, runtime_of(prev)));
 }
 
 /* args: (bool preempt, struct task_struct *prev, struct task_struct *next, ...) */
@@ -146,15 +214,20 @@ RAW_TRACEPOINT_PROBE(sched_switch)
     struct cpu_run *run = cpu_run.lookup(&zero);
     if (!run)
         return 0;
-    void *next = (void *)ctx->args[2];
+    void *prev = (void *)ctx->args[1], *next = (void *)ctx->args[2];
+    u64 seen = run->task;
+    run->task = (u64)next;
     u32 tgid = 0;
     bpf_probe_read_kernel(&tgid, sizeof(tgid), next + TASK_TGID_OFF);
     u8 *slot = slot_of(tgid);
     u8 next_slot = slot ? *slot : 0;
-    if (!run->slot && !next_slot)
+    u8 unseen = seen && seen != (u64)prev;
+    if (!run->slot && !next_slot && !unseen)
         return 0; /* unwatched to unwatched: the common case, no clock read */
     u64 now = bpf_ktime_get_ns();
     run->seq += 1; /* odd: userspace ignores this CPU until it is even again */
+    if (unseen)
+        end_unseen(run, prev);
     if (run->slot) {
         credit(run, runtime_of((void *)ctx->args[1]), now);
 #ifdef TASK_RUN_DELAY_OFF
@@ -172,28 +245,37 @@ RAW_TRACEPOINT_PROBE(sched_switch)
 }
 
 /* The cpu-clock tick: learn the slot of whoever runs now, which may have been
- * running since before the programs were loaded, or been given (or lost) a
- * slot by userspace since it was switched in. Nothing is credited here: the
- * runtime is only brought up to date at the switch out, and userspace counts
- * a running slice up to each sample. */
+ * running since before the programs were loaded, been given (or lost) a slot
+ * by userspace since it was switched in, or been switched in unseen. Only an
+ * unseen slice's time so far is credited here (late); otherwise the runtime
+ * is brought up to date at the switch out, and userspace counts a running
+ * slice up to each sample. */
 int on_tick(struct bpf_perf_event_data *ctx)
 {
     u32 zero = 0;
     struct cpu_run *run = cpu_run.lookup(&zero);
     if (!run)
         return 0;
+    void *task = (void *)bpf_get_current_task();
     u8 *slot = slot_of(bpf_get_current_pid_tgid() >> 32);
     u8 now_slot = slot ? *slot : 0;
-    if (now_slot == run->slot)
+    u8 unseen = run->task && run->task != (u64)task; /* switched in without the tracepoint */
+    if (now_slot == run->slot && !unseen)
         return 0;
     u64 now = bpf_ktime_get_ns();
-    u64 runtime = runtime_of((void *)bpf_get_current_task());
+    u64 runtime = runtime_of(task);
     run->seq += 1;
-    credit(run, runtime, now); /* it left its group: what it ran as a member */
+    if (!unseen)
+        credit(run, runtime, now); /* it left its group: what it ran as a member */
+    /* Unseen: its slice up to now counts from its pick, as a switch would
+     * have counted it; its runtime now is exact from here on (no cap). */
+    if (unseen && now_slot)
+        credit_late(now_slot, unseen_slice(task, runtime));
+    run->task = (u64)task;
     run->slot = now_slot;
     run->start = runtime;
     run->since = now;
-    run->learnt = 1;
+    run->learnt = !unseen;
     run->seq += 1;
     return 0;
 }

@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent.parent / "bpf" / "sched_groups.bpf.c"
 MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
 # The program's struct cpu_run, one per CPU: the slice a CPU is running for a slot.
-CPU_RUN = np.dtype([("start", "<u8"), ("since", "<u8"), ("slot", "<u4"), ("seq", "<u4"), ("learnt", "<u4"),
-                    ("pad", "<u4")])  # fmt: skip
+CPU_RUN = np.dtype([("start", "<u8"), ("since", "<u8"), ("task", "<u8"), ("slot", "<u4"), ("seq", "<u4"),
+                    ("learnt", "<u4"), ("pad", "<u4")])  # fmt: skip
 SNAPSHOT_TRIES = 3
 TICK_NS = 10_000_000
 WAIT_BUCKETS = 32  # log2 buckets of a wait in ns, as in the program
@@ -71,6 +71,7 @@ class _Watch:
     threads: int = 1  # its processes' threads at the walk
     starts: dict[int, int] = field(default_factory=dict)  # pid -> its start time at the walk: the same process
     carried: float = 0.0  # seconds credited by the kernel that its threads could not have used yet
+    late: float = 0.0  # seconds spent in slices the kernel saw late, not yet placed in a sample
 
 
 def effective_capabilities(proc: Path) -> int:
@@ -141,6 +142,9 @@ def compile_flags(offsets: dict[str, int], pid_max: int) -> list[str]:
         f"-DTASK_PID_OFF={offsets['pid']}",
         f"-DTASK_TGID_OFF={offsets['tgid']}",
         f"-DTASK_RUNTIME_OFF={offsets['runtime']}",
+        f"-DTASK_PICKED_RUNTIME_OFF={offsets['picked_runtime']}",
+        f"-DTASK_POLICY_OFF={offsets['policy']}",
+        f"-DTICK_NS={TICK_NS}",
         f"-DTASK_SIGNAL_OFF={offsets['signal']}",
         f"-DSIGNAL_LIVE_OFF={offsets['live']}",
         *([f"-DTASK_RUN_DELAY_OFF={offsets['run_delay']}"] if "run_delay" in offsets else []),
@@ -281,6 +285,14 @@ def tick_cpus(sysfs: Path = Path("/sys")) -> tuple[list[int], list[int]]:
 SWITCH_SLACK_S = 0.0002
 
 
+def place_late(credit: float, pending: float, capacity: float) -> tuple[float, float]:
+    """A sample's credit with time spent in earlier samples (`pending`, seen
+    late by the kernel) added as far as its threads had room, and what is
+    left for the samples after: never over the capacity, nothing lost."""
+    placed = min(pending, max(0.0, capacity - credit))
+    return credit + placed, pending - placed
+
+
 def settle(used: float, debt: float) -> tuple[float, float]:
     """A sample's seconds on CPU after what earlier samples counted ahead of
     the kernel (`debt`), and the debt left: never negative, nothing lost."""
@@ -312,7 +324,7 @@ class BpfGroupSampler:
         self._watches: dict[str, _Watch] = {}
         self._slot_of: dict[frozenset[str], int] = {}  # a set of watch ids -> its slot
         self._slots = np.zeros(0, dtype=np.int64)  # the slots in use, in a fixed order
-        self._prev_ns = np.zeros(0, dtype=np.int64)  # their totals at the last reading (ns)
+        self._prev_ns = np.zeros((0, 2), dtype=np.int64)  # their totals (ns, late ns) at the last reading
         self._index_of_slot = np.full(MAX_SLOTS, -1, dtype=np.int64)  # slot -> its place in _slots
         self._cpu_run = bpf.get_table(b"cpu_run")
         self._cpu_run_key = self._cpu_run.Key(0)
@@ -360,11 +372,12 @@ class BpfGroupSampler:
             pids = table.resolve(gw.selector)
             pgids = sorted({table.stats[p].pgrp for p in pids if table.stats[p].pgrp > 0})
             command = table.stats[pgids[0]].comm if len(pgids) == 1 and pgids[0] in table.stats else None
-            fresh, carried = (prev.fresh, prev.carried) if prev is not None and prev.watch == gw else (True, 0.0)
+            same = prev is not None and prev.watch == gw
+            fresh, carried, late = (prev.fresh, prev.carried, prev.late) if prev and same else (True, 0.0, 0.0)
             threads = sum(table.stats[p].threads for p in pids if p in table.stats)
             starts = {p: table.stats[p].start_ticks for p in pids if p in table.stats}
             new[gw.id] = _Watch(gw, pids, pgids, command, fresh, threads=max(threads, 1), starts=starts,
-                                carried=carried)  # fmt: skip
+                                carried=carried, late=late)  # fmt: skip
             for pid in pids:
                 watches_of.setdefault(pid, set()).add(gw.id)
 
@@ -397,8 +410,8 @@ class BpfGroupSampler:
         self._index_of_slot[:] = -1
         self._index_of_slot[self._slots] = np.arange(len(self._slots))
         now_ns, _ = self._read_totals()
-        self._prev_ns = np.array([prev_ns.get(s, now_ns[j]) for j, s in enumerate(self._slots.tolist())],
-                                 dtype=np.int64)  # fmt: skip
+        self._prev_ns = np.array([prev_ns.get(s, now_ns[j].tolist()) for j, s in enumerate(self._slots.tolist())],
+                                 dtype=np.int64).reshape(-1, 2)  # fmt: skip
         self._debt = {wid: d for wid, d in self._debt.items() if wid in new}
 
     def _sync_map(self, table: ProcessTable, want: dict[int, int]) -> bool:
@@ -450,17 +463,19 @@ class BpfGroupSampler:
     # --- samples ----------------------------------------------------------------
 
     def _read_ns(self) -> np.ndarray:
-        """Each slot's on-CPU ns credited by the kernel (slices that have ended)."""
+        """Each slot's on-CPU ns credited by the kernel (slices that have ended),
+        and of those the ns credited late: [slot, (ns, late)]."""
         Key = self.slot_ns.Key
-        return np.array([np.frombuffer(self.slot_ns.getvalue(Key(s)), dtype=np.uint64).sum()
-                         for s in self._slots.tolist()], dtype=np.int64)  # fmt: skip
+        return np.array([np.frombuffer(self.slot_ns.getvalue(Key(s)), dtype=np.uint64).reshape(-1, 2).sum(axis=0)
+                         for s in self._slots.tolist()], dtype=np.int64).reshape(-1, 2)  # fmt: skip
 
     def _running(self) -> np.ndarray:
         return np.frombuffer(self._cpu_run.getvalue(self._cpu_run_key), dtype=CPU_RUN)
 
     def _read_totals(self) -> tuple[np.ndarray, float]:
         """Each slot's on-CPU ns up to now: what the kernel credited, and the
-        slices still running on a CPU from when they were counted from. The
+        slices still running on a CPU from when they were counted from; beside
+        it, the part of those the kernel credited late. The
         CPUs' entries are read before and after the totals; a CPU whose entry
         moved in between (a switch) is read again, and after a few tries left
         out: its slice began or ended within microseconds of the reading."""
@@ -477,7 +492,7 @@ class BpfGroupSampler:
             where = self._index_of_slot[before["slot"][running]]
             ahead = np.maximum(0, round(now * 1e9) - before["since"][running].astype(np.int64))
             known = where >= 0  # a slot given up since: its slice no longer counts
-            credited += np.bincount(where[known], weights=ahead[known], minlength=len(credited)).astype(np.int64)
+            credited[:, 0] += np.bincount(where[known], weights=ahead[known], minlength=len(credited)).astype(np.int64)
         return credited, now
 
     def sample(self) -> dict[str, GroupReading]:
@@ -491,13 +506,17 @@ class BpfGroupSampler:
         # read microseconds apart at each switch), beyond what the group's
         # threads could have used in the sample, the rest goes to the next.
         # More than SWITCH_SLACK_S beyond is no clock's doing but threads the
-        # walk did not see (forked since): counted as measured.
+        # walk did not see (forked since): counted as measured. Time the kernel
+        # credited late (slices whose switch in it did not see) was spent in
+        # samples already taken: it goes into this one and the next as far as
+        # the threads had room, never over them, never lost.
         previous, self._prev_ns = self._prev_ns, current
-        used_s = self._member_of @ ((current - previous).astype(np.float64) / 1e9)
+        used_s, late_s = (self._member_of @ ((current - previous).astype(np.float64) / 1e9)).T
         out = {}
         for i, w in enumerate(self._watches.values()):
             wid = w.watch.id
-            used, debt = settle(float(used_s[i]), self._debt.pop(wid, 0.0))
+            late = min(max(0.0, float(late_s[i])), max(0.0, float(used_s[i])))
+            used, debt = settle(float(used_s[i]) - late, self._debt.pop(wid, 0.0))
             if debt:
                 self._debt[wid] = debt
             valid = elapsed is not None and elapsed > 0 and not w.fresh and bool(w.pids)
@@ -505,7 +524,9 @@ class BpfGroupSampler:
             if not valid or not elapsed:
                 out[wid] = GroupReading(None, None, elapsed)
                 continue
-            credit, w.carried = within_capacity(used + w.carried, min(w.threads, self._cpus) * elapsed, SWITCH_SLACK_S)
+            capacity = min(w.threads, self._cpus) * elapsed
+            credit, w.carried = within_capacity(used + w.carried, capacity, SWITCH_SLACK_S)
+            credit, w.late = place_late(credit, w.late + late, capacity)
             out[wid] = GroupReading(credit / elapsed, None, elapsed)
         return out
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sampler.backend import BackendChoice
-from sampler.bpf_sched import settle
+from sampler.bpf_sched import place_late, settle
 from sampler.proc_groups import GroupReading, ProcGroupSampler, within_capacity
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window import RateSeries
@@ -90,3 +90,19 @@ def test_time_beyond_the_threads_is_carried_never_dropped(drawn: list[tuple[floa
         assert carried <= slack
         credited += credit
     assert math.isclose(credited + carried, sum(u for u, _ in drawn), abs_tol=1e-9)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.01), st.floats(0.0, 0.01), st.floats(0.0, 0.01)), min_size=1, max_size=100))
+def test_time_seen_late_fills_room_never_more(drawn: list[tuple[float, float, float]]) -> None:
+    """A slice whose switch in the kernel did not see is credited at its end:
+    its time goes where the threads had room, never over them, never lost."""
+    pending, credited = 0.0, 0.0
+    for on_time, late, capacity in drawn:
+        on_time = min(on_time, capacity)  # what within_capacity leaves
+        credit, pending = place_late(on_time, pending + late, capacity)
+        assert on_time <= credit <= capacity + 1e-12 and pending >= 0
+        assert math.isclose(credit, capacity, abs_tol=1e-12) or pending == 0  # room left only when nothing waits
+        credited += credit
+    on_time = sum(min(o, c) for o, _, c in drawn)
+    assert math.isclose(credited + pending, on_time + sum(la for _, la, _ in drawn), abs_tol=1e-9)
