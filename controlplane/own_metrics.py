@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from controlplane.connection_limits import CLOSE_REASONS
 from controlplane.registry import NodeRegistry
 
 REJECT_REASONS = ("bad_request", "unauthorized", "forbidden", "unknown_node", "too_large", "internal_error")
@@ -26,6 +27,13 @@ class ControlPlaneMetrics:
         self.items_dropped = Counter("nodesampler_heartbeat_items_dropped",
                                      "Entries of accepted bodies left out (a shard, disk or GPU), by list and reason",
                                      ["reason"], registry=self.prometheus)  # fmt: skip
+        self.connections_closed = Counter("nodesampler_connections_closed",
+                                          "Connections the control plane closed: idle, a request not complete "
+                                          "in time, or one too many from a peer address",
+                                          ["listener", "reason"], registry=self.prometheus)  # fmt: skip
+        for listener in ("agents", "pages"):
+            for why in CLOSE_REASONS:
+                self.connections_closed.labels(listener, why)
         for kind in ("register", "heartbeat"):
             self.accepted.labels(kind)
             for reason in REJECT_REASONS:

@@ -58,6 +58,15 @@ def _within(lo: float, hi: float) -> Callable[[str], float]:
     return parse
 
 
+def _count(hi: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) > hi:
+            raise argparse.ArgumentTypeError(f"must be a whole number from 0 to {hi}: {text!r}")
+        return int(text)
+
+    return parse
+
+
 def _group(text: str) -> tuple[str, str]:
     from sampler.selectors import GroupSelector
 
@@ -168,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after its last heartbeat that a node is stale (default 60)")
     c.add_argument("--prometheus", default=None, metavar="URL",
                    help="draw the pages' charts from this Prometheus (default: the embedded history)")
+    # Connections held to account (controlplane/connection_limits.py).
+    c.add_argument("--request-deadline", type=_positive(3600), default=10.0, metavar="S",
+                   help="seconds a request has, from its first byte, to arrive whole and be answered (default 10)")
+    c.add_argument("--idle-timeout", type=_positive(86400), default=60.0, metavar="S",
+                   help="seconds a connection may stay open with no request under way (default 60)")
+    c.add_argument("--max-connections-per-peer", type=_count(1_000_000), default=256, metavar="N",
+                   help="connections one peer address may hold on each listener; 0: no cap (default 256)")
     # The verdict's thresholds (controlplane/starvation.py, docs/metrics.md).
     c.add_argument("--starved-throttled-ratio", type=_within(0, 1), default=0.25, metavar="R",
                    help="CPU-starved above this share of CFS periods throttled in a window (default 0.25)")
@@ -438,6 +454,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     import asyncio
     import ssl
 
+    from controlplane.connection_limits import ConnectionLimits
     from controlplane.starvation import StarvationRules
     from controlplane.tls_files import ReloadingServerTLS
     from web.server import serve, split_address
@@ -462,7 +479,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     try:
         rules = StarvationRules(args.starved_throttled_ratio, args.starved_wait_ratio, args.starved_min_wait,
                                 args.host_bound_gpu_utilization)  # fmt: skip
-        asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls, rules))
+        limits = ConnectionLimits(args.request_deadline, args.idle_timeout, args.max_connections_per_peer)
+        asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls, rules, limits))
     except OSError as e:  # the address is taken or not ours
         _fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

@@ -43,10 +43,10 @@ class Fleet:
     def cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "nodesampler", *args]
 
-    def start_control_plane(self) -> None:
+    def start_control_plane(self, *extra: str) -> None:
         self.control = subprocess.Popen(
             self.cli("controlplane", "--listen", f"127.0.0.1:{self.agent_port}", "--pages-listen",
-                     f"127.0.0.1:{self.pages_port}", "--secret-file", str(self.secret)),
+                     f"127.0.0.1:{self.pages_port}", "--secret-file", str(self.secret), *extra),
             stdout=subprocess.PIPE, stderr=self.log("control.log"))  # fmt: skip
         assert self.control.stdout is not None
         assert b"control plane" in self.control.stdout.readline()  # it listens

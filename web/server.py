@@ -5,6 +5,7 @@ registry (and the embedded history), until SIGTERM or SIGINT. It lives in
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import signal
@@ -12,6 +13,7 @@ import signal
 from aiohttp import web
 
 from controlplane import agent_api, pages_api
+from controlplane.connection_limits import GUARD, ConnectionGuard, ConnectionLimits, within_deadline
 from controlplane.history import EmbeddedHistory
 from controlplane.node_identity import NodeAuthenticator
 from controlplane.own_metrics import ControlPlaneMetrics
@@ -43,9 +45,13 @@ def is_loopback(host: str) -> bool:
         return False  # a name: it may resolve anywhere
 
 
+def _count_close(own: ControlPlaneMetrics, listener: str, reason: str) -> None:
+    own.connections_closed.labels(listener, reason).inc()
+
+
 async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, stale_after: float,
                 prometheus_url: str | None = None, tls: ReloadingServerTLS | None = None,
-                starvation: StarvationRules | None = None) -> None:  # fmt: skip
+                starvation: StarvationRules | None = None, limits: ConnectionLimits | None = None) -> None:  # fmt: skip
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
         log.warning("agent listener %s has no TLS: bearer tokens cross the network in clear text "
                     "(--tls-cert and --tls-key)", agent_listen)  # fmt: skip
@@ -55,15 +61,26 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     history = None if prometheus_url else EmbeddedHistory()
     pages = pages_api.create_app(registry, own, history)
     add_pages(pages, history, prometheus_url)
-    runners = []
+    limits = limits or ConnectionLimits()
+    loop = asyncio.get_running_loop()
+    runners, servers = [], []
     try:
-        for app, address, context in ((agent_api.create_app(registry, auth, own, history), agent_listen,
-                                       tls.context if tls else None), (pages, pages_listen, None)):  # fmt: skip
+        for name, app, address, context in (
+            ("agents", agent_api.create_app(registry, auth, own, history), agent_listen, tls.context if tls else None),
+            ("pages", pages, pages_listen, None),
+        ):
+            # Every connection through a guard (controlplane/connection_limits.py):
+            # aiohttp's own sites would time out neither half a request nor none.
+            guard = ConnectionGuard(limits, functools.partial(_count_close, own, name))
+            app[GUARD] = guard
+            app.middlewares.insert(0, within_deadline)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             runners.append(runner)
             host, port = split_address(address)
-            await web.TCPSite(runner, host, port, ssl_context=context).start()
+            assert runner.server is not None  # set up
+            servers.append(await loop.create_server(guard.protocol_factory(runner.server), host, port, ssl=context,
+                                                    ssl_handshake_timeout=limits.request_s if context else None))
         if auth.service_accounts is not None:
             await auth.service_accounts.keys.refresh()  # a failure is logged; tokens are refused until keys load
         scheme = "https" if tls else "http"
@@ -71,11 +88,12 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
         print(f"nodesampler control plane: agents on {scheme}://{agent_listen}, pages on http://{pages_listen}/",
               flush=True)  # fmt: skip
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
+        for server in servers:
+            server.close()  # no new connections; the runners close the open ones
         for runner in runners:
             await runner.cleanup()
         if auth.service_accounts is not None:

@@ -1,0 +1,195 @@
+"""Connections held to account. A client that opens a connection and sends
+half a request, or nothing, must not keep it: enough such connections take
+the listener's file descriptors and blind the fleet. aiohttp times out
+neither a request head that never ends nor a connection that never sends
+one, so every connection's protocol is wrapped here:
+
+- a connection with no request under way (new, or kept alive between
+  requests) is closed after `idle_s`;
+- from the first byte of a request, its head, its body and the answer must
+  be done within `request_s`: the head is timed here, the rest by the
+  `within_deadline` middleware (the body is read inside the handler);
+- a peer address already holding `per_peer` connections has the next one
+  closed at once (0: no cap). Agents behind one NAT share an address: the
+  cap is per address, not per node, and has a flag.
+
+A TLS handshake is bounded by `request_s` too (asyncio's own timeout). One
+`ConnectionGuard` per listener; web/server.py listens through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+CLOSE_REASONS = ("idle", "request_deadline", "per_peer")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    request_s: float = 10.0
+    idle_s: float = 60.0
+    per_peer: int = 256
+
+
+class GuardedConnection(asyncio.Protocol):
+    """aiohttp's protocol for one connection, behind its timers."""
+
+    def __init__(self, guard: ConnectionGuard, inner: web.RequestHandler) -> None:
+        self.guard, self.inner = guard, inner
+        self.transport: asyncio.Transport | None = None
+        self.peer: str | None = None
+        self.admitted = self.lost = False
+        self.handling = False
+        self._deadline = 0.0  # loop time by which the request under way must be in
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- the transport's calls, passed on ----------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        if not self.guard.admit(self):
+            transport.abort()
+            return
+        self.admitted = True
+        self._arm(self.guard.limits.idle_s, "idle")
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.admitted:
+            return
+        if not self.handling and self._reason == "idle":  # the first byte of a request: its deadline runs
+            self._deadline = self._loop.time() + self.guard.limits.request_s
+            self._arm(self.guard.limits.request_s, "request_deadline")
+        self.inner.data_received(data)
+
+    def eof_received(self) -> None:
+        if self.admitted:
+            self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._cancel()
+        if self.admitted:
+            self.guard.release(self)
+            self.inner.connection_lost(exc)
+
+    # --- the middleware's calls ----------------------------------------------------
+
+    def handler_started(self) -> float:
+        """The head is in: the head's timer stops; returns the seconds the rest
+        of the request (body and answer) has left."""
+        now = self._loop.time()
+        left = self._deadline - now if self._reason == "request_deadline" else self.guard.limits.request_s
+        self._cancel()
+        self.handling = True
+        return max(0.0, left)
+
+    def answered(self) -> None:
+        self.handling = False
+        if not self.lost:
+            self._arm(self.guard.limits.idle_s, "idle")
+
+    def close(self, reason: str) -> None:
+        self.guard.closed(reason)
+        if self.transport is not None:
+            self.transport.abort()
+
+    # --- timers --------------------------------------------------------------------
+
+    _reason = ""
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    def _arm(self, seconds: float, reason: str) -> None:
+        self._cancel()
+        self._reason = reason
+        self._timer = self._loop.call_later(seconds, self.close, reason)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._reason = ""
+
+
+class ConnectionGuard:
+    """One listener's connections: counted per peer, found by transport."""
+
+    def __init__(self, limits: ConnectionLimits, on_close: Callable[[str], None] | None = None) -> None:
+        self.limits = limits
+        self._on_close = on_close
+        self._per_peer: collections.Counter[str] = collections.Counter()
+        self._by_transport: dict[asyncio.BaseTransport, GuardedConnection] = {}
+
+    def protocol_factory(self, inner: Callable[[], web.RequestHandler]) -> Callable[[], GuardedConnection]:
+        return lambda: GuardedConnection(self, inner())
+
+    def admit(self, conn: GuardedConnection) -> bool:
+        if conn.peer is not None:
+            if self.limits.per_peer and self._per_peer[conn.peer] >= self.limits.per_peer:
+                self.closed("per_peer")
+                return False
+            self._per_peer[conn.peer] += 1
+        assert conn.transport is not None
+        self._by_transport[conn.transport] = conn
+        return True
+
+    def release(self, conn: GuardedConnection) -> None:
+        if conn.transport is not None:
+            self._by_transport.pop(conn.transport, None)
+        if conn.peer is not None:
+            self._per_peer[conn.peer] -= 1
+            if self._per_peer[conn.peer] <= 0:
+                del self._per_peer[conn.peer]
+
+    def find(self, transport: asyncio.BaseTransport | None) -> GuardedConnection | None:
+        return self._by_transport.get(transport) if transport is not None else None
+
+    def closed(self, reason: str) -> None:
+        if self._on_close is not None:
+            self._on_close(reason)
+
+    def open_connections(self) -> int:
+        return len(self._by_transport)
+
+
+GUARD = web.AppKey("connection_guard", ConnectionGuard)
+
+
+@web.middleware
+async def within_deadline(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                          ) -> web.StreamResponse:  # fmt: skip
+    """The rest of a request's deadline (its body is read by the handler, the
+    answer made there): past it, the connection is closed, not answered."""
+    guard = request.app.get(GUARD)
+    conn = guard.find(request.transport) if guard is not None else None
+    if guard is None or conn is None:  # not behind a guard (the tests' in-process clients)
+        return await handler(request)
+    left = conn.handler_started()
+    deadline = asyncio.timeout(left)
+    try:
+        async with deadline:
+            return await handler(request)
+    except TimeoutError:
+        if not deadline.expired():  # the handler's own
+            raise
+        conn.close("request_deadline")
+        raise web.HTTPRequestTimeout(text=f"request not complete within {guard.limits.request_s:g} s\n") from None
+    finally:
+        conn.answered()
