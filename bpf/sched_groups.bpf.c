@@ -74,9 +74,10 @@
 /* tgid / 8 -> eight one-byte slots. BPF_F_MMAPABLE: userspace maps it. */
 BPF_F_TABLE("array", u32, u64, task_slot, (PID_MAX + 7) / 8, BPF_F_MMAPABLE);
 /* slot -> on-CPU ns, per CPU, cumulative: never cleared, userspace takes
- * deltas. `late`: the part of `ns` credited for slices whose switch in was
- * not seen, spent before userspace could count it (it spreads it over the
- * samples that follow, as their threads had room). */
+ * deltas. `late`: the part of `ns` spent before userspace could count it as
+ * running (slices whose switch in was not seen, and what a slice grew beyond
+ * its wall time); userspace spreads it over the samples that follow, as far
+ * as their threads had room. */
 struct slot_time {
     u64 ns;
     u64 late;
@@ -229,9 +230,9 @@ RAW_TRACEPOINT_PROBE(sched_switch)
     if (unseen)
         end_unseen(run, prev);
     if (run->slot) {
-        credit(run, runtime_of((void *)ctx->args[1]), now);
+        credit(run, runtime_of(prev), now);
 #ifdef TASK_RUN_DELAY_OFF
-        record_wait((void *)ctx->args[1], run->slot);
+        record_wait(prev, run->slot);
 #endif
     }
     run->slot = next_slot;
