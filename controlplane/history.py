@@ -235,6 +235,22 @@ def promql(spec: ChartSpec) -> str:
     return f"{spec.agg} by ({','.join(spec.group_by)}) ({spec.metric}{{{','.join(matchers)}}})"
 
 
+def range_grid(start: float, end: float, step: float) -> dict[str, str]:
+    """A range query's start, end and step, so that its last point is `end`.
+
+    Prometheus evaluates at start, start + step, ... up to end, in whole
+    milliseconds (a step given as fractional seconds is truncated to them). A
+    step that does not divide the span left the last point up to a step before
+    `end`, so the newest scrape was missing from the chart until the next step.
+    The step is whole milliseconds, at least a second, written as a duration
+    (`7259ms`: no float to truncate), and the grid is counted back from `end`.
+    """
+    step_ms = max(1000, math.ceil(step * 1000))
+    end_ms = math.floor(end * 1000)
+    start_ms = end_ms - max(0, end_ms - math.ceil(start * 1000)) // step_ms * step_ms
+    return {"start": f"{start_ms / 1000:.3f}", "end": f"{end_ms / 1000:.3f}", "step": f"{step_ms}ms"}
+
+
 class PrometheusHistory:
     """The same specs answered by Prometheus range queries (`--prometheus URL`)."""
 
@@ -243,7 +259,7 @@ class PrometheusHistory:
         self.session = session
 
     async def query(self, spec: ChartSpec, start: float, end: float, step: float) -> list[Series]:
-        params = {"query": promql(spec), "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{max(step, 1):.3f}"}
+        params = {"query": promql(spec), **range_grid(start, end, step)}
         try:
             async with self.session.get(f"{self.base_url}/api/v1/query_range", params=params) as r:
                 body = await r.json(content_type=None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -267,6 +268,13 @@ async def test_the_router_queue_chart_holds_the_replicas_on_this_node(tmp_path: 
             assert legend(page, "Requests waiting") == ["router r+2", "router r.1"]
             async with session.get(f"http://127.0.0.1:{pages_port}/node/n2") as r:
                 assert legend(await r.text(), "Requests waiting") == ["router rx1"]
+            # The page's hour at its step (a span the step does not divide) ends
+            # at `now`: the scrape just taken is on the chart, not a step later.
+            now = time.time()
+            spec = ChartSpec("llmgw_endpoint_waiting", (), ("replica",))
+            series = await PrometheusHistory(base, session).query(spec, now - 3600, now, 3600 / 496)
+            assert [s.label for s in series] == ["elsewhere", "r+2", "r.1", "rx1"]
+            assert [s.t[-1] for s in series] == pytest.approx([math.floor(now * 1000) / 1000] * 4, abs=1e-4)
     finally:
         prom.kill()
         prom.wait()
