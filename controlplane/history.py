@@ -103,17 +103,26 @@ def flatten(hb: Json) -> Iterator[tuple[str, Labels, float]]:
                 yield family, card, g[key]
 
 
-def _combine(values: np.ndarray, agg: str) -> np.ndarray:
-    """Combine columns row by row; a row where every column is NaN stays NaN."""
+def _row_stats(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: the sum, the count and the largest of the columns measured (NaN: not)."""
     present = ~np.isnan(values)
-    any_present = present.any(axis=1)
-    if agg == "sum":
-        out = np.nansum(values, axis=1)
-    elif agg == "max":
-        out = np.nanmax(np.where(present, values, -np.inf), axis=1)
-    else:
-        out = np.nansum(values, axis=1) / np.maximum(present.sum(axis=1), 1)
-    return np.where(any_present, out, np.nan)
+    return (np.where(present, values, 0.0).sum(axis=1), present.sum(axis=1),
+            np.where(present, values, -np.inf).max(axis=1, initial=-np.inf))  # fmt: skip
+
+
+def _combined(agg: str, sums: np.ndarray, counts: np.ndarray, maxima: np.ndarray) -> np.ndarray:
+    """The aggregate where anything was measured; NaN where nothing was (absent is not zero)."""
+    out = {"sum": sums, "max": maxima, "avg": sums / np.maximum(counts, 1)}[agg]
+    return np.where(counts > 0, out, np.nan)
+
+
+def step_grid(start: float, end: float, step: float, most: int = 10_000) -> np.ndarray:
+    """The instants a chart combining nodes is evaluated at: every `step`
+    counted back from `end` (so the newest heartbeat is on it), as Prometheus'
+    range queries are, and never more than `most` of them."""
+    step = max(step, (end - start) / most, 1e-3)
+    n = math.floor((end - start) / step + 1e-9)
+    return end - step * np.arange(max(n, 0), -1, -1)
 
 
 @dataclass
@@ -124,6 +133,7 @@ class _NodeRing:
     t: np.ndarray = field(init=False)
     values: np.ndarray = field(init=False)
     columns: dict[tuple[str, Labels], int] = field(default_factory=dict)
+    families: dict[str, list[tuple[Labels, int]]] = field(default_factory=dict)  # the columns by family
     n: int = 0  # heartbeats recorded, ever
 
     def __post_init__(self) -> None:
@@ -141,6 +151,7 @@ class _NodeRing:
                 if len(self.columns) >= MAX_SERIES_PER_NODE:
                     continue
                 col = self.columns[key] = len(self.columns)
+                self.families.setdefault(family, []).append((labels, col))
                 if col >= self.values.shape[1]:
                     grown = np.full((self.capacity, min(MAX_SERIES_PER_NODE, 2 * self.values.shape[1])), np.nan,
                                     dtype=np.float32)  # fmt: skip
@@ -149,20 +160,29 @@ class _NodeRing:
             self.values[row, col] = value
         self.n += 1
 
-    def ordered(self) -> tuple[np.ndarray, np.ndarray]:
-        """Rows oldest first."""
-        if self.n <= self.capacity:
-            return self.t[: self.n], self.values[: self.n]
-        start = self.n % self.capacity
-        return np.roll(self.t, -start), np.roll(self.values, -start, axis=0)
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The rows holding heartbeats, oldest first, and their times."""
+        held = min(self.n, self.capacity)
+        order = (self.n - held + np.arange(held)) % self.capacity
+        return order, self.t[order]
 
 
 class EmbeddedHistory:
-    """Numpy ring buffers in the control plane, an hour at the heartbeat interval."""
+    """Numpy ring buffers in the control plane, an hour at the heartbeat interval.
 
-    def __init__(self, interval: float = 5.0, span: float = HOUR_S, clock: Callable[[], float] = time.time) -> None:
+    A chart of one node draws its heartbeats as they came (the series of one
+    node share its heartbeats' times, so they combine row by row). A chart
+    combining nodes, whose heartbeats come at other instants, takes each
+    node's last heartbeat at every step of a grid, carried at most
+    `stale_after` (as a Prometheus range query does with its lookback), and
+    combines those: memory is nodes x steps, and a sum is a sum of every node.
+    """
+
+    def __init__(self, interval: float = 5.0, span: float = HOUR_S, clock: Callable[[], float] = time.time,
+                 stale_after: float = 60.0) -> None:  # fmt: skip
         self.capacity = max(2, math.ceil(span / interval) + 1)
         self.clock = clock
+        self.stale_after = stale_after
         self._nodes: dict[str, _NodeRing] = {}
 
     def record(self, node: str, hb: Json, at: float | None = None) -> None:
@@ -175,39 +195,49 @@ class EmbeddedHistory:
         self._nodes.pop(node, None)
 
     async def query(self, spec: ChartSpec, start: float, end: float, step: float) -> list[Series]:
-        return self.query_now(spec, start, end)
+        return self.query_now(spec, start, end, step)
 
-    def query_now(self, spec: ChartSpec, start: float, end: float) -> list[Series]:
+    def _columns(self, spec: ChartSpec) -> dict[tuple[str, ...], dict[str, list[int]]]:
+        """The spec's columns: by group, then by node."""
         want = dict(spec.filter)
         node_filter = want.pop("node", None)
-        groups: dict[tuple[str, ...], list[tuple[np.ndarray, np.ndarray]]] = {}
-        for node, ring in self._nodes.items():
-            if node_filter is not None and node != node_filter:
-                continue
-            t, values = ring.ordered()
-            keep = (t >= start) & (t <= end)
-            for (family, labels), col in ring.columns.items():
-                if family != spec.metric:
-                    continue
+        nodes = self._nodes.items() if node_filter is None else [(node_filter, self._nodes.get(node_filter))]
+        groups: dict[tuple[str, ...], dict[str, list[int]]] = {}
+        for node, ring in nodes:
+            for labels, col in ring.families.get(spec.metric, ()) if ring is not None else ():
                 ls = dict(labels, node=node)
                 if any(ls.get(k) != v for k, v in want.items()):
                     continue
                 if any(ls.get(k) not in values for k, values in spec.one_of):
                     continue
                 key = tuple(ls.get(k, "") for k in spec.group_by)
-                groups.setdefault(key, []).append((t[keep], values[keep, col].astype(np.float64)))
+                groups.setdefault(key, {}).setdefault(node, []).append(col)
+        return groups
+
+    def query_now(self, spec: ChartSpec, start: float, end: float, step: float) -> list[Series]:
         out = []
-        for key, parts in sorted(groups.items()):
-            # Series of different nodes have different times: bin them on a common grid.
-            if len(parts) == 1:
-                t, v = parts[0]
-            else:
-                t = np.unique(np.concatenate([p[0] for p in parts]))
-                stacked = np.full((len(t), len(parts)), np.nan)
-                for i, (pt, pv) in enumerate(parts):
-                    stacked[np.searchsorted(t, pt), i] = pv
-                v = _combine(stacked, spec.agg)
-            out.append(Series(" ".join(key), t, v))
+        for key, by_node in sorted(self._columns(spec).items()):
+            if len(by_node) == 1:
+                [(node, cols)] = by_node.items()
+                ring = self._nodes[node]
+                rows, t = ring.rows()
+                keep = (t >= start) & (t <= end)
+                values = ring.values[rows[keep]][:, cols].astype(np.float64)
+                out.append(Series(" ".join(key), t[keep], _combined(spec.agg, *_row_stats(values))))
+                continue
+            grid = step_grid(start, end, step)
+            sums, counts, maxima = np.zeros(len(grid)), np.zeros(len(grid), dtype=np.int64), np.full(len(grid), -np.inf)
+            for node, cols in by_node.items():
+                ring = self._nodes[node]
+                rows, t = ring.rows()
+                last = np.searchsorted(t, grid, side="right") - 1  # the last heartbeat at or before each step
+                known = last >= 0
+                known[known] = grid[known] - t[last[known]] <= self.stale_after
+                s, c, m = _row_stats(ring.values[rows[last[known]]][:, cols].astype(np.float64))
+                sums[known] += s
+                counts[known] += c
+                maxima[known] = np.maximum(maxima[known], m)
+            out.append(Series(" ".join(key), grid, _combined(spec.agg, sums, counts, maxima)))
         return out
 
 

@@ -156,21 +156,76 @@ def test_embedded_history_answers_a_spec() -> None:
                          {"id": "c", "model": "m2", "cpu_cores": {"mean": 2.0, "max": 2.0}}]}  # fmt: skip
         h.record("n1", hb, at=1000.0 + 5 * i)
         h.record("n2", hb, at=1001.0 + 5 * i)
-    [cpu] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 2000)
+    [cpu] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 2000, 7.0)
     assert cpu.t.tolist() == [1000.0 + 5 * i for i in range(10)] and cpu.v.tolist() == [float(i) for i in range(10)]
-    by_model = h.query_now(ChartSpec("llmgw_shard_cpu_cores", (("node", "n1"),), ("model",)), 0, 2000)
+    by_model = h.query_now(ChartSpec("llmgw_shard_cpu_cores", (("node", "n1"),), ("model",)), 0, 2000, 7.0)
     assert [(s.label, s.v[0]) for s in by_model] == [("m1", 1.5), ("m2", 2.0)]
-    # Across nodes (the fleet charts): times of both nodes, each row the sum of what is known then.
-    fleet = {s.label: s for s in h.query_now(ChartSpec("llmgw_shard_cpu_cores", (), ("model",), "max"), 0, 1001.5)}
-    assert fleet["m2"].t.tolist() == [1000.0, 1001.0] and fleet["m2"].v.tolist() == [2.0, 2.0]
-    assert fleet["m1"].v.tolist() == [1.0, 1.0]  # the larger engine of m1, on each node
+    # Across nodes (the fleet charts): on the step grid, counted back from the end.
+    fleet = {s.label: s for s in h.query_now(ChartSpec("llmgw_shard_cpu_cores", (), ("model",), "max"),
+                                             990, 1001.5, 1.0)}  # fmt: skip
+    assert fleet["m2"].t.tolist() == [990.5 + i for i in range(12)]
+    assert fleet["m2"].v.tolist()[-2:] == [2.0, 2.0] and np.isnan(fleet["m2"].v[:-2]).all()  # none before 1000
+    assert fleet["m1"].v.tolist()[-2:] == [1.0, 1.0]  # the larger engine of m1, on each node
+
+
+def test_fleet_charts_combine_nodes_on_a_step_grid() -> None:
+    """Nodes heartbeat at their own phases; at each step of the grid a fleet
+    chart takes each node's last heartbeat (carried at most the stale period)
+    and combines those. Hand-computed truth at chosen steps, then every step
+    against a plain reading of that rule."""
+    h = EmbeddedHistory(interval=5, stale_after=12)
+
+    def hb(cards: dict[int, float]) -> dict[str, Any]:
+        return {"gpus": [{"index": i, "name": "H100", "utilization_percent": u} for i, u in cards.items()]}
+
+    sent: dict[str, list[tuple[float, dict[int, float]]]] = {"a": [], "b": [], "c": []}
+    for i in range(40):
+        at = 1000.0 + 5 * i
+        sent["a"].append((at, {0: float(i), 1: 10.0}))  # two cards
+        sent["b"].append((at + 1.7, {0: 100.0 - i}))  # another phase
+        if i < 20:  # c goes silent at 1095.2: carried 12 s, then gone
+            sent["c"].append((at + 3.2, {0: 50.0} if i % 4 else {}))  # every fourth heartbeat without its card
+    for node, beats in sent.items():
+        for at, cards in beats:
+            h.record(node, hb(cards), at=at)
+
+    def chart(agg: str) -> Series:
+        [s] = h.query_now(ChartSpec("llmgw_gpu_utilization_percent", (), ("gpu_model",), agg), 1000, 1199, 7)
+        return s
+
+    total, mean, top = chart("sum"), chart("avg"), chart("max")
+    assert total.t[-1] == 1199 and np.diff(total.t).tolist() == [7.0] * (len(total.t) - 1)
+    at = {t: i for i, t in enumerate(total.t.tolist())}
+    # 1038: a's heartbeat of 1035 (7, 10), b's of 1036.7 (93), c's of 1038.2 is later: its 1033.2 (50).
+    assert (total.v[at[1038]], mean.v[at[1038]], top.v[at[1038]]) == (160.0, 40.0, 93.0)
+    # 1101: a's of 1100 (20, 10), b's of 1096.7 (81); c's last (1098.2: 50) is 2.8 s old: still carried.
+    assert total.v[at[1101]] == 20 + 10 + 81 + 50
+    # 1115: a's of 1115 (23, 10), b's of 1111.7 (78); c's last is 16.8 s old, past the stale period.
+    assert total.v[at[1115]] == 23 + 10 + 78
+    # 1066: a's of 1065 (13, 10), b's of 1061.7 (88); c's of 1063.2 came without its card: absent
+    # then, not carried from its heartbeat before.
+    assert total.v[at[1066]] == 13 + 10 + 88
+    # Before any heartbeat (1000 - 199 % 7 = 1003 is the first step): a's first only.
+    assert total.t[0] == 1003 and total.v[0] == 0 + 10 + 100  # b's 1001.7 is there too
+
+    for t, s, m, x in zip(total.t, total.v, mean.v, top.v, strict=True):
+        known = []
+        for beats in sent.values():
+            before = [cards for at_, cards in beats if at_ <= t]
+            last_at = max((at_ for at_, _ in beats if at_ <= t), default=None)
+            if before and t - last_at <= 12:
+                known += list(before[-1].values())
+        if known:
+            assert (s, m, x) == pytest.approx((sum(known), sum(known) / len(known), max(known))), t
+        else:
+            assert np.isnan(s) and np.isnan(m) and np.isnan(x), t
 
 
 def test_history_is_bounded_per_node() -> None:
     h = EmbeddedHistory(interval=5, span=60)
     for i in range(1000):
         h.record("n1", {"machine": {"cpu_percent": {"mean": float(i)}}}, at=float(i))
-    [s] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 10_000)
+    [s] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 10_000, 1.0)
     assert len(s.v) == h.capacity == 13 and s.v[-1] == 999.0 and s.v[0] == 987.0
 
 

@@ -58,7 +58,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     registry = NodeRegistry(stale_after, starvation=starvation)
     own = ControlPlaneMetrics(registry)
     # The embedded history is fed only when the pages read it (no --prometheus).
-    history = None if prometheus_url else EmbeddedHistory()
+    history = None if prometheus_url else EmbeddedHistory(stale_after=stale_after)
     pages = pages_api.create_app(registry, own, history)
     add_pages(pages, history, prometheus_url)
     limits = limits or ConnectionLimits()
