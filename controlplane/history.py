@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 import string
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -103,11 +104,12 @@ def flatten(hb: Json) -> Iterator[tuple[str, Labels, float]]:
                 yield family, card, g[key]
 
 
-def _row_stats(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row: the sum, the count and the largest of the columns measured (NaN: not)."""
+def _stats(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """At each instant (column), over the series (rows) measured then (NaN: not):
+    their sum, how many, and the largest."""
     present = ~np.isnan(values)
-    return (np.where(present, values, 0.0).sum(axis=1), present.sum(axis=1),
-            np.where(present, values, -np.inf).max(axis=1, initial=-np.inf))  # fmt: skip
+    return (np.where(present, values, 0.0).sum(axis=0, dtype=np.float64), present.sum(axis=0),
+            np.where(present, values, -np.inf).max(axis=0, initial=-np.inf).astype(np.float64))  # fmt: skip
 
 
 def _combined(agg: str, sums: np.ndarray, counts: np.ndarray, maxima: np.ndarray) -> np.ndarray:
@@ -127,23 +129,27 @@ def step_grid(start: float, end: float, step: float, most: int = 10_000) -> np.n
 
 @dataclass
 class _NodeRing:
-    """One node's hour: heartbeat times and one float32 column per series."""
+    """One node's hour: heartbeat times, and one float32 row of them per series
+    (a series' hour is contiguous: charts read a few series of many nodes)."""
 
+    node: str
     capacity: int
     t: np.ndarray = field(init=False)
-    values: np.ndarray = field(init=False)
+    values: np.ndarray = field(init=False)  # (series, capacity)
     columns: dict[tuple[str, Labels], int] = field(default_factory=dict)
-    families: dict[str, list[tuple[Labels, int]]] = field(default_factory=dict)  # the columns by family
+    # The series by family, with their labels and the node's name as a query matches them.
+    families: dict[str, list[tuple[dict[str, str], int]]] = field(default_factory=dict)
     n: int = 0  # heartbeats recorded, ever
+    _last: tuple[tuple[int, float, float, int, float], tuple[np.ndarray, np.ndarray]] | None = None
 
     def __post_init__(self) -> None:
         self.t = np.full(self.capacity, np.nan)
-        self.values = np.full((self.capacity, 16), np.nan, dtype=np.float32)
+        self.values = np.full((16, self.capacity), np.nan, dtype=np.float32)
 
     def record(self, at: float, hb: Json) -> None:
-        row = self.n % self.capacity
-        self.values[row] = np.nan
-        self.t[row] = at
+        slot = self.n % self.capacity
+        self.values[:, slot] = np.nan
+        self.t[slot] = at
         for family, labels, value in flatten(hb):
             key = (family, labels)
             col = self.columns.get(key)
@@ -151,20 +157,35 @@ class _NodeRing:
                 if len(self.columns) >= MAX_SERIES_PER_NODE:
                     continue
                 col = self.columns[key] = len(self.columns)
-                self.families.setdefault(family, []).append((labels, col))
-                if col >= self.values.shape[1]:
-                    grown = np.full((self.capacity, min(MAX_SERIES_PER_NODE, 2 * self.values.shape[1])), np.nan,
+                self.families.setdefault(family, []).append((dict(labels, node=self.node), col))
+                if col >= self.values.shape[0]:
+                    grown = np.full((min(MAX_SERIES_PER_NODE, 2 * self.values.shape[0]), self.capacity), np.nan,
                                     dtype=np.float32)  # fmt: skip
-                    grown[:, : self.values.shape[1]] = self.values
+                    grown[: self.values.shape[0]] = self.values
                     self.values = grown
-            self.values[row, col] = value
+            self.values[col, slot] = value
         self.n += 1
 
-    def rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """The rows holding heartbeats, oldest first, and their times."""
+    def slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """The slots holding heartbeats, oldest first, and their times."""
         held = min(self.n, self.capacity)
         order = (self.n - held + np.arange(held)) % self.capacity
         return order, self.t[order]
+
+    def last_at(self, grid: np.ndarray, within: float) -> tuple[np.ndarray, np.ndarray]:
+        """At each instant of the grid, the slot of the last heartbeat at or
+        before it, if that is at most `within` old: (which instants, slots).
+        The last answer is kept: a page's charts ask it for the same grid."""
+        key = (self.n, float(grid[0]), float(grid[-1]), len(grid), within)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        held = min(self.n, self.capacity)
+        first = (self.n - held) % self.capacity
+        t = np.concatenate((self.t[first:held], self.t[:first])) if held == self.capacity else self.t[:held]
+        last = np.searchsorted(t, grid, side="right") - 1
+        known = (last >= 0) & (grid - t[last] <= within)  # t[-1] where last is -1: masked by the first term
+        self._last = (key, (known, (first + last[known]) % self.capacity))
+        return self._last[1]
 
 
 class EmbeddedHistory:
@@ -176,6 +197,10 @@ class EmbeddedHistory:
     node's last heartbeat at every step of a grid, carried at most
     `stale_after` (as a Prometheus range query does with its lookback), and
     combines those: memory is nodes x steps, and a sum is a sum of every node.
+
+    Heartbeats are recorded on the event loop while pages read on their own
+    thread (controlplane/page_worker.py): both hold the lock, a reader one
+    node at a time, so a heartbeat waits for one node's copy at most.
     """
 
     def __init__(self, interval: float = 5.0, span: float = HOUR_S, clock: Callable[[], float] = time.time,
@@ -184,59 +209,68 @@ class EmbeddedHistory:
         self.clock = clock
         self.stale_after = stale_after
         self._nodes: dict[str, _NodeRing] = {}
+        self._lock = threading.Lock()
 
     def record(self, node: str, hb: Json, at: float | None = None) -> None:
-        ring = self._nodes.get(node)
-        if ring is None:
-            ring = self._nodes[node] = _NodeRing(self.capacity)
-        ring.record(self.clock() if at is None else at, hb)
+        with self._lock:
+            ring = self._nodes.get(node)
+            if ring is None:
+                ring = self._nodes[node] = _NodeRing(node, self.capacity)
+            ring.record(self.clock() if at is None else at, hb)
 
     def forget(self, node: str) -> None:
-        self._nodes.pop(node, None)
+        with self._lock:
+            self._nodes.pop(node, None)
 
     async def query(self, spec: ChartSpec, start: float, end: float, step: float) -> list[Series]:
         return self.query_now(spec, start, end, step)
 
     def _columns(self, spec: ChartSpec) -> dict[tuple[str, ...], dict[str, list[int]]]:
-        """The spec's columns: by group, then by node."""
+        """The spec's series: by group, then by node (under the lock)."""
         want = dict(spec.filter)
         node_filter = want.pop("node", None)
-        nodes = self._nodes.items() if node_filter is None else [(node_filter, self._nodes.get(node_filter))]
+        rings = self._nodes.values() if node_filter is None else [self._nodes.get(node_filter)]
         groups: dict[tuple[str, ...], dict[str, list[int]]] = {}
-        for node, ring in nodes:
+        for ring in rings:
             for labels, col in ring.families.get(spec.metric, ()) if ring is not None else ():
-                ls = dict(labels, node=node)
-                if any(ls.get(k) != v for k, v in want.items()):
+                if want and any(labels.get(k) != v for k, v in want.items()):
                     continue
-                if any(ls.get(k) not in values for k, values in spec.one_of):
+                if spec.one_of and any(labels.get(k) not in values for k, values in spec.one_of):
                     continue
-                key = tuple(ls.get(k, "") for k in spec.group_by)
-                groups.setdefault(key, {}).setdefault(node, []).append(col)
+                key = tuple([labels.get(k, "") for k in spec.group_by])
+                groups.setdefault(key, {}).setdefault(ring.node, []).append(col)
         return groups
 
     def query_now(self, spec: ChartSpec, start: float, end: float, step: float) -> list[Series]:
+        with self._lock:
+            groups = self._columns(spec)
         out = []
-        for key, by_node in sorted(self._columns(spec).items()):
+        for key, by_node in sorted(groups.items()):
             if len(by_node) == 1:
                 [(node, cols)] = by_node.items()
-                ring = self._nodes[node]
-                rows, t = ring.rows()
-                keep = (t >= start) & (t <= end)
-                values = ring.values[rows[keep]][:, cols].astype(np.float64)
-                out.append(Series(" ".join(key), t[keep], _combined(spec.agg, *_row_stats(values))))
+                with self._lock:
+                    ring = self._nodes.get(node)
+                    slots, t = ring.slots() if ring is not None else (np.empty(0, dtype=np.int64), np.empty(0))
+                    keep = (t >= start) & (t <= end)
+                    values = ring.values[cols][:, slots[keep]] if ring is not None else np.empty((len(cols), 0))
+                out.append(Series(" ".join(key), t[keep], _combined(spec.agg, *_stats(values))))
                 continue
+            # The nodes' series at the grid's instants, stacked a block at a time
+            # (a few MiB whatever the fleet) and combined into running totals.
             grid = step_grid(start, end, step)
             sums, counts, maxima = np.zeros(len(grid)), np.zeros(len(grid), dtype=np.int64), np.full(len(grid), -np.inf)
-            for node, cols in by_node.items():
-                ring = self._nodes[node]
-                rows, t = ring.rows()
-                last = np.searchsorted(t, grid, side="right") - 1  # the last heartbeat at or before each step
-                known = last >= 0
-                known[known] = grid[known] - t[last[known]] <= self.stale_after
-                s, c, m = _row_stats(ring.values[rows[last[known]]][:, cols].astype(np.float64))
-                sums[known] += s
-                counts[known] += c
-                maxima[known] = np.maximum(maxima[known], m)
+            block = np.full((MAX_SERIES_PER_NODE, len(grid)), np.nan, dtype=np.float32)  # a node's series fit
+            used = 0
+            for node, cols in [*by_node.items(), ("", [])]:  # the last: the final block is added
+                if used + len(cols) > len(block) or not cols:
+                    s, c, m = _stats(block[:used])
+                    sums, counts, maxima = sums + s, counts + c, np.maximum(maxima, m)
+                    block[:used], used = np.nan, 0
+                with self._lock:  # one node at a time: a heartbeat waits for one node's copy at most
+                    if cols and (ring := self._nodes.get(node)) is not None:
+                        known, slots = ring.last_at(grid, self.stale_after)
+                        block[used : used + len(cols), known] = ring.values[cols][:, slots]
+                used += len(cols)
             out.append(Series(" ".join(key), grid, _combined(spec.agg, sums, counts, maxima)))
         return out
 

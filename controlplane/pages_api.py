@@ -5,6 +5,7 @@ background task that forgets nodes gone for long."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,19 +18,22 @@ from controlplane.exposition import FleetExposition
 from controlplane.history import EmbeddedHistory
 from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
 from controlplane.own_metrics import ControlPlaneMetrics
+from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx
 from controlplane.registry import NodeRegistry
 
 PRUNE_EVERY_S = 60.0
 
 
-async def metrics(request: web.Request) -> web.Response:
-    own = request.app[METRICS]
-    exposition = request.app[EXPOSITION]
+def _scrape(exposition: FleetExposition, own: ControlPlaneMetrics) -> bytes:
     started = time.perf_counter()
     fleet = exposition.render()
     own.last_scrape_seconds = time.perf_counter() - started
     own.scrape_errors = exposition.errors
-    body = fleet.encode() + generate_latest(own.prometheus)
+    return fleet.encode() + generate_latest(own.prometheus)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = await request.app[PAGE_WORKER].run(_scrape, request.app[EXPOSITION], request.app[METRICS])
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
@@ -38,7 +42,11 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def nodes(request: web.Request) -> web.Response:
-    registry = request.app[REGISTRY]
+    body = await request.app[PAGE_WORKER].run(_nodes_json, request.app[REGISTRY])
+    return web.Response(text=body, content_type="application/json")
+
+
+def _nodes_json(registry: NodeRegistry) -> str:
     now = registry.clock()
     out: list[dict[str, Any]] = []
     for state in registry.nodes():
@@ -53,7 +61,7 @@ async def nodes(request: web.Request) -> web.Response:
             # A stale node's measurements are not shown as current.
             "heartbeat": state.heartbeat if fresh else None,
         })  # fmt: skip
-    return web.json_response({"nodes": out})
+    return json.dumps({"nodes": out})
 
 
 async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
@@ -80,6 +88,8 @@ def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
         app[RECORDER] = history
     app[METRICS] = own or ControlPlaneMetrics(registry)
     app[EXPOSITION] = FleetExposition(registry)
+    app[PAGE_WORKER] = PageWorker()
+    app.cleanup_ctx.append(page_worker_ctx)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/api/nodes", nodes)

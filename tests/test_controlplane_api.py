@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 from typing import Any
 
 import pytest
@@ -16,9 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane import agent_api, pages_api
+from controlplane.exposition import FleetExposition
+from controlplane.history import EmbeddedHistory
 from controlplane.registry import NodeRegistry
 from nodesampler import tokens, wire
 from tests.fakeproc import FakeClock
+from web import pages
 
 SECRET = b"a cluster secret of some length"
 
@@ -312,3 +316,39 @@ def test_duplicates_keep_their_order() -> None:
     dropped: wire.Dropped = []
     assert [s["id"] for s in wire.parse_heartbeat(wire.dumps(body), dropped)["shards"]] == ["a", "b", "c"]
     assert len(dropped) == 1
+
+
+async def test_heartbeats_are_answered_while_a_page_and_a_scrape_are_rendered(
+    aiohttp_client: Any, registry: NodeRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages and /metrics are rendered on the page thread: while a scrape and a
+    cluster page are held there mid-render, heartbeats are still answered and
+    recorded, and the renders then finish with what they read."""
+    history = EmbeddedHistory(interval=5)
+    agents = await aiohttp_client(agent_api.create_app(registry, SECRET, history=history))
+    app = pages_api.create_app(registry, history=history)
+    pages.add_pages(app, history)
+    viewer = await aiohttp_client(app)
+    entered, release = asyncio.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+    render = FleetExposition.render
+
+    def held_render(self: FleetExposition) -> str:
+        loop.call_soon_threadsafe(entered.set)
+        assert release.wait(timeout=60), "never released"
+        return render(self)
+
+    monkeypatch.setattr(FleetExposition, "render", held_render)
+    assert (await post(agents, "/v1/register", registration()))[0] == 200
+    scrape = asyncio.create_task(viewer.get("/metrics"))
+    page = asyncio.create_task(viewer.get("/"))  # queued behind the scrape on the page thread
+    await entered.wait()
+    for seq in range(1, 4):
+        assert (await post(agents, "/v1/heartbeat", heartbeat(seq=seq)))[0] == 200
+    state = registry.get("gpu-17")
+    assert state is not None and state.heartbeats == 3
+    assert not scrape.done() and not page.done()
+    release.set()
+    scraped, shown = await scrape, await page
+    assert scraped.status == 200 and 'llmgw_node_up{node="gpu-17"} 1' in await scraped.text()
+    assert shown.status == 200 and "gpu-17" in await shown.text()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import threading
 import time
 from collections.abc import Callable
 from html.parser import HTMLParser
@@ -424,3 +426,40 @@ async def test_a_pods_row_names_it_and_links_to_its_hour(aiohttp_client: Any) ->
     assert len(re.findall(r'<path d="M', figure.group(1))) == 2  # both lines drawn from the hour's heartbeats
     for bad in ("", "x" * 200, "a\x1b[2J"):
         assert (await client.get("/node/cpu-2", params={"shard": bad})).status == 400
+
+
+def test_history_read_on_one_thread_while_heartbeats_arrive_on_another() -> None:
+    """The pages read the embedded history on their own thread while the event
+    loop records: nodes appearing and rings wrapping under a reader never
+    break it, and what it reads is what was recorded."""
+    h = EmbeddedHistory(interval=5, span=50, stale_after=60)
+    spec = ChartSpec("llmgw_gpu_utilization_percent", (), ("gpu_model",), "sum")
+    done, errors = threading.Event(), []
+
+    def write() -> None:
+        try:
+            for i in range(4000):
+                node = f"n{i % 400}" if i >= 400 else f"n{i}"  # 400 nodes appear, then each wraps its ring
+                h.record(node, {"gpus": [{"index": g, "name": "H100", "utilization_percent": 1.0}
+                                         for g in range(4)]}, at=1000.0 + i / 100)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+        finally:
+            done.set()
+
+    writer = threading.Thread(target=write)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns as often as the interpreter allows
+    try:
+        writer.start()
+        reads = 0
+        while not done.is_set() or reads == 0:
+            for s in h.query_now(spec, 900, 1100, 1.0):
+                assert set(s.v[~np.isnan(s.v)].tolist()) <= {float(4 * n) for n in range(1, 401)}
+            reads += 1
+        writer.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors
+    [s] = h.query_now(spec, 900, 1050, 1.0)  # the last heartbeats came 1036-1040
+    assert s.v[-1] == 4 * 400  # every node's four cards, each 1.0

@@ -8,6 +8,7 @@ place: a small script fetches `?fragment=1` every 15 s and swaps the page's
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from aiohttp import web
 
 from controlplane.history import ChartSpec, EmbeddedHistory, History, HistoryError, PrometheusHistory, Series
 from controlplane.keys import REGISTRY
+from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx
 from controlplane.registry import NodeRegistry, NodeState
 from nodesampler import wire
 from web.charts import columns, format_value, svg_chart
@@ -98,11 +100,35 @@ def _node_view(state: NodeState, now: float, stale_after: float) -> dict[str, An
     }  # fmt: skip
 
 
-async def _charts(history: History, specs: list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]],
-                  now: float) -> tuple[list[str], list[str]]:  # fmt: skip
-    """SVG for each chart; the reasons history could not be read, if any."""
+Specs = list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]]
+
+
+def _embedded_charts(history: EmbeddedHistory, specs: Specs, now: float) -> tuple[list[str], list[str]]:
+    """On the page thread: the embedded history read and drawn."""
     start = now - SPAN_S
-    svgs, errors = [], []
+    drawn = []
+    for title, parts, unit, y_max in specs:
+        series: list[Series] = []
+        for spec, label in parts:
+            for s in history.query_now(spec, start, now, (now - start) / columns()):
+                s.label = " ".join(x for x in (label, s.label) if x)
+                series.append(s)
+        drawn.append(svg_chart(title, series, start, now, unit, y_max))
+    return drawn, []
+
+
+def _draw(read: list[tuple[str, list[Series], str, float | None]], now: float) -> list[str]:
+    return [svg_chart(title, series, now - SPAN_S, now, unit, y_max) for title, series, unit, y_max in read]
+
+
+async def _charts(app: web.Application, specs: Specs, now: float) -> tuple[list[str], list[str]]:
+    """SVG for each chart; the reasons history could not be read, if any. The
+    drawing, and the embedded history's reading, are done on the page thread."""
+    history: History = app[HISTORY]  # type: ignore[assignment]
+    if isinstance(history, EmbeddedHistory):
+        return await app[PAGE_WORKER].run(_embedded_charts, history, specs, now)
+    start = now - SPAN_S
+    read, errors = [], []
     for title, parts, unit, y_max in specs:
         series: list[Series] = []
         try:
@@ -116,11 +142,11 @@ async def _charts(history: History, specs: list[tuple[str, list[tuple[ChartSpec,
             if str(e) not in errors:
                 errors.append(str(e))
             continue
-        svgs.append(svg_chart(title, series, start, now, unit, y_max))
-    return svgs, errors
+        read.append((title, series, unit, y_max))
+    return await app[PAGE_WORKER].run(_draw, read, now), errors
 
 
-def _shard_specs(node: str, shard: str) -> list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]]:
+def _shard_specs(node: str, shard: str) -> Specs:
     """One engine's hour: the charts a row of the engines table links to."""
     f = (("node", node), ("shard", shard))
     return [
@@ -135,9 +161,9 @@ def _shard_specs(node: str, shard: str) -> list[tuple[str, list[tuple[ChartSpec,
     ]  # fmt: skip
 
 
-def _node_specs(node: str, view: dict[str, Any]) -> list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]]:
+def _node_specs(node: str, view: dict[str, Any]) -> Specs:
     f = (("node", node),)
-    specs: list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]] = [
+    specs: Specs = [
         ("CPU (window mean, and window max so bursts show)",
          [(ChartSpec("llmgw_node_cpu_utilization_percent", f), "mean"),
           (ChartSpec("llmgw_node_cpu_utilization_max_percent", f), "max")], "percent", 100.0),
@@ -172,7 +198,7 @@ def _node_specs(node: str, view: dict[str, Any]) -> list[tuple[str, list[tuple[C
     return specs
 
 
-FLEET_SPECS: list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]] = [
+FLEET_SPECS: Specs = [
     ("GPU utilisation by GPU model (mean of cards)",
      [(ChartSpec("llmgw_gpu_utilization_percent", (), ("gpu_model",), "avg"), "")], "percent", 100.0),
     ("GPU memory used by GPU model (all cards)",
@@ -180,11 +206,11 @@ FLEET_SPECS: list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]] = 
 ]  # fmt: skip
 
 
-def _render(request: web.Request, template: str, **context: Any) -> web.Response:
+async def _render(request: web.Request, template: str, **context: Any) -> web.Response:
     fragment = request.query.get("fragment") == "1"
-    env = request.app[TEMPLATES]
-    body = env.get_template(template).render(fragment=fragment, refresh_s=REFRESH_S,
-                                             rendered_at=time.strftime("%H:%M:%S"), **context)  # fmt: skip
+    page = request.app[TEMPLATES].get_template(template)
+    body = await request.app[PAGE_WORKER].run(functools.partial(
+        page.render, fragment=fragment, refresh_s=REFRESH_S, rendered_at=time.strftime("%H:%M:%S"), **context))
     return web.Response(text=body, content_type="text/html", headers={"Cache-Control": "no-store"})
 
 
@@ -218,15 +244,7 @@ async def cluster_page(request: web.Request) -> web.Response:
         page = 0
     if page < 1:
         raise web.HTTPBadRequest(text="page: a whole number from 1")
-    registry: NodeRegistry = request.app[REGISTRY]
-    now = registry.clock()
-    views = [_node_view(s, now, registry.stale_after) for s in registry.nodes()]
-    summary = _fleet_summary(views)
-    needle = text.strip().casefold()
-    shown = sorted((v for v in views if (not state or v["state"] == state)
-                    and (not needle or needle in v["node"].casefold()
-                         or needle in str(v["registration"].get("hostname", "")).casefold())),
-                   key=_attention_first)  # fmt: skip
+    summary, shown = await request.app[PAGE_WORKER].run(_cluster_rows, request.app[REGISTRY], text, state)
     pages = max(1, -(-len(shown) // PAGE_ROWS))
     page = min(page, pages)
     rows = shown[(page - 1) * PAGE_ROWS : page * PAGE_ROWS]
@@ -235,11 +253,23 @@ async def cluster_page(request: web.Request) -> web.Response:
         query = {k: v for k, v in (("q", text), ("state", state)) if v}
         return "?" + urlencode({**query, "page": to})
 
-    charts, errors = await _charts(request.app[HISTORY], FLEET_SPECS, time.time())  # type: ignore[arg-type]
-    return _render(request, "cluster.html", nodes=rows, matched=len(shown), summary=summary, q=text, state=state,
-                   page=page, pages=pages, prev_link=link(page - 1) if page > 1 else None,
-                   next_link=link(page + 1) if page < pages else None, charts=charts,
-                   history_errors=errors)  # fmt: skip
+    charts, errors = await _charts(request.app, FLEET_SPECS, time.time())
+    return await _render(request, "cluster.html", nodes=rows, matched=len(shown), summary=summary, q=text,
+                         state=state, page=page, pages=pages, prev_link=link(page - 1) if page > 1 else None,
+                         next_link=link(page + 1) if page < pages else None, charts=charts,
+                         history_errors=errors)  # fmt: skip
+
+
+def _cluster_rows(registry: NodeRegistry, text: str, state: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """On the page thread: the fleet's summary, and the rows the filter keeps, in order."""
+    now = registry.clock()
+    views = [_node_view(s, now, registry.stale_after) for s in registry.nodes()]
+    needle = text.strip().casefold()
+    shown = sorted((v for v in views if (not state or v["state"] == state)
+                    and (not needle or needle in v["node"].casefold()
+                         or needle in str(v["registration"].get("hostname", "")).casefold())),
+                   key=_attention_first)  # fmt: skip
+    return _fleet_summary(views), shown
 
 
 async def node_page(request: web.Request) -> web.Response:
@@ -254,8 +284,8 @@ async def node_page(request: web.Request) -> web.Response:
     if shard is not None and not (0 < len(shard) <= wire.MAX_NAME and shard.isprintable()):
         raise web.HTTPBadRequest(text=f"shard: must be printable text of 1-{wire.MAX_NAME} characters")
     specs = (_shard_specs(state.node, shard) if shard else []) + _node_specs(state.node, view)
-    charts, errors = await _charts(request.app[HISTORY], specs, time.time())  # type: ignore[arg-type]
-    return _render(request, "node.html", n=view, charts=charts, history_errors=errors, shard=shard)
+    charts, errors = await _charts(request.app, specs, time.time())
+    return await _render(request, "node.html", n=view, charts=charts, history_errors=errors, shard=shard)
 
 
 async def prometheus_session(app: web.Application) -> AsyncIterator[None]:
@@ -269,6 +299,9 @@ async def prometheus_session(app: web.Application) -> AsyncIterator[None]:
 def add_pages(app: web.Application, history: EmbeddedHistory | None, prometheus_url: str | None = None) -> None:
     """The pages on an app that already has the registry (controlplane.pages_api)."""
     app[TEMPLATES] = _environment()
+    if PAGE_WORKER not in app:  # pages_api's app has one already
+        app[PAGE_WORKER] = PageWorker()
+        app.cleanup_ctx.append(page_worker_ctx)
     if prometheus_url:
         app[PROMETHEUS_URL] = prometheus_url
         app.cleanup_ctx.append(prometheus_session)
