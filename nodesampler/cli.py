@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sample", help="sample one window of this machine and print its summary")
     s.add_argument("--backend", choices=("auto", "bpf", "proc"), default="auto")
     s.add_argument("--group", action="append", type=_group, default=[], metavar="NAME=SELECTOR",
-                   help="a process group to report: pgid:N, pid:N, cmdline:REGEX or cgroup:PATH (repeatable)")
+                   help="an engine to report: pgid:N, pid:N, cmdline:RE, comm:NAME, cgroup:PATH or k8s:NS/LABELS")
     s.add_argument("--hz", type=_positive(1000), default=10.0, help="samples a second (default 10)")
     s.add_argument("--duration", type=_positive(3600), default=5.0, help="the window, seconds (default 5)")
     s.add_argument("--json", action="store_true", help="print the heartbeat summary as JSON")

@@ -6,6 +6,10 @@ A selector names processes the way an operator knows an engine:
 - `pid:N`        the process group that process N belongs to;
 - `cmdline:RE`   every process group whose leader's command line matches RE
                  (`re.search`, so a fragment of the command line is enough);
+- `comm:NAME`    every process group whose leader's command name (the
+                 kernel's 15-character `comm`) is NAME: how the agent names
+                 the busiest groups without a config, so that an engine's
+                 series outlive its process group (as process-exporter does);
 - `cgroup:PATH`  every process in the cgroup PATH or below it (v2 path, or the
                  path in any v1 hierarchy), e.g. a pod's or a systemd unit's;
 - `k8s:NAMESPACE/LABEL_SELECTOR[#CONTAINER]`  each pod on this node that
@@ -27,7 +31,7 @@ from typing import TypeVar
 from sampler import container_ids, procfs
 from sampler.pods import Pod, PodSelector
 
-KINDS = ("pgid", "pid", "cmdline", "cgroup", "k8s")
+KINDS = ("pgid", "pid", "cmdline", "comm", "cgroup", "k8s")
 T = TypeVar("T")
 
 
@@ -54,6 +58,10 @@ class GroupSelector:
                 raise ValueError(f"selector {text!r}: bad regular expression: {e}") from None
         if kind == "k8s":
             return cls(kind, value, pods=PodSelector.parse(value))
+        if kind == "comm":
+            if not 0 < len(value.encode()) <= 15:
+                raise ValueError(f"selector {text!r}: a command name is 1-15 bytes")
+            return cls(kind, value)
         if not value.startswith("/"):
             raise ValueError(f"selector {text!r}: cgroup path must start with '/'")
         return cls(kind, value.rstrip("/") or "/")
@@ -152,6 +160,10 @@ class ProcessTable:
                     if line and sel.pattern.search(line):
                         out.extend(pids)
             return out
+        if sel.kind == "comm":
+            return [pid for pgid, pids in self.by_group.items()
+                    if pgid > 0 and (leader := self.stats.get(pgid)) is not None and leader.comm == sel.value
+                    for pid in pids]  # fmt: skip
         if sel.kind == "containers":
             wanted = set(sel.value.split(","))
             return [pid for pid, cid in self.container_ids().items() if cid in wanted]
@@ -180,6 +192,22 @@ def busiest_groups(before: dict[int, int], after: dict[int, int], n: int, exclud
     used = [(u, g) for u, g in used if u > 0]
     used.sort(reverse=True)
     return [g for _, g in used[:n]]
+
+
+def named_by_command(table: ProcessTable, groups: list[int]) -> list[GroupWatch]:
+    """The busiest groups as shards named by their leaders' command names
+    (`comm:NAME`: every group of that name, summed), so that a restarted
+    engine, in a new process group, keeps its shard and its series. A group
+    whose leader is gone, or whose name is not printable text, keeps `pgid:N`."""
+    out: dict[str, GroupWatch] = {}
+    for g in groups:
+        leader = table.stats.get(g)
+        name = leader.comm if leader is not None else ""
+        if name and name.isprintable() and "\ufffd" not in name:
+            out.setdefault(f"comm:{name}", GroupWatch(f"comm:{name}", GroupSelector("comm", name)))
+        else:
+            out.setdefault(f"pgid:{g}", GroupWatch(f"pgid:{g}", GroupSelector("pgid", str(g))))
+    return list(out.values())
 
 
 def pod_watches(w: GroupWatch, pods: list[Pod]) -> list[GroupWatch]:

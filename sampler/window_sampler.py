@@ -24,7 +24,7 @@ from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReade
 from sampler.nvml import GpuReader, GpuReading
 from sampler.proc_groups import USER_HZ, GroupReading
 from sampler.runqueue import RunQueueWaitSampler
-from sampler.selectors import GroupSelector, GroupWatch, ProcessTable, busiest_groups, pod_watches
+from sampler.selectors import GroupWatch, ProcessTable, busiest_groups, named_by_command, pod_watches
 from sampler.window import RateSeries
 
 BUSIEST_GROUPS = 5
@@ -103,7 +103,7 @@ class WindowSampler:
             ticks = table.group_ticks()
             top = [] if self._group_ticks is None else busiest_groups(self._group_ticks, ticks, BUSIEST_GROUPS, set())
             self._group_ticks = ticks
-            watches = [GroupWatch(f"pgid:{g}", GroupSelector("pgid", str(g))) for g in top]
+            watches = named_by_command(table, top)
         elif any(w.selector.kind == "k8s" for w in watches):
             watches = self._with_pods(watches, table)
         self.groups.discover(watches, table)

@@ -34,6 +34,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (["sample", "--group", "a=pgid:x"], "positive integer"),
         (["sample", "--group", "a=cmdline:("], "regular expression"),
         (["sample", "--group", "a=cgroup:rel"], "must start with"),
+        (["sample", "--group", "a=comm:"], "1-15 bytes"),
+        (["sample", "--group", "a=comm:sixteen-letters!"], "1-15 bytes"),
         (["sample", "--group", "a=host:1"], "expected one of"),
         (["sample", "--group", "a\x1b[31m=pgid:1"], "printable"),
         (["sample", "--group", "a=pgid:1", "--group", "a=pgid:2"], "once"),

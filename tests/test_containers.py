@@ -307,7 +307,7 @@ def test_two_nodes_each_speaking_for_itself(cluster: Cluster, engine: subprocess
                                                                              for d in host_disks}  # fmt: skip
 
         # Without a ConfigMap node-a reports the busiest groups; node-b its shard.
-        assert all(s["id"].startswith("pgid:") for s in hb_a["shards"])
+        assert all(s["id"].startswith(("comm:", "pgid:")) for s in hb_a["shards"])
         hb_b = until("a node-b window with the engine's truth on both edges", lambda: _judged(cluster, truth))
         shards = {s["id"]: s for s in hb_b["shards"]}
         assert shards.keys() == {"engine", "engine-cg"} and shards["engine"]["model"] == "test-model"

@@ -132,8 +132,53 @@ def test_busiest_groups_are_found_by_priming(tmp_path: Path) -> None:
     w.prime(1.0)
     summary = w.run_window(1.0)
     [shard] = summary["shards"]
-    assert (shard["id"], shard["command"]) == ("pgid:100", "engine")
+    assert (shard["id"], shard["command"]) == ("comm:engine", "engine")
     assert shard["cpu_cores"]["mean"] == pytest.approx(1.0)
+
+
+def test_busiest_groups_are_named_by_command_and_outlive_a_restart(tmp_path: Path) -> None:
+    """Without a config the busiest groups are shards named by their leaders'
+    command names: two groups of one name are one shard (their cores summed),
+    an engine restarted in a new group keeps its shard, and a leader whose
+    name is not printable text is named by its group."""
+    proc = FakeProc(tmp_path / "proc")
+    clock = FakeClock()
+    ticks = 0
+    running = {100: "vllm", 200: "worker", 201: "worker", 400: "\x1b[31mx"}  # pid: comm, each its own group
+    used = dict.fromkeys(running, 0)
+    share = {100: 1.0, 200: 0.5, 201: 0.3, 400: 0.5}  # cores each: whole ticks a sample
+
+    def sleep(seconds: float) -> None:
+        nonlocal ticks
+        clock.advance(seconds)
+        ticks += round(seconds * USER_HZ)
+        proc.set_cpu(user=ticks, idle=ticks)
+        for pid, comm in running.items():
+            used[pid] += round(seconds * USER_HZ * share[pid])
+            proc.set(pid, comm, utime=used[pid], rss=10)
+
+    for pid, comm in running.items():
+        proc.add(pid, comm=comm, rss=10)
+    groups = ProcGroupSampler(proc.root, clock)
+    w = WindowSampler(proc.root, BackendChoice("proc", None), groups, None, hz=10, node="n1",
+                      clock=clock, wall_clock=clock, sleep=sleep)  # fmt: skip
+    w.prime(1.0)
+    w.run_window(1.0)  # the busiest groups are learnt from the window before
+    shards = {s["id"]: s for s in w.run_window(1.0)["shards"]}
+    assert shards.keys() == {"comm:vllm", "comm:worker", "pgid:400"}
+    assert shards["comm:worker"]["pgids"] == [200, 201]
+    assert shards["comm:worker"]["cpu_cores"]["mean"] == pytest.approx(0.8)
+    assert shards["comm:vllm"]["cpu_cores"]["mean"] == pytest.approx(1.0)
+
+    # The engine restarts: group 100 is gone, group 300 of the same name at half the load.
+    proc.remove(100)
+    del running[100]
+    running[300], used[300], share[300] = "vllm", 0, 0.5
+    proc.add(300, comm="vllm", rss=10)
+    w.run_window(1.0)
+    shards = {s["id"]: s for s in w.run_window(1.0)["shards"]}
+    assert shards["comm:vllm"]["pgids"] == [300]
+    assert shards["comm:vllm"]["cpu_cores"]["mean"] == pytest.approx(0.5)
 
 
 def test_a_300_ms_stall_keeps_every_figure(tmp_path: Path) -> None:
