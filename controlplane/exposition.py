@@ -158,6 +158,10 @@ def _gpus(key: str, scale: float = 1.0) -> Callable[[_NodeLabels, Json], Iterato
     return samples
 
 
+def _left_out(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
+    yield labels.base, hb.get("shards_left_out", 0)  # counted by the agent and the registry: 0 is measured
+
+
 def _never(labels: _NodeLabels, hb: Json) -> Iterator[Sample]:
     return iter(())
 
@@ -167,6 +171,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("llmgw_node_info", "gauge", "The node's identity: host name, kernel, agent version, backend", _never, True),
     Family("llmgw_node_sample_age_seconds", "gauge", "Seconds since the node's last heartbeat arrived", _never, True),
     Family("llmgw_node_cpus", "gauge", "Online CPUs", _machine("cpus")),
+    Family("llmgw_node_shards_left_out", "gauge",
+           "Engines of the node not exported: beyond the wire's or the control plane's cap (the busiest are kept)",
+           _left_out),
     Family("llmgw_node_cpu_utilization_percent", "gauge", "CPU utilisation of all cores, the window's mean",
            _machine("cpu_percent", "mean")),
     Family("llmgw_node_cpu_utilization_p95_percent", "gauge", "CPU utilisation, p95 of the window's samples",

@@ -16,6 +16,18 @@ from typing import Any
 from controlplane.starvation import StarvationRules, judge_heartbeat
 
 Json = dict[str, Any]
+MAX_SHARDS_PER_NODE = 64  # engines of one node exported, charted and shown
+
+
+def _keep_busiest_shards(heartbeat: Json, most: int) -> None:
+    """A node with more engines than the cap keeps its busiest (by cores), and
+    counts the rest with those its agent already left out: every series of a
+    node is bounded, whatever its agent sends."""
+    shards = heartbeat.get("shards") or []
+    if len(shards) > most:
+        busiest = sorted(shards, key=lambda s: -((s.get("cpu_cores") or {}).get("mean") or 0.0))
+        heartbeat["shards"] = busiest[:most]
+        heartbeat["shards_left_out"] = heartbeat.get("shards_left_out", 0) + len(shards) - most
 
 
 class UnknownNode(KeyError):
@@ -42,8 +54,10 @@ class NodeState:
 
 class NodeRegistry:
     def __init__(self, stale_after: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 gone_after: float | None = None, starvation: StarvationRules | None = None) -> None:  # fmt: skip
+                 gone_after: float | None = None, starvation: StarvationRules | None = None,
+                 max_shards: int = MAX_SHARDS_PER_NODE) -> None:  # fmt: skip
         self.stale_after = stale_after
+        self.max_shards = max_shards
         self.starvation = starvation or StarvationRules()
         # A node silent this long is gone (decommissioned, renamed): forgotten.
         self.gone_after = gone_after if gone_after is not None else max(3600.0, 10 * stale_after)
@@ -72,6 +86,7 @@ class NodeRegistry:
         state = self._nodes.get(heartbeat["node"])
         if state is None:
             raise UnknownNode(heartbeat["node"])
+        _keep_busiest_shards(heartbeat, self.max_shards)
         judge_heartbeat(heartbeat, self.starvation)  # once, as it arrives: the exposition and pages read it
         state.heartbeat = heartbeat
         state.received_at = self.clock()

@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the agents' service account (default nodesampler/nodesampler-agent)")
     c.add_argument("--stale-after", type=_positive(86400), default=60.0,
                    help="seconds after its last heartbeat that a node is stale (default 60)")
+    c.add_argument("--max-shards-per-node", type=_count(256), default=64, metavar="N",
+                   help="engines of one node exported, charted and shown, the busiest kept (default 64)")
     c.add_argument("--prometheus", default=None, metavar="URL",
                    help="draw the pages' charts from this Prometheus (default: the embedded history)")
     # Connections held to account (controlplane/connection_limits.py).
@@ -459,6 +461,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     from controlplane.tls_files import ReloadingServerTLS
     from web.server import serve, split_address
 
+    if args.max_shards_per_node < 1:
+        _fail(EXIT_USAGE, "--max-shards-per-node: at least 1")
     if args.prometheus is not None and not args.prometheus.startswith(("http://", "https://")):
         _fail(EXIT_USAGE, f"--prometheus {args.prometheus!r}: expected an http:// or https:// URL")
     for flag, value in (("--listen", args.listen), ("--pages-listen", args.pages_listen)):
@@ -480,7 +484,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
         rules = StarvationRules(args.starved_throttled_ratio, args.starved_wait_ratio, args.starved_min_wait,
                                 args.host_bound_gpu_utilization)  # fmt: skip
         limits = ConnectionLimits(args.request_deadline, args.idle_timeout, args.max_connections_per_peer)
-        asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls, rules, limits))
+        asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls, rules, limits,
+                          args.max_shards_per_node))
     except OSError as e:  # the address is taken or not ours
         _fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

@@ -53,6 +53,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         ([*CP, "--idle-timeout", "inf"], "--idle-timeout"),
         ([*CP, "--max-connections-per-peer", "-1"], "--max-connections-per-peer"),
         ([*CP, "--max-connections-per-peer", "2.5"], "--max-connections-per-peer"),
+        ([*CP, "--max-shards-per-node", "0"], "--max-shards-per-node"),
+        ([*CP, "--max-shards-per-node", "257"], "--max-shards-per-node"),
         ([*CP, "--k8s-jwks", "https://x/jwks", "--k8s-issuer", "https://x", "--tls-cert", "/etc/hostname"],
          "go together"),
         ([*CP, "--k8s-jwks", "https://x/jwks", "--k8s-issuer", "https://x", "--tls-cert", "/etc/hostname",

@@ -352,3 +352,23 @@ async def test_heartbeats_are_answered_while_a_page_and_a_scrape_are_rendered(
     scraped, shown = await scrape, await page
     assert scraped.status == 200 and 'llmgw_node_up{node="gpu-17"} 1' in await scraped.text()
     assert shown.status == 200 and "gpu-17" in await shown.text()
+
+
+async def test_a_node_keeps_its_busiest_engines_up_to_the_cap(aiohttp_client: Any, clock: FakeClock) -> None:
+    """However many engines an agent sends (up to the wire's 256), the control
+    plane keeps the node's busiest up to its cap and counts the rest."""
+    registry = NodeRegistry(stale_after=60, clock=clock, max_shards=3)
+    agents = await aiohttp_client(agent_api.create_app(registry, SECRET))
+    assert (await post(agents, "/v1/register", registration()))[0] == 200
+    body = heartbeat()
+    body["shards"] = [dict(body["shards"][0], id=f"s{i}", cpu_cores={"mean": i / 10, "p95": 1.0, "max": 1.0})
+                      for i in range(10)]  # fmt: skip
+    body["shards_left_out"] = 5  # the agent's own cut
+    assert (await post(agents, "/v1/heartbeat", body))[0] == 200
+    state = registry.get("gpu-17")
+    assert state is not None and state.heartbeat is not None
+    assert [s["id"] for s in state.heartbeat["shards"]] == ["s9", "s8", "s7"]
+    text = FleetExposition(registry).render()
+    assert 'llmgw_node_shards_left_out{node="gpu-17"} 12\n' in text
+    assert {line.split('shard="')[1].split('"')[0] for line in text.splitlines()
+            if line.startswith("llmgw_shard_cpu_cores{")} == {"s9", "s8", "s7"}  # fmt: skip

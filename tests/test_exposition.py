@@ -24,7 +24,7 @@ GOLDEN = Path(__file__).parent / "golden" / "fleet_metrics.txt"
 # DESIGN.md's contract: every family and the labels beyond `node`.
 CONTRACT: dict[str, set[str]] = {
     "llmgw_node_up": set(), "llmgw_node_info": {"hostname", "kernel", "agent_version", "backend"},
-    "llmgw_node_cpus": set(), "llmgw_node_cpu_utilization_percent": set(),
+    "llmgw_node_cpus": set(), "llmgw_node_shards_left_out": set(), "llmgw_node_cpu_utilization_percent": set(),
     "llmgw_node_cpu_utilization_p95_percent": set(), "llmgw_node_cpu_utilization_max_percent": set(),
     "llmgw_node_cpu_steal_percent": set(),
     "llmgw_node_load": {"window"}, "llmgw_node_memory_bytes": set(), "llmgw_node_memory_used_bytes": set(),

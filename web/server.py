@@ -17,7 +17,7 @@ from controlplane.connection_limits import GUARD, ConnectionGuard, ConnectionLim
 from controlplane.history import EmbeddedHistory
 from controlplane.node_identity import NodeAuthenticator
 from controlplane.own_metrics import ControlPlaneMetrics
-from controlplane.registry import NodeRegistry
+from controlplane.registry import MAX_SHARDS_PER_NODE, NodeRegistry
 from controlplane.starvation import StarvationRules
 from controlplane.tls_files import ReloadingServerTLS
 from web.pages import add_pages
@@ -51,11 +51,12 @@ def _count_close(own: ControlPlaneMetrics, listener: str, reason: str) -> None:
 
 async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, stale_after: float,
                 prometheus_url: str | None = None, tls: ReloadingServerTLS | None = None,
-                starvation: StarvationRules | None = None, limits: ConnectionLimits | None = None) -> None:  # fmt: skip
+                starvation: StarvationRules | None = None, limits: ConnectionLimits | None = None,
+                max_shards: int = MAX_SHARDS_PER_NODE) -> None:  # fmt: skip
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
         log.warning("agent listener %s has no TLS: bearer tokens cross the network in clear text "
                     "(--tls-cert and --tls-key)", agent_listen)  # fmt: skip
-    registry = NodeRegistry(stale_after, starvation=starvation)
+    registry = NodeRegistry(stale_after, starvation=starvation, max_shards=max_shards)
     own = ControlPlaneMetrics(registry)
     # The embedded history is fed only when the pages read it (no --prometheus).
     history = None if prometheus_url else EmbeddedHistory(stale_after=stale_after)
