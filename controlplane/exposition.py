@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from controlplane.registry import NodeRegistry, NodeState
 
@@ -39,6 +39,34 @@ def fmt(value: float | int) -> str:
     return repr(float(value))
 
 
+K = TypeVar("K")
+LABELS_KEPT_S = 3600.0  # a label set no scrape used for this long (to twice it) is dropped
+
+
+class _Generations(Generic[K]):
+    """Label sets by key in two generations: at each turn the older is
+    dropped, so what no scrape asked for in a whole generation goes (engines
+    that restarted under new names, cards that left) and the cache stays
+    the size of what the node has now."""
+
+    def __init__(self) -> None:
+        self.now: dict[K, str] = {}
+        self.before: dict[K, str] = {}
+
+    def get(self, key: K, make: Callable[[K], str]) -> str:
+        labels = self.now.get(key)
+        if labels is None:
+            labels = self.before.pop(key, None) or make(key)
+            self.now[key] = labels
+        return labels
+
+    def turn(self) -> None:
+        self.before, self.now = self.now, {}
+
+    def __len__(self) -> int:
+        return len(self.now) + len(self.before)
+
+
 @dataclass
 class _NodeLabels:
     """Escaped label sets of one node, made once and reused by every scrape."""
@@ -47,36 +75,37 @@ class _NodeLabels:
     base: str  # node="..."
     info: str = ""
     info_of: int = 0  # id() of the registration they were made from
-    shards: dict[tuple[str, str, str, str | None, str | None, str | None], str] = field(default_factory=dict)
-    gpus: dict[tuple[int, str], str] = field(default_factory=dict)
-    mounts: dict[str, str] = field(default_factory=dict)
+    shards: _Generations[tuple[str, str, str, str | None, str | None, str | None]] = field(
+        default_factory=_Generations)
+    gpus: _Generations[tuple[int, str]] = field(default_factory=_Generations)
+    mounts: _Generations[str] = field(default_factory=_Generations)
+    turned_at: float | None = None
+
+    def turn(self, now: float) -> None:
+        if self.turned_at is None or now - self.turned_at >= LABELS_KEPT_S:
+            for cache in (self.shards, self.gpus, self.mounts):
+                cache.turn()
+            self.turned_at = now
 
     def shard(self, s: Json) -> str:
         key = (s.get("model") or "", s.get("replica") or "", s["id"], s.get("namespace"), s.get("pod"),
                s.get("container"))  # fmt: skip
-        labels = self.shards.get(key)
-        if labels is None:
-            labels = (f'{self.base},model="{escape(key[0])}",replica="{escape(key[1])}",'
-                      f'shard="{escape(key[2])}"')  # fmt: skip
-            # Kubernetes' names only where known: absent, not empty.
-            for label, value in zip(("namespace", "pod", "container"), key[3:], strict=True):
-                if value is not None:
-                    labels += f',{label}="{escape(value)}"'
-            self.shards[key] = labels
+        return self.shards.get(key, self._shard_labels)
+
+    def _shard_labels(self, key: tuple[str, str, str, str | None, str | None, str | None]) -> str:
+        labels = f'{self.base},model="{escape(key[0])}",replica="{escape(key[1])}",shard="{escape(key[2])}"'
+        # Kubernetes' names only where known: absent, not empty.
+        for label, value in zip(("namespace", "pod", "container"), key[3:], strict=True):
+            if value is not None:
+                labels += f',{label}="{escape(value)}"'
         return labels
 
     def gpu(self, g: Json) -> str:
-        key = (g["index"], g.get("name") or "")
-        labels = self.gpus.get(key)
-        if labels is None:
-            labels = self.gpus[key] = f'{self.base},gpu="{key[0]}",gpu_model="{escape(key[1])}"'
-        return labels
+        return self.gpus.get((g["index"], g.get("name") or ""),
+                             lambda k: f'{self.base},gpu="{k[0]}",gpu_model="{escape(k[1])}"')  # fmt: skip
 
     def mount(self, mount: str) -> str:
-        labels = self.mounts.get(mount)
-        if labels is None:
-            labels = self.mounts[mount] = f'{self.base},mount="{escape(mount)}"'
-        return labels
+        return self.mounts.get(mount, lambda m: f'{self.base},mount="{escape(m)}"')
 
 
 @dataclass(frozen=True)
@@ -279,7 +308,9 @@ class FleetExposition:
         nodes = []
         for state in self.registry.nodes():
             fresh = state.fresh(now, stale_after)
-            nodes.append((state, self._node_labels(state), fresh))
+            labels = self._node_labels(state)
+            labels.turn(now)
+            nodes.append((state, labels, fresh))
         # Nodes that are gone leave the cache with the registry.
         if len(self._labels) > len(nodes):
             known = {s.node for s, _, _ in nodes}

@@ -140,6 +140,9 @@ class _NodeRing:
     # The series by family, with their labels and the node's name as a query matches them.
     families: dict[str, list[tuple[dict[str, str], int]]] = field(default_factory=dict)
     n: int = 0  # heartbeats recorded, ever
+    free: list[int] = field(default_factory=list)  # rows given up by series gone for the hour
+    used: int = 0  # rows ever taken: the next new one
+    swept_at: int = -1  # n at the last look for series gone
     _last: tuple[tuple[int, float, float, int, float], tuple[np.ndarray, np.ndarray]] | None = None
 
     def __post_init__(self) -> None:
@@ -154,17 +157,45 @@ class _NodeRing:
             key = (family, labels)
             col = self.columns.get(key)
             if col is None:
-                if len(self.columns) >= MAX_SERIES_PER_NODE:
+                col = self._take_row()
+                if col is None:  # as many series, all with a value in the hour: this one waits
                     continue
-                col = self.columns[key] = len(self.columns)
+                self.columns[key] = col
                 self.families.setdefault(family, []).append((dict(labels, node=self.node), col))
-                if col >= self.values.shape[0]:
-                    grown = np.full((min(MAX_SERIES_PER_NODE, 2 * self.values.shape[0]), self.capacity), np.nan,
-                                    dtype=np.float32)  # fmt: skip
-                    grown[: self.values.shape[0]] = self.values
-                    self.values = grown
             self.values[col, slot] = value
         self.n += 1
+
+    def _take_row(self) -> int | None:
+        if not self.free and self.used >= MAX_SERIES_PER_NODE and self.swept_at != self.n:
+            self.swept_at = self.n  # at most one look a heartbeat
+            self._give_up_unused()
+        if self.free:
+            return self.free.pop()
+        if self.used >= MAX_SERIES_PER_NODE:
+            return None
+        if self.used >= self.values.shape[0]:
+            grown = np.full((min(MAX_SERIES_PER_NODE, 2 * self.values.shape[0]), self.capacity), np.nan,
+                            dtype=np.float32)  # fmt: skip
+            grown[: self.values.shape[0]] = self.values
+            self.values = grown
+        self.used += 1
+        return self.used - 1
+
+    def _give_up_unused(self) -> None:
+        """Series with no value in the whole ring (an engine gone for the hour,
+        a card removed) give their rows up to new ones: evicted, not refused."""
+        unused = np.isnan(self.values).all(axis=1)
+        gone = {col for col in self.columns.values() if unused[col]}
+        if not gone:
+            return
+        self.columns = {k: c for k, c in self.columns.items() if c not in gone}
+        for family in list(self.families):
+            kept = [(labels, c) for labels, c in self.families[family] if c not in gone]
+            if kept:
+                self.families[family] = kept
+            else:
+                del self.families[family]
+        self.free.extend(sorted(gone, reverse=True))
 
     def slots(self) -> tuple[np.ndarray, np.ndarray]:
         """The slots holding heartbeats, oldest first, and their times."""
@@ -253,7 +284,9 @@ class EmbeddedHistory:
                     slots, t = ring.slots() if ring is not None else (np.empty(0, dtype=np.int64), np.empty(0))
                     keep = (t >= start) & (t <= end)
                     values = ring.values[cols][:, slots[keep]] if ring is not None else np.empty((len(cols), 0))
-                out.append(Series(" ".join(key), t[keep], _combined(spec.agg, *_stats(values))))
+                v = _combined(spec.agg, *_stats(values))
+                if not np.isnan(v).all():  # a series with nothing in the span is not on the chart (nor Prometheus')
+                    out.append(Series(" ".join(key), t[keep], v))
                 continue
             # The nodes' series at the grid's instants, stacked a block at a time
             # (a few MiB whatever the fleet) and combined into running totals.
@@ -271,7 +304,8 @@ class EmbeddedHistory:
                         known, slots = ring.last_at(grid, self.stale_after)
                         block[used : used + len(cols), known] = ring.values[cols][:, slots]
                 used += len(cols)
-            out.append(Series(" ".join(key), grid, _combined(spec.agg, sums, counts, maxima)))
+            if counts.any():
+                out.append(Series(" ".join(key), grid, _combined(spec.agg, sums, counts, maxima)))
         return out
 
 

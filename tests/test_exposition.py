@@ -172,3 +172,23 @@ async def test_refused_requests_are_counted_by_reason(aiohttp_client: Any) -> No
 def test_the_metric_reference_names_every_family() -> None:
     reference = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
     assert [f for f in sorted(FAMILY_NAMES) if f"`{f}`" not in reference] == []
+
+
+def test_label_sets_of_engines_gone_for_an_hour_are_dropped() -> None:
+    """Engines restarting under new names for a day leave the exposition's
+    label cache the size of what the node has now, and every scrape is
+    still exact."""
+    clock = FakeClock(1000.0)
+    registry = NodeRegistry(stale_after=600, clock=clock)
+    registry.register({"node": "n1"})
+    exposition = FleetExposition(registry)
+    for minute in range(24 * 60):
+        shards = [{"id": f"pgid:{minute}-{i}", "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}} for i in range(3)]
+        registry.heartbeat({"node": "n1", "seq": minute, "backend": "proc", "machine": {},
+                            "window": {"start": 0.0, "end": 1.0, "samples": 1}, "shards": shards})  # fmt: skip
+        text = exposition.render()
+        assert sorted(line.split('shard="')[1].split('"')[0] for line in text.splitlines()
+                      if line.startswith("llmgw_shard_cpu_cores{")) == [s["id"] for s in shards]  # fmt: skip
+        clock.advance(60)
+    # At most two hours of names: each minute's three.
+    assert len(exposition._labels["n1"].shards) <= 3 * 2 * 60 + 3

@@ -463,3 +463,20 @@ def test_history_read_on_one_thread_while_heartbeats_arrive_on_another() -> None
     assert not errors
     [s] = h.query_now(spec, 900, 1050, 1.0)  # the last heartbeats came 1036-1040
     assert s.v[-1] == 4 * 400  # every node's four cards, each 1.0
+
+
+def test_series_gone_for_the_hour_give_their_room_to_new_ones() -> None:
+    """A node's engines restarting under new names, far more series over a day
+    than a node may hold at once: those with no value in the hour are
+    evicted, so the newest engines are charted, never refused."""
+    h = EmbeddedHistory(interval=5, span=60)  # 13 heartbeats held
+    for i in range(2000):  # 400 engines, each for five heartbeats: 800 series of cores
+        shard = {"id": f"e{i // 5}", "model": "m", "cpu_cores": {"mean": float(i), "max": float(i)}}
+        h.record("n1", {"machine": {"cpu_percent": {"mean": 1.0}}, "shards": [shard]}, at=5.0 * i)
+    spec = ChartSpec("llmgw_shard_cpu_cores", (("node", "n1"),), ("shard",))
+    got = {s.label: s.v[~np.isnan(s.v)].tolist() for s in h.query_now(spec, 0, 10_000, 5.0)}
+    # The engines of the last 13 heartbeats (1987-1999), each with its own values.
+    assert got == {"e397": [1987.0, 1988.0, 1989.0], "e398": [float(x) for x in range(1990, 1995)],
+                   "e399": [float(x) for x in range(1995, 2000)]}  # fmt: skip
+    [cpu] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 10_000, 5.0)
+    assert cpu.v.tolist() == [1.0] * 13  # the series that never stopped kept its row
