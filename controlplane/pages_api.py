@@ -5,14 +5,18 @@ background task that forgets nodes gone for long."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from controlplane import registry_state
 from controlplane.agent_api import no_tracebacks
 from controlplane.exposition import FleetExposition
 from controlplane.history import EmbeddedHistory
@@ -20,8 +24,19 @@ from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx
 from controlplane.registry import NodeRegistry
+from controlplane.registry_state import STATE_FILE
 
 PRUNE_EVERY_S = 60.0
+log = logging.getLogger(__name__)
+
+
+def is_loopback_address(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack socket
+    return (mapped or address).is_loopback
 
 
 def _scrape(exposition: FleetExposition, own: ControlPlaneMetrics) -> bytes:
@@ -64,6 +79,25 @@ def _nodes_json(registry: NodeRegistry) -> str:
     return json.dumps({"nodes": out})
 
 
+async def forget_node(request: web.Request) -> web.Response:
+    """DELETE /api/nodes/NODE: an operator removes a node that is gone for good
+    (its series leave /metrics, so its NodeDown resolves). From this machine
+    only (`kubectl port-forward` or `exec` arrive from loopback): the pages
+    listener has no other authentication."""
+    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+    if not (isinstance(peer, tuple) and peer and is_loopback_address(str(peer[0]))):
+        raise web.HTTPForbidden(text="forgetting a node is allowed from this machine only (kubectl port-forward)\n")
+    node = request.match_info["node"]
+    if not request.app[REGISTRY].forget(node):
+        raise web.HTTPNotFound(text="no such node\n")
+    if (history := request.app.get(RECORDER)) is not None:
+        history.forget(node)
+    log.info("node %s forgotten at an operator's request", node)
+    if STATE_FILE in request.app:
+        await registry_state.save(request.app)  # a forgotten node does not come back with a restart
+    return web.json_response({"forgotten": node})
+
+
 async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
     """A node silent for long is gone: it leaves the registry, and every series with it."""
 
@@ -81,8 +115,11 @@ async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
-               history: EmbeddedHistory | None = None) -> web.Application:  # fmt: skip
+               history: EmbeddedHistory | None = None, state_file: Path | None = None) -> web.Application:  # fmt: skip
     app = web.Application(middlewares=[no_tracebacks])
+    if state_file is not None:
+        app[STATE_FILE] = state_file
+        app.cleanup_ctx.append(registry_state.kept_on_disk)
     app[REGISTRY] = registry
     if history is not None:
         app[RECORDER] = history
@@ -93,5 +130,6 @@ def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/api/nodes", nodes)
+    app.router.add_delete("/api/nodes/{node}", forget_node)
     app.cleanup_ctx.append(forget_gone_nodes)
     return app

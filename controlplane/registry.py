@@ -48,8 +48,9 @@ class NodeState:
         return None if self.received_at is None else now - self.received_at
 
     def fresh(self, now: float, stale_after: float) -> bool:
+        """Its measurements are current: none after a restart (controlplane/registry_state.py)."""
         age = self.age(now)
-        return age is not None and age <= stale_after
+        return self.heartbeat is not None and age is not None and age <= stale_after
 
 
 class NodeRegistry:
@@ -59,8 +60,9 @@ class NodeRegistry:
         self.stale_after = stale_after
         self.max_shards = max_shards
         self.starvation = starvation or StarvationRules()
-        # A node silent this long is gone (decommissioned, renamed): forgotten.
-        self.gone_after = gone_after if gone_after is not None else max(3600.0, 10 * stale_after)
+        # A node silent this long is gone (decommissioned, renamed): forgotten. Long
+        # (a week), so a node that is down alerts until someone sees to it.
+        self.gone_after = gone_after if gone_after is not None else max(7 * 86400.0, 10 * stale_after)
         self.clock = clock
         self._nodes: dict[str, NodeState] = {}
 
@@ -70,6 +72,9 @@ class NodeRegistry:
         for node in gone:
             del self._nodes[node]
         return gone
+
+    def forget(self, node: str) -> bool:
+        return self._nodes.pop(node, None) is not None
 
     def register(self, registration: Json) -> NodeState:
         """(Re-)registration replaces what does not change; a heartbeat

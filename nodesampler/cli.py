@@ -175,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the agents' service account (default nodesampler/nodesampler-agent)")
     c.add_argument("--stale-after", type=_positive(86400), default=60.0,
                    help="seconds after its last heartbeat that a node is stale (default 60)")
+    c.add_argument("--state-file", type=Path, default=None, metavar="PATH",
+                   help="keep the known nodes in this file across restarts (written atomically every 30 s)")
+    c.add_argument("--forget-after", type=_positive(365 * 86400), default=7 * 86400.0, metavar="S",
+                   help="seconds a silent node stays known (llmgw_node_up 0) before it is forgotten "
+                        "(default 604800: a week); DELETE /api/nodes/NODE forgets one at once")
     c.add_argument("--max-shards-per-node", type=_count(256), default=64, metavar="N",
                    help="engines of one node exported, charted and shown, the busiest kept (default 64)")
     c.add_argument("--prometheus", default=None, metavar="URL",
@@ -461,6 +466,10 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     from controlplane.tls_files import ReloadingServerTLS
     from web.server import serve, split_address
 
+    if args.state_file is not None and not args.state_file.parent.is_dir():
+        _fail(EXIT_USAGE, f"--state-file {args.state_file}: {args.state_file.parent} is not a directory")
+    if args.forget_after < args.stale_after:
+        _fail(EXIT_USAGE, "--forget-after: at least --stale-after (a node is stale before it is forgotten)")
     if args.max_shards_per_node < 1:
         _fail(EXIT_USAGE, "--max-shards-per-node: at least 1")
     if args.prometheus is not None and not args.prometheus.startswith(("http://", "https://")):
@@ -485,7 +494,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
                                 args.host_bound_gpu_utilization)  # fmt: skip
         limits = ConnectionLimits(args.request_deadline, args.idle_timeout, args.max_connections_per_peer)
         asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls, rules, limits,
-                          args.max_shards_per_node))
+                          args.max_shards_per_node, args.state_file, args.forget_after))
     except OSError as e:  # the address is taken or not ours
         _fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

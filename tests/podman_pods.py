@@ -204,6 +204,10 @@ def podman_run(pod: dict[str, Any], played: PlayedPod, name: str, work: Path, im
             options.append("rslave")
         if "hostPath" in spec:
             source = Path(spec["hostPath"]["path"])
+        elif "emptyDir" in spec:
+            source = work / name / m["name"]  # the kubelet's: empty, writable by the pod's user
+            source.mkdir(parents=True, exist_ok=True)
+            source.chmod(0o777)
         else:
             files = played.file_volume(spec, work / name / m["name"])
             if files is None:

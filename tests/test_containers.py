@@ -330,6 +330,11 @@ def test_two_nodes_each_speaking_for_itself(cluster: Cluster, engine: subprocess
         refused = re.findall(r'nodesampler_requests_rejected_total\{kind="heartbeat",reason="(\w+)"\} (\S+)',
                              get_text(f"{cluster.pages}/metrics"))  # fmt: skip
         assert all(float(n) == 0 for _, n in refused), refused
+
+        # The control plane keeps the known nodes on the pod's state volume (written every 30 s).
+        state = cluster.work / "nodesampler-test-cp" / "state" / "registry.json"
+        until("the control plane's state file to hold both nodes", lambda: state.exists() and {"node-a", "node-b"}
+              <= {n["registration"]["node"] for n in json.loads(state.read_text())["nodes"]}, timeout=90)  # fmt: skip
     finally:
         truth.stop()
 

@@ -79,6 +79,9 @@ def test_controlplane_verifies_the_agents_account() -> None:
     agent_sa = find("ServiceAccount", "nodesampler-agent")["metadata"]
     assert (namespace, name) == (agent_sa["namespace"], agent_sa["name"])
     assert args["k8s-audience"] == "nodesampler" and "tls-cert" in args and "secret-file" not in args
+    # The known nodes are kept on a volume the pod's user can write (the root file system is read-only).
+    [state] = [m for m in cp["volumeMounts"] if args["state-file"].startswith(m["mountPath"] + "/")]
+    assert not state.get("readOnly") and "emptyDir" in {v["name"]: v for v in pod["volumes"]}[state["name"]]
     binding = find("ClusterRoleBinding", "nodesampler-controlplane-issuer-discovery")
     assert binding["roleRef"]["name"] == "system:service-account-issuer-discovery"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],

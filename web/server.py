@@ -9,6 +9,7 @@ import functools
 import ipaddress
 import logging
 import signal
+from pathlib import Path
 
 from aiohttp import web
 
@@ -52,15 +53,16 @@ def _count_close(own: ControlPlaneMetrics, listener: str, reason: str) -> None:
 async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, stale_after: float,
                 prometheus_url: str | None = None, tls: ReloadingServerTLS | None = None,
                 starvation: StarvationRules | None = None, limits: ConnectionLimits | None = None,
-                max_shards: int = MAX_SHARDS_PER_NODE) -> None:  # fmt: skip
+                max_shards: int = MAX_SHARDS_PER_NODE, state_file: Path | None = None,
+                forget_after: float | None = None) -> None:  # fmt: skip
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
         log.warning("agent listener %s has no TLS: bearer tokens cross the network in clear text "
                     "(--tls-cert and --tls-key)", agent_listen)  # fmt: skip
-    registry = NodeRegistry(stale_after, starvation=starvation, max_shards=max_shards)
+    registry = NodeRegistry(stale_after, starvation=starvation, max_shards=max_shards, gone_after=forget_after)
     own = ControlPlaneMetrics(registry)
     # The embedded history is fed only when the pages read it (no --prometheus).
     history = None if prometheus_url else EmbeddedHistory(stale_after=stale_after)
-    pages = pages_api.create_app(registry, own, history)
+    pages = pages_api.create_app(registry, own, history, state_file)
     add_pages(pages, history, prometheus_url)
     limits = limits or ConnectionLimits()
     loop = asyncio.get_running_loop()

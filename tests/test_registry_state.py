@@ -1,0 +1,136 @@
+"""The registry kept across control-plane restarts, and nodes forgotten only
+when an operator says so or after a long silence."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from controlplane import agent_api, pages_api
+from controlplane.history import ChartSpec, EmbeddedHistory
+from controlplane.registry import NodeRegistry
+from nodesampler import wire
+from tests.test_controlplane_api import SECRET, auth, heartbeat, post, registration
+
+
+def register(registry: NodeRegistry, node: str) -> None:
+    registry.register(wire.parse_registration(json.dumps(registration(node)).encode()))
+
+
+async def metrics(client: Any) -> str:
+    r = await client.get("/metrics")
+    assert r.status == 200
+    return await r.text()
+
+
+async def test_a_restart_keeps_every_node_known_and_stale_until_it_speaks(aiohttp_client: Any, tmp_path: Path) -> None:
+    path = tmp_path / "registry.json"
+    before = NodeRegistry(stale_after=60)
+    pages = await aiohttp_client(pages_api.create_app(before, state_file=path))
+    register(before, "up-1")
+    register(before, "down-2")  # registered, never heartbeat: down since
+    before.heartbeat(wire.parse_heartbeat(json.dumps(heartbeat("up-1")).encode()))
+    await pages.close()  # the control plane stops: the state is written
+    assert not (tmp_path / "registry.json.tmp").exists()
+
+    after = NodeRegistry(stale_after=60)
+    pages = await aiohttp_client(pages_api.create_app(after, state_file=path))
+    agents = await aiohttp_client(agent_api.create_app(after, SECRET))
+    text = await metrics(pages)
+    # Both known, neither fresh: their measurements are not current after a restart.
+    assert 'llmgw_node_up{node="up-1"} 0\n' in text and 'llmgw_node_up{node="down-2"} 0\n' in text
+    assert 'llmgw_node_info{node="down-2",hostname="gpu-17.example"' in text
+    assert "llmgw_node_cpus{" not in text
+    listed = {n["node"]: n for n in (await (await pages.get("/api/nodes")).json())["nodes"]}
+    assert listed["up-1"]["heartbeats"] == 1 and listed["up-1"]["sample_age_seconds"] >= 0
+    assert listed["down-2"]["sample_age_seconds"] is None and listed["down-2"]["state"] == "stale"
+    # The agent goes on heartbeating, without registering again: fresh at once.
+    status, _ = await post(agents, "/v1/heartbeat", heartbeat("up-1"), auth("up-1"))
+    assert status == 200
+    assert 'llmgw_node_up{node="up-1"} 1\n' in await metrics(pages)
+
+
+@pytest.mark.parametrize("body", [b"{not json", b'{"version": 99, "nodes": []}', b"[]", b"\xff\xfe"])
+async def test_a_state_file_that_cannot_be_read_is_set_aside(aiohttp_client: Any, tmp_path: Path, body: bytes,
+                                                             caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    path = tmp_path / "registry.json"
+    path.write_bytes(body)
+    registry = NodeRegistry(stale_after=60)
+    with caplog.at_level(logging.ERROR):
+        pages = await aiohttp_client(pages_api.create_app(registry, state_file=path))
+    assert len(registry) == 0
+    assert (tmp_path / "registry.json.bad").read_bytes() == body
+    assert any("cannot be read" in r.getMessage() and "set aside" in r.getMessage() for r in caplog.records)
+    register(registry, "n1")
+    await pages.close()
+    assert [n["registration"]["node"] for n in json.loads(path.read_bytes())["nodes"]] == ["n1"]
+
+
+async def test_a_bad_entry_is_left_out_alone(aiohttp_client: Any, tmp_path: Path) -> None:
+    path = tmp_path / "registry.json"
+    good = {"registration": {"node": "n1"}, "last_heartbeat": 1.7e9, "heartbeats": 3}
+    bad = [{"registration": {"node": "\x1b[31mred"}}, {"registration": {"node": "n2"}, "heartbeats": -1},
+           {"registration": {"node": "n3"}, "last_heartbeat": "yesterday"}, {"nothing": 1}, "n4"]  # fmt: skip
+    path.write_text(json.dumps({"version": 1, "nodes": [*bad, good]}))
+    registry = NodeRegistry(stale_after=60)
+    await aiohttp_client(pages_api.create_app(registry, state_file=path))
+    assert [s.node for s in registry.nodes()] == ["n1"]
+    state = registry.get("n1")
+    assert state is not None and state.heartbeats == 3 and not state.fresh(registry.clock(), 60)
+
+
+async def test_an_operator_forgets_a_node_from_this_machine_only(aiohttp_client: Any, tmp_path: Path) -> None:
+    path = tmp_path / "registry.json"
+    registry = NodeRegistry(stale_after=60)
+    history = EmbeddedHistory(interval=5)
+    app = pages_api.create_app(registry, history=history, state_file=path)
+    pages = await aiohttp_client(app)
+    for node in ("gone-1", "kept-2"):
+        register(registry, node)
+        hb = wire.parse_heartbeat(json.dumps(heartbeat(node)).encode())
+        registry.heartbeat(hb)
+        history.record(node, hb)
+
+    # From another address: refused, nothing changes.
+    transport = mock.Mock()
+    transport.get_extra_info.return_value = ("10.1.2.3", 40000)
+    remote = make_mocked_request("DELETE", "/api/nodes/gone-1", match_info={"node": "gone-1"}, app=app,
+                                 transport=transport)  # fmt: skip
+    with pytest.raises(pages_api.web.HTTPForbidden):
+        await pages_api.forget_node(remote)
+    assert registry.get("gone-1") is not None
+
+    r = await pages.delete("/api/nodes/gone-1")
+    assert r.status == 200 and await r.json() == {"forgotten": "gone-1"}
+    assert (await pages.delete("/api/nodes/gone-1")).status == 404
+    text = await metrics(pages)
+    assert 'node="gone-1"' not in text and 'llmgw_node_up{node="kept-2"} 1\n' in text
+    assert history.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "gone-1"),)), 0, 1e10, 1) == []
+    # Written at once: a restart does not bring it back.
+    assert [n["registration"]["node"] for n in json.loads(path.read_bytes())["nodes"]] == ["kept-2"]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "::ffff:127.0.0.1", "127.0.0.2"])
+def test_loopback_addresses(host: str) -> None:
+    assert pages_api.is_loopback_address(host)
+
+
+@pytest.mark.parametrize("host", ["10.0.0.1", "::ffff:10.0.0.1", "localhost", "", "fe80::1"])
+def test_other_addresses(host: str) -> None:
+    assert not pages_api.is_loopback_address(host)
+
+
+def test_a_silent_node_stays_known_for_a_week_by_default() -> None:
+    clock = mock.Mock(return_value=1000.0)
+    registry = NodeRegistry(stale_after=60, clock=clock)
+    register(registry, "n1")
+    clock.return_value = 1000.0 + 6 * 86400
+    assert registry.forget_gone() == [] and registry.get("n1") is not None
+    clock.return_value = 1000.0 + 7 * 86400 + 1
+    assert registry.forget_gone() == ["n1"]
