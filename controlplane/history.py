@@ -260,10 +260,11 @@ class EmbeddedHistory:
         """The spec's series: by group, then by node (under the lock)."""
         want = dict(spec.filter)
         node_filter = want.pop("node", None)
-        rings = self._nodes.values() if node_filter is None else [self._nodes.get(node_filter)]
+        one = self._nodes.get(node_filter) if node_filter is not None else None
+        rings = self._nodes.values() if node_filter is None else [one] if one is not None else []
         groups: dict[tuple[str, ...], dict[str, list[int]]] = {}
         for ring in rings:
-            for labels, col in ring.families.get(spec.metric, ()) if ring is not None else ():
+            for labels, col in ring.families.get(spec.metric, ()):
                 if want and any(labels.get(k) != v for k, v in want.items()):
                     continue
                 if spec.one_of and any(labels.get(k) not in values for k, values in spec.one_of):
