@@ -341,8 +341,8 @@ async def test_heartbeats_are_answered_while_a_page_and_a_scrape_are_rendered(
     monkeypatch.setattr(FleetExposition, "render", held_render)
     assert (await post(agents, "/v1/register", registration()))[0] == 200
     scrape = asyncio.create_task(viewer.get("/metrics"))
-    page = asyncio.create_task(viewer.get("/"))  # queued behind the scrape on the page thread
     await entered.wait()
+    page = asyncio.create_task(viewer.get("/"))  # queued behind the scrape on the page thread
     for seq in range(1, 4):
         assert (await post(agents, "/v1/heartbeat", heartbeat(seq=seq)))[0] == 200
     state = registry.get("gpu-17")
