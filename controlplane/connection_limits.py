@@ -14,7 +14,7 @@ one, so every connection's protocol is wrapped here:
   cap is per address, not per node, and has a flag.
 
 A TLS handshake is bounded by `request_s` too (asyncio's own timeout). One
-`ConnectionGuard` per listener; web/server.py listens through it.
+`ConnectionGuard` per listener; controlplane/server.py listens through it.
 """
 
 from __future__ import annotations

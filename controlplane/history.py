@@ -15,12 +15,14 @@ import re
 import string
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
 import numpy as np
+
+from controlplane.series import series_of
 
 Json = dict[str, Any]
 Labels = tuple[tuple[str, str], ...]
@@ -56,52 +58,6 @@ class HistoryError(Exception):
 
 class History(Protocol):
     async def query(self, spec: ChartSpec, start: float, end: float, step: float) -> list[Series]: ...
-
-
-def flatten(hb: Json) -> Iterator[tuple[str, Labels, float]]:
-    """A heartbeat as (family, labels, value) samples, named as /metrics names them."""
-    m = hb.get("machine") or {}
-    cpu = m.get("cpu_percent") or {}
-    for stat, family in (("mean", "llmgw_node_cpu_utilization_percent"),
-                         ("p95", "llmgw_node_cpu_utilization_p95_percent"),
-                         ("max", "llmgw_node_cpu_utilization_max_percent")):  # fmt: skip
-        if stat in cpu:
-            yield family, (), cpu[stat]
-    for key, family in (("memory_used_bytes", "llmgw_node_memory_used_bytes"),
-                        ("memory_bytes", "llmgw_node_memory_bytes"), ("cpus", "llmgw_node_cpus")):  # fmt: skip
-        if m.get(key) is not None:
-            yield family, (), m[key]
-    for window, value in (m.get("load") or {}).items():
-        yield "llmgw_node_load", (("window", window),), value
-    for s in hb.get("shards") or ():
-        labels: Labels = (("model", s.get("model") or ""), ("replica", s.get("replica") or ""), ("shard", s["id"]))
-        labels += tuple((key, s[key]) for key in ("namespace", "pod", "container") if s.get(key) is not None)
-        cores = s.get("cpu_cores") or {}
-        if "mean" in cores:
-            yield "llmgw_shard_cpu_cores", labels, cores["mean"]
-        if "max" in cores:
-            yield "llmgw_shard_cpu_cores_max", labels, cores["max"]
-        for key, family in (("memory_bytes", "llmgw_shard_memory_bytes"),
-                            ("gpu_memory_bytes", "llmgw_shard_gpu_memory_bytes"),
-                            ("requests_waiting", "llmgw_shard_requests_waiting"),
-                            ("requests_running", "llmgw_shard_requests_running"),
-                            ("kv_cache_usage_ratio", "llmgw_shard_kv_cache_usage_ratio")):  # fmt: skip
-            if s.get(key) is not None:
-                yield family, labels, s[key]
-        wait = s.get("runqueue_wait_seconds") or {}
-        if "p99" in wait:
-            yield "llmgw_shard_runqueue_wait_seconds", (*labels, ("quantile", "0.99")), wait["p99"]
-        if "mean" in wait:
-            yield "llmgw_shard_runqueue_wait_per_slice_seconds", labels, wait["mean"]
-    for g in hb.get("gpus") or ():
-        card: Labels = (("gpu", str(g["index"])), ("gpu_model", g.get("name") or ""))
-        for key, family in (("utilization_percent", "llmgw_gpu_utilization_percent"),
-                            ("memory_used_bytes", "llmgw_gpu_memory_used_bytes"),
-                            ("memory_total_bytes", "llmgw_gpu_memory_total_bytes"),
-                            ("temperature_celsius", "llmgw_gpu_temperature_celsius"),
-                            ("power_watts", "llmgw_gpu_power_watts")):  # fmt: skip
-            if g.get(key) is not None:
-                yield family, card, g[key]
 
 
 def _stats(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -153,7 +109,7 @@ class _NodeRing:
         slot = self.n % self.capacity
         self.values[:, slot] = np.nan
         self.t[slot] = at
-        for family, labels, value in flatten(hb):
+        for family, labels, value in series_of(hb):
             key = (family, labels)
             col = self.columns.get(key)
             if col is None:

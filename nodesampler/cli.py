@@ -319,9 +319,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     import subprocess
     import tempfile
 
+    from controlplane.server import split_address
     from nodesampler.tokens import node_token
     from sampler.agent import default_node
-    from web.server import split_address
 
     try:
         host, port = split_address(args.listen)
@@ -462,9 +462,10 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     import ssl
 
     from controlplane.connection_limits import ConnectionLimits
+    from controlplane.server import serve, split_address
     from controlplane.starvation import StarvationRules
     from controlplane.tls_files import ReloadingServerTLS
-    from web.server import serve, split_address
+    from web.pages import add_pages
 
     if args.state_file is not None and not args.state_file.parent.is_dir():
         _fail(EXIT_USAGE, f"--state-file {args.state_file}: {args.state_file.parent} is not a directory")
@@ -494,7 +495,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
                                 args.host_bound_gpu_utilization)  # fmt: skip
         limits = ConnectionLimits(args.request_deadline, args.idle_timeout, args.max_connections_per_peer)
         asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls, rules, limits,
-                          args.max_shards_per_node, args.state_file, args.forget_after))
+                          args.max_shards_per_node, args.state_file, args.forget_after, add_routes=add_pages))
     except OSError as e:  # the address is taken or not ours
         _fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

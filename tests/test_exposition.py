@@ -14,10 +14,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane import agent_api, pages_api
-from controlplane.exposition import FAMILY_NAMES, FleetExposition
+from controlplane.exposition import FleetExposition
+from controlplane.history import EmbeddedHistory
 from controlplane.registry import NodeRegistry
+from controlplane.series import CHARTED, FAMILIES, FAMILY_NAMES, series_of
 from tests.fakeclock_registry import fleet_registry
 from tests.fakeproc import FakeClock
+from web import pages
 
 GOLDEN = Path(__file__).parent / "golden" / "fleet_metrics.txt"
 
@@ -192,3 +195,38 @@ def test_label_sets_of_engines_gone_for_an_hour_are_dropped() -> None:
         clock.advance(60)
     # At most two hours of names: each minute's three.
     assert len(exposition._labels["n1"].shards) <= 3 * 2 * 60 + 3
+
+
+def test_the_history_keeps_exactly_what_the_exposition_exports_of_its_families() -> None:
+    """One map (controlplane/series.py): for every node of the golden fleet, the
+    series the embedded history records are the exposition's samples of the
+    charted families, label for label and value for value."""
+    registry, _ = fleet_registry()
+    exported = samples(FleetExposition(registry).render())
+    history = EmbeddedHistory(interval=5)
+    for state in registry.nodes():
+        if state.heartbeat is None or not state.fresh(registry.clock(), registry.stale_after):
+            continue
+        history.record(state.node, state.heartbeat, at=1000.0)
+        kept = {(family, tuple(sorted(labels)), float(value)) for family, labels, value in series_of(state.heartbeat)}
+        want = {(name, tuple(sorted((k, v) for k, v in labels.items() if k != "node")), value)
+                for family in FAMILIES if family.charted
+                for name, rows in exported.items() if name == family.name
+                for labels, value in rows if labels["node"] == state.node}  # fmt: skip
+        assert kept == want, state.node
+        assert kept, state.node
+    assert {f.name for f in FAMILIES if f.charted} == CHARTED and CHARTED <= FAMILY_NAMES
+
+
+def test_every_chart_of_the_pages_reads_a_family_the_history_keeps() -> None:
+    """The pages' chart specs name families of the table that the embedded
+    history keeps (the router's queue is Prometheus' alone: not ours)."""
+    registry, _ = fleet_registry()
+    state = registry.get("gpu-1")
+    assert state is not None
+    view = pages._node_view(state, registry.clock(), registry.stale_after)
+    view["engines"] = [dict(view["engines"][0], replica="r1")]
+    specs = pages.FLEET_SPECS + pages._node_specs("gpu-1", view) + pages._shard_specs("gpu-1", "s0")
+    metrics = {spec.metric for _, parts, _, _ in specs for spec, _ in parts}
+    assert "llmgw_gpu_utilization_percent" in metrics and "llmgw_shard_cpu_cores" in metrics
+    assert metrics - CHARTED == {"llmgw_endpoint_waiting"}

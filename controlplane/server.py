@@ -1,6 +1,9 @@
 """`nodesampler controlplane`: the two listeners in one process, sharing one
-registry (and the embedded history), until SIGTERM or SIGINT. It lives in
-`web` because it composes everything: the agent API, /metrics and the pages."""
+registry (and the embedded history), until SIGTERM or SIGINT. The
+composition is here: the agents' app (controlplane/agent_api.py), the pages'
+app with /metrics (controlplane/pages_api.py), their keys
+(controlplane/keys.py) and lifecycles; the pages (web/) add their routes to
+the pages' app through `add_routes`."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import functools
 import ipaddress
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -21,7 +25,6 @@ from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import MAX_SHARDS_PER_NODE, NodeRegistry
 from controlplane.starvation import StarvationRules
 from controlplane.tls_files import ReloadingServerTLS
-from web.pages import add_pages
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,9 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                 prometheus_url: str | None = None, tls: ReloadingServerTLS | None = None,
                 starvation: StarvationRules | None = None, limits: ConnectionLimits | None = None,
                 max_shards: int = MAX_SHARDS_PER_NODE, state_file: Path | None = None,
-                forget_after: float | None = None) -> None:  # fmt: skip
+                forget_after: float | None = None,
+                add_routes: Callable[[web.Application, EmbeddedHistory | None, str | None], None] | None = None,
+                ) -> None:  # fmt: skip
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
         log.warning("agent listener %s has no TLS: bearer tokens cross the network in clear text "
                     "(--tls-cert and --tls-key)", agent_listen)  # fmt: skip
@@ -63,7 +68,8 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     # The embedded history is fed only when the pages read it (no --prometheus).
     history = None if prometheus_url else EmbeddedHistory(stale_after=stale_after)
     pages = pages_api.create_app(registry, own, history, state_file)
-    add_pages(pages, history, prometheus_url)
+    if add_routes is not None:  # the pages (web/pages.py): charts from the history or from Prometheus
+        add_routes(pages, history, prometheus_url)
     limits = limits or ConnectionLimits()
     loop = asyncio.get_running_loop()
     runners, servers = [], []

@@ -1,0 +1,253 @@
+"""One map from a heartbeat to its series: every family the control plane
+exports, what it is (type, help) and which fields of a heartbeat make its
+samples. The exposition (`/metrics`) and the embedded history both read this
+table; the pages' chart specs and the metric reference are checked against
+it (tests/test_exposition.py, tests/test_pages.py). A family is added here
+and nowhere else.
+
+A family's samples are made through a `LabelMaker`, which says how a label
+set is written: the exposition's makes escaped text, cached per node
+(controlplane/exposition.py); the history's makes (name, value) tuples
+(`SeriesLabels` below). The node's own label is the maker's `base`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+Json = dict[str, Any]
+Sample = tuple[Any, float | int]  # (a label set as the maker writes it, value)
+
+
+class LabelMaker(Protocol):
+    base: Any  # the node's labels
+
+    def shard(self, s: Json) -> Any: ...
+    def gpu(self, g: Json) -> Any: ...
+    def mount(self, mount: str) -> Any: ...
+    def more(self, labels: Any, *pairs: tuple[str, str]) -> Any: ...
+
+
+# The families the embedded history keeps: what the pages chart.
+CHARTED = frozenset({
+    "llmgw_node_cpus", "llmgw_node_cpu_utilization_percent", "llmgw_node_cpu_utilization_p95_percent",
+    "llmgw_node_cpu_utilization_max_percent", "llmgw_node_memory_bytes", "llmgw_node_memory_used_bytes",
+    "llmgw_node_load", "llmgw_shard_cpu_cores", "llmgw_shard_cpu_cores_max", "llmgw_shard_memory_bytes",
+    "llmgw_shard_gpu_memory_bytes", "llmgw_shard_requests_waiting", "llmgw_shard_requests_running",
+    "llmgw_shard_kv_cache_usage_ratio", "llmgw_shard_runqueue_wait_seconds",
+    "llmgw_shard_runqueue_wait_per_slice_seconds", "llmgw_gpu_utilization_percent", "llmgw_gpu_memory_used_bytes",
+    "llmgw_gpu_memory_total_bytes", "llmgw_gpu_temperature_celsius", "llmgw_gpu_power_watts",
+})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    type: str
+    help: str
+    samples: Callable[[LabelMaker, Json], Iterator[Sample]]
+    stale_too: bool = False  # shown for stale nodes (identity and freshness, not measurements)
+
+    @property
+    def charted(self) -> bool:
+        return self.name in CHARTED
+
+
+def _machine(key: str, *path: str) -> Callable[[LabelMaker, Json], Iterator[Sample]]:
+    def samples(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
+        value: Any = hb.get("machine", {}).get(key)
+        for p in path:
+            value = value.get(p) if isinstance(value, dict) else None
+        if value is not None:
+            yield labels.base, value
+
+    return samples
+
+
+def _load(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
+    load = hb.get("machine", {}).get("load") or {}
+    for window in ("1m", "5m", "15m"):
+        if window in load:
+            yield labels.more(labels.base, ("window", window)), load[window]
+
+
+def _disks(key: str) -> Callable[[LabelMaker, Json], Iterator[Sample]]:
+    def samples(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
+        for d in hb.get("machine", {}).get("disks") or ():
+            yield labels.mount(d["mount"]), d[key]
+
+    return samples
+
+
+def _shards(key: str, stat: str | None = None, per: float = 1.0) -> Callable[[LabelMaker, Json], Iterator[Sample]]:
+    def samples(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
+        for s in hb.get("shards") or ():
+            value = s.get(key)
+            if stat is not None:
+                value = value.get(stat) if value else None
+            if value is not None:
+                yield labels.shard(s), value if per == 1.0 else value / per  # a division: 9.5 / 100 is 0.095
+
+    return samples
+
+
+def _waits(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
+    for s in hb.get("shards") or ():
+        wait = s.get("runqueue_wait_seconds") or {}
+        for key, quantile in (("p50", "0.5"), ("p99", "0.99")):
+            if key in wait:
+                yield labels.more(labels.shard(s), ("quantile", quantile)), wait[key]
+
+
+def _starved(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
+    for s in hb.get("shards") or ():
+        verdict = s.get("starved") or {}
+        for kind in ("cpu_starved", "host_bound"):
+            if kind in verdict:
+                yield labels.more(labels.shard(s), ("kind", kind)), verdict[kind]
+
+
+def _pressure(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
+    for resource, kinds in (hb.get("machine", {}).get("pressure") or {}).items():
+        for kind, value in kinds.items():
+            yield labels.more(labels.base, ("resource", resource), ("kind", kind)), value
+
+
+def _gpus(key: str, scale: float = 1.0) -> Callable[[LabelMaker, Json], Iterator[Sample]]:
+    def samples(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
+        for g in hb.get("gpus") or ():
+            value = g.get(key)
+            if value is not None:
+                yield labels.gpu(g), value if scale == 1.0 else value * scale
+
+    return samples
+
+
+def _left_out(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
+    yield labels.base, hb.get("shards_left_out", 0)  # counted by the agent and the registry: 0 is measured
+
+
+def _never(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
+    return iter(())
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llmgw_node_up", "gauge", "1 if the node's last heartbeat is fresh, 0 if stale", _never, True),
+    Family("llmgw_node_info", "gauge", "The node's identity: host name, kernel, agent version, backend", _never, True),
+    Family("llmgw_node_sample_age_seconds", "gauge", "Seconds since the node's last heartbeat arrived", _never, True),
+    Family("llmgw_node_cpus", "gauge", "Online CPUs", _machine("cpus")),
+    Family("llmgw_node_shards_left_out", "gauge",
+           "Engines of the node not exported: beyond the wire's or the control plane's cap (the busiest are kept)",
+           _left_out),
+    Family("llmgw_node_cpu_utilization_percent", "gauge", "CPU utilisation of all cores, the window's mean",
+           _machine("cpu_percent", "mean")),
+    Family("llmgw_node_cpu_utilization_p95_percent", "gauge", "CPU utilisation, p95 of the window's samples",
+           _machine("cpu_percent", "p95")),
+    Family("llmgw_node_cpu_utilization_max_percent", "gauge", "CPU utilisation, max of the window's samples",
+           _machine("cpu_percent", "max")),
+    Family("llmgw_node_cpu_steal_percent", "gauge",
+           "Share of the CPUs' time the hypervisor gave to others (steal), the window's mean; not in utilisation",
+           _machine("cpu_steal_percent", "mean")),
+    Family("llmgw_node_load", "gauge", "Load average over the window label", _load),
+    Family("llmgw_node_memory_bytes", "gauge", "Memory in total (MemTotal)", _machine("memory_bytes")),
+    Family("llmgw_node_memory_used_bytes", "gauge", "Memory used (MemTotal - MemAvailable)",
+           _machine("memory_used_bytes")),
+    Family("llmgw_node_memory_available_bytes", "gauge", "Memory available (MemAvailable)",
+           _machine("memory_available_bytes")),
+    Family("llmgw_node_pressure_ratio", "gauge",
+           "Share of the window in which some (kind=some) or all (kind=full) tasks stalled on the resource",
+           _pressure),
+    Family("llmgw_node_disk_bytes", "gauge", "Size of the filesystem mounted at mount", _disks("bytes")),
+    Family("llmgw_node_disk_used_bytes", "gauge", "Used space of the filesystem mounted at mount",
+           _disks("used_bytes")),
+    Family("llmgw_shard_cpu_cores", "gauge", "CPU cores the engine used, the window's mean",
+           _shards("cpu_cores", "mean")),
+    Family("llmgw_shard_cpu_cores_max", "gauge", "CPU cores the engine used, max of the window's samples",
+           _shards("cpu_cores", "max")),
+    Family("llmgw_shard_memory_bytes", "gauge", "Resident memory of the engine's processes", _shards("memory_bytes")),
+    Family("llmgw_shard_gpu_memory_bytes", "gauge", "GPU memory of the engine's processes, on all cards",
+           _shards("gpu_memory_bytes")),
+    # A summary: the quantile label is its own (promtool refuses it on a gauge); its
+    # running total is the separate counter below, as the dashboards name it.
+    Family("llmgw_shard_runqueue_wait_seconds", "summary",
+           "How long the engine's threads waited for a CPU, per wait, quantile of the window", _waits),
+    Family("llmgw_shard_cpu_quota_cores", "gauge", "The engine's CFS CPU quota in cores (absent without one)",
+           _shards("cpu_quota_cores")),
+    Family("llmgw_shard_cpu_throttled_ratio", "gauge",
+           "Share of the engine's CFS periods in the window in which it was throttled",
+           _shards("cpu_throttled_ratio")),
+    Family("llmgw_shard_cpu_throttled_seconds_total", "counter",
+           "Time the engine's cgroup was throttled, the kernel's own cumulative count",
+           _shards("cpu_throttled_seconds_total")),
+    Family("llmgw_shard_threads", "gauge", "Threads of the engine's processes", _shards("threads")),
+    Family("llmgw_shard_gpu_utilization_ratio", "gauge",
+           "The engine's share of its GPUs' time (NVML per-process SM samples), the window's mean over its cards",
+           _shards("gpu_utilization_percent", per=100)),
+    Family("llmgw_shard_gpu_utilization_max_ratio", "gauge",
+           "The engine's share of a GPU's time, max of the window's samples on any of its cards",
+           _shards("gpu_utilization_max_percent", per=100)),
+    Family("llmgw_shard_requests_waiting", "gauge", "Requests queued in the engine, from its own metrics",
+           _shards("requests_waiting")),
+    Family("llmgw_shard_requests_running", "gauge", "Requests the engine is running, from its own metrics",
+           _shards("requests_running")),
+    Family("llmgw_shard_kv_cache_usage_ratio", "gauge", "The engine's KV-cache use (0-1), from its own metrics",
+           _shards("kv_cache_usage_ratio")),
+    Family("llmgw_shard_starved", "gauge",
+           "1 if the engine was CPU-starved (kind=cpu_starved) or CPU-starved with idle GPUs (kind=host_bound)"
+           " in the window, else 0; absent when not judged",
+           _starved),
+    Family("llmgw_shard_runqueue_wait_seconds_total", "counter",
+           "Time the engine's threads spent waiting for a CPU, since the agent started",
+           _shards("runqueue_wait_seconds", "cumulative")),
+    Family("llmgw_shard_runqueue_wait_per_slice_seconds", "gauge",
+           "Mean wait for a CPU per timeslice in the window (schedstat)",
+           _shards("runqueue_wait_seconds", "mean")),
+    Family("llmgw_gpu_utilization_percent", "gauge", "GPU utilisation, the window's mean",
+           _gpus("utilization_percent")),
+    Family("llmgw_gpu_memory_used_bytes", "gauge", "GPU memory used", _gpus("memory_used_bytes")),
+    Family("llmgw_gpu_memory_total_bytes", "gauge", "GPU memory in total", _gpus("memory_total_bytes")),
+    Family("llmgw_gpu_memory_bandwidth_utilization_percent", "gauge", "Time the GPU memory was read or written",
+           _gpus("memory_bandwidth_percent")),
+    Family("llmgw_gpu_sm_clock_hertz", "gauge", "SM clock", _gpus("sm_clock_hz")),
+    Family("llmgw_gpu_ecc_uncorrected_errors", "gauge", "Uncorrected ECC errors since the driver loaded",
+           _gpus("ecc_uncorrected")),
+    Family("llmgw_gpu_temperature_celsius", "gauge", "GPU temperature", _gpus("temperature_celsius")),
+    Family("llmgw_gpu_power_watts", "gauge", "GPU power draw", _gpus("power_watts")),
+    Family("llmgw_gpu_energy_joules_total", "counter", "GPU energy since the driver loaded",
+           _gpus("energy_joules")),
+)  # fmt: skip
+
+FAMILY_NAMES = frozenset(f.name for f in FAMILIES)
+
+
+class SeriesLabels:
+    """Label sets as sorted-by-use (name, value) tuples, the node's left out
+    (the history keeps each node apart): what `series_of` yields."""
+
+    base: tuple[tuple[str, str], ...] = ()
+
+    def shard(self, s: Json) -> tuple[tuple[str, str], ...]:
+        labels = (("model", s.get("model") or ""), ("replica", s.get("replica") or ""), ("shard", s["id"]))
+        return labels + tuple((k, s[k]) for k in ("namespace", "pod", "container") if s.get(k) is not None)
+
+    def gpu(self, g: Json) -> tuple[tuple[str, str], ...]:
+        return (("gpu", str(g["index"])), ("gpu_model", g.get("name") or ""))
+
+    def mount(self, mount: str) -> tuple[tuple[str, str], ...]:
+        return (("mount", mount),)
+
+    def more(self, labels: tuple[tuple[str, str], ...], *pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+        return labels + pairs
+
+
+_SERIES_LABELS = SeriesLabels()
+_CHARTED_FAMILIES = tuple(f for f in FAMILIES if f.charted)
+
+
+def series_of(hb: Json) -> Iterator[tuple[str, tuple[tuple[str, str], ...], float | int]]:
+    """A heartbeat as (family, labels, value) for the families the history keeps."""
+    for family in _CHARTED_FAMILIES:
+        for labels, value in family.samples(_SERIES_LABELS, hb):
+            yield family.name, labels, value
