@@ -97,7 +97,6 @@ class _NodeRing:
     families: dict[str, list[tuple[dict[str, str], int]]] = field(default_factory=dict)
     n: int = 0  # heartbeats recorded, ever
     free: list[int] = field(default_factory=list)  # rows given up by series gone for the hour
-    used: int = 0  # rows ever taken: the next new one
     swept_at: int = -1  # n at the last look for series gone
     _last: tuple[tuple[int, float, float, int, float], tuple[np.ndarray, np.ndarray]] | None = None
 
@@ -122,20 +121,20 @@ class _NodeRing:
         self.n += 1
 
     def _take_row(self) -> int | None:
-        if not self.free and self.used >= MAX_SERIES_PER_NODE and self.swept_at != self.n:
+        used = len(self.columns) + len(self.free)  # every row taken is a series' or free again
+        if not self.free and used >= MAX_SERIES_PER_NODE and self.swept_at != self.n:
             self.swept_at = self.n  # at most one look a heartbeat
             self._give_up_unused()
         if self.free:
             return self.free.pop()
-        if self.used >= MAX_SERIES_PER_NODE:
+        if used >= MAX_SERIES_PER_NODE:
             return None
-        if self.used >= self.values.shape[0]:
+        if used >= self.values.shape[0]:
             grown = np.full((min(MAX_SERIES_PER_NODE, 2 * self.values.shape[0]), self.capacity), np.nan,
                             dtype=np.float32)  # fmt: skip
             grown[: self.values.shape[0]] = self.values
             self.values = grown
-        self.used += 1
-        return self.used - 1
+        return used
 
     def _give_up_unused(self) -> None:
         """Series with no value in the whole ring (an engine gone for the hour,
@@ -166,12 +165,10 @@ class _NodeRing:
         key = (self.n, float(grid[0]), float(grid[-1]), len(grid), within)
         if self._last is not None and self._last[0] == key:
             return self._last[1]
-        held = min(self.n, self.capacity)
-        first = (self.n - held) % self.capacity
-        t = np.concatenate((self.t[first:held], self.t[:first])) if held == self.capacity else self.t[:held]
+        slots, t = self.slots()
         last = np.searchsorted(t, grid, side="right") - 1
         known = (last >= 0) & (grid - t[last] <= within)  # t[-1] where last is -1: masked by the first term
-        self._last = (key, (known, (first + last[known]) % self.capacity))
+        self._last = (key, (known, slots[last[known]]))
         return self._last[1]
 
 

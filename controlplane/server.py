@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import ipaddress
 import logging
 import signal
 from collections.abc import Callable
@@ -41,12 +40,8 @@ def split_address(text: str) -> tuple[str, int]:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve anywhere
+    """A listen address on this machine alone (any other name may resolve anywhere)."""
+    return host == "localhost" or pages_api.is_loopback_address(host)
 
 
 def _count_close(own: ControlPlaneMetrics, listener: str, reason: str) -> None:

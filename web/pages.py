@@ -103,18 +103,18 @@ def _node_view(state: NodeState, now: float, stale_after: float) -> dict[str, An
 Specs = list[tuple[str, list[tuple[ChartSpec, str]], str, float | None]]
 
 
+def _labelled(series: list[Series], label: str) -> list[Series]:
+    for s in series:
+        s.label = " ".join(x for x in (label, s.label) if x)
+    return series
+
+
 def _embedded_charts(history: EmbeddedHistory, specs: Specs, now: float) -> tuple[list[str], list[str]]:
     """On the page thread: the embedded history read and drawn."""
-    start = now - SPAN_S
-    drawn = []
-    for title, parts, unit, y_max in specs:
-        series: list[Series] = []
-        for spec, label in parts:
-            for s in history.query_now(spec, start, now, (now - start) / columns()):
-                s.label = " ".join(x for x in (label, s.label) if x)
-                series.append(s)
-        drawn.append(svg_chart(title, series, start, now, unit, y_max))
-    return drawn, []
+    read = [(title, [s for spec, label in parts
+                     for s in _labelled(history.query_now(spec, now - SPAN_S, now, SPAN_S / columns()), label)],
+             unit, y_max) for title, parts, unit, y_max in specs]  # fmt: skip
+    return _draw(read, now), []
 
 
 def _draw(read: list[tuple[str, list[Series], str, float | None]], now: float) -> list[str]:
@@ -127,7 +127,6 @@ async def _charts(app: web.Application, specs: Specs, now: float) -> tuple[list[
     history: History = app[HISTORY]  # type: ignore[assignment]
     if isinstance(history, EmbeddedHistory):
         return await app[PAGE_WORKER].run(_embedded_charts, history, specs, now)
-    start = now - SPAN_S
     read, errors = [], []
     for title, parts, unit, y_max in specs:
         series: list[Series] = []
@@ -135,9 +134,7 @@ async def _charts(app: web.Application, specs: Specs, now: float) -> tuple[list[
             for spec, label in parts:
                 # One point a column: no finer than the chart can draw (a
                 # Prometheus range query answers every step from its lookback).
-                for s in await history.query(spec, start, now, (now - start) / columns()):
-                    s.label = " ".join(x for x in (label, s.label) if x)
-                    series.append(s)
+                series += _labelled(await history.query(spec, now - SPAN_S, now, SPAN_S / columns()), label)
         except HistoryError as e:
             if str(e) not in errors:
                 errors.append(str(e))
