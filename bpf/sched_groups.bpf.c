@@ -61,6 +61,10 @@
  * SIGNAL_LIVE_OFF), read by the loader.
  */
 
+/* The kernel's own headers define it; the bundled ones (bpf/include/) do not. */
+#ifndef __always_inline
+#define __always_inline inline __attribute__((always_inline))
+#endif
 #ifndef PID_MAX
 #define PID_MAX 4194304
 #endif

@@ -8,8 +8,8 @@ mode=${1:-run}
 
 arch=$(dpkg --print-architecture)
 # python3-bpfcc: bcc has no PyPI release, so the virtualenv sees the system's.
-# linux-headers-$arch: bcc compiles programs at run time against kernel headers.
-packages="python3-venv python3-pip python3-bpfcc linux-headers-$arch"
+# No kernel headers: the programs compile against the few bpf/include/ ships.
+packages="python3-venv python3-pip python3-bpfcc"
 extra=""
 if [ "$mode" = test ]; then
     # iproute2 and nftables: the fleet test builds its own network of namespaces.
@@ -19,7 +19,9 @@ if [ "$mode" = test ]; then
     # podman, runc, debootstrap: the image is built here (its base made with
     # debootstrap: no registry) and the manifests' pods run in it (runc: crun
     # refuses hybrid cgroup hosts).
-    packages="$packages iproute2 nftables prometheus chromium qemu-system-x86 podman runc debootstrap"
+    # linux-headers-$arch: the kernel backend is also tested compiling against
+    # the distribution's headers (--kernel-headers installed).
+    packages="$packages iproute2 nftables prometheus chromium qemu-system-x86 podman runc debootstrap linux-headers-$arch"
     extra="[test]"
 fi
 missing=""
@@ -36,11 +38,11 @@ if [ -n "$missing" ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
 fi
 
-# A kernel without headers of its own (a VM kernel built elsewhere) gets the
-# distribution's: bcc looks in /lib/modules/$(uname -r)/{build,source}, and
-# Debian splits the headers in two packages, so both links are needed.
+# For those tests, a kernel without headers of its own (a VM kernel built
+# elsewhere) gets the distribution's: bcc looks in /lib/modules/$(uname -r)/
+# {build,source}, and Debian splits the headers in two packages, so both links.
 mod=/lib/modules/$(uname -r)
-if [ ! -e "$mod/build" ] && [ "$(id -u)" = 0 ]; then
+if [ "$mode" = test ] && [ ! -e "$mod/build" ] && [ "$(id -u)" = 0 ]; then
     hdr=$(ls -d /usr/src/linux-headers-*-"$arch" 2>/dev/null | sort -V | tail -n 1 || true)
     if [ -n "$hdr" ] && [ -d "${hdr%-$arch}-common" ]; then
         echo "setup: linking $mod/{build,source} to $hdr (the running kernel ships no headers)"

@@ -67,6 +67,20 @@ def _count(hi: int) -> Callable[[str], int]:
     return parse
 
 
+def _kernel_headers(text: str) -> Path | str | None:
+    if text == "bundled":
+        return None
+    if text == "installed":
+        return text
+    return Path(text)
+
+
+def _kernel_headers_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernel-headers", type=_kernel_headers, default=None, metavar="bundled|installed|DIR",
+                   help="what the kernel backend compiles against: the headers it ships (default), the "
+                        "distribution's in /lib/modules/$(uname -r), or a kernel source tree")  # fmt: skip
+
+
 def _group(text: str) -> tuple[str, str]:
     from sampler.selectors import GroupSelector
 
@@ -134,8 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--proc-root", type=Path, default=Path("/proc"), help="the procfs to read (default /proc)")
     s.add_argument("--host-root", type=Path, default=None, metavar="DIR",
                    help="the host's / mounted in this container: disks are measured through it")
-    s.add_argument("--kernel-headers", type=Path, default=None, metavar="DIR",
-                   help="a kernel source tree for the kernel backend, when /lib/modules/$(uname -r) has none")
+    _kernel_headers_flag(s)
     s.add_argument("--print-bpf", action="store_true", help=argparse.SUPPRESS)
     _kubelet_flags(s)
     _bpf_stats_flag(s)
@@ -155,8 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--proc-root", type=Path, default=Path("/proc"), help="the procfs to read (default /proc)")
     a.add_argument("--host-root", type=Path, default=None, metavar="DIR",
                    help="the host's / mounted in this container: disks are measured through it")
-    a.add_argument("--kernel-headers", type=Path, default=None, metavar="DIR",
-                   help="a kernel source tree for the kernel backend, when /lib/modules/$(uname -r) has none")
+    _kernel_headers_flag(a)
     _kubelet_flags(a)
     _bpf_stats_flag(a)
 
@@ -223,7 +235,7 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     groups: list[tuple[str, str]],
     hz: float,
     proc: Path,
-    kernel_headers: Path | None = None,
+    kernel_headers: Path | str | None = None,
     gpu_grace: float = 0.0,
     sleep: Callable[[float], None] | None = None,
     node: str | None = None,

@@ -57,7 +57,7 @@ class BackendChoice:
 def open_backend(
     asked: str,
     proc: Path,
-    kernel_headers: Path | None = None,
+    kernel_headers: Path | str | None = None,
     clock: Callable[[], float] = time.monotonic,
     bpf_stats: bool = False,
 ) -> tuple[BackendChoice, GroupSampler]:

@@ -9,12 +9,14 @@ inside a group join it in the kernel, at fork.
 
 `load` either returns a working sampler or raises `BackendUnavailable` with
 the reason, checking in the order an operator would fix things: bcc,
-capabilities, the kernel's BTF, kernel headers, then compiling and attaching.
+capabilities, the kernel's BTF, a configured kernel tree, then compiling and
+attaching.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import mmap
 import os
@@ -36,6 +38,8 @@ from sampler.selectors import GroupWatch, ProcessTable
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "bpf" / "sched_groups.bpf.c"
+# A kernel tree of the few headers bcc's helpers include (bpf/include/).
+BUNDLED_HEADERS = SOURCE.parent
 MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
 # The program's struct cpu_run, one per CPU: the slice a CPU is running for a slot.
 CPU_RUN = np.dtype([("start", "<u8"), ("since", "<u8"), ("task", "<u8"), ("slot", "<u4"), ("seq", "<u4"),
@@ -81,30 +85,61 @@ def effective_capabilities(proc: Path) -> int:
     raise procfs.ProcParseError("no CapEff in /proc/self/status")
 
 
-def find_kernel_headers(configured: Path | None, release: str | None = None) -> dict[str, str]:
-    """The environment bcc needs to find headers, or BackendUnavailable.
+def kernel_version_code(release: str) -> int:
+    """LINUX_VERSION_CODE of a kernel release (`6.1.0-18-amd64`, `5.10.209`):
+    what a real tree's generated version.h would say, sublevel capped at 255."""
+    numbers = []
+    for part in release.split("-", 1)[0].split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        numbers.append(int(digits) if digits else 0)
+    major, minor, sub = (numbers + [0, 0, 0])[:3]
+    return (major << 16) + (min(minor, 255) << 8) + min(sub, 255)
 
-    Looked for in: a configured directory (a whole kernel tree, given to bcc
-    as BCC_KERNEL_SOURCE); $BCC_KERNEL_SOURCE; /lib/modules/<release>/build
-    with .../source (Debian splits headers in two packages: both are needed).
+
+@dataclass(frozen=True)
+class HeaderTree:
+    """What bcc compiles against: its environment, extra flags, and a name for the log."""
+
+    env: dict[str, str | None]  # None: unset while compiling
+    cflags: list[str]
+    name: str
+
+
+INSTALLED = "installed"  # --kernel-headers installed: the distribution's, where bcc looks for them
+
+
+def find_kernel_headers(configured: Path | str | None, release: str | None = None) -> HeaderTree:
+    """The headers bcc compiles against, or BackendUnavailable.
+
+    By default the few headers shipped in bpf/include/: the programs read no
+    kernel struct through headers (offsets come from BTF), so no kernel's own
+    are needed, and a machine without any loads the backend. Otherwise, as
+    configured: a kernel tree (given to bcc as BCC_KERNEL_SOURCE), or
+    `installed`: bcc's own search of /lib/modules/<release>/{build,source}
+    (Debian splits its headers in two packages: both are needed).
+    $BCC_KERNEL_SOURCE, set by the operator, is honoured as bcc would.
     """
     release = release or platform.release()
+    if configured == INSTALLED:
+        mod = Path("/lib/modules") / release
+        if not ((mod / "build" / "include").is_dir() or (mod / "source" / "include").is_dir()):
+            raise BackendUnavailable(
+                f"no kernel headers installed for {release}: looked in {mod}/build and {mod}/source "
+                "(install the distribution's linux-headers package, or leave --kernel-headers out for the bundled ones)"
+            )
+        return HeaderTree({"BCC_KERNEL_SOURCE": None}, [], f"the installed headers in {mod}")
     if configured is not None:
-        if not (configured / "include").is_dir():
-            raise BackendUnavailable(f"no kernel headers in {configured} (configured): it has no include/ directory")
-        return {"BCC_KERNEL_SOURCE": str(configured)}
+        tree = Path(configured)
+        if not (tree / "include").is_dir():
+            raise BackendUnavailable(f"no kernel headers in {tree} (configured): it has no include/ directory")
+        return HeaderTree({"BCC_KERNEL_SOURCE": str(tree)}, [], f"the kernel tree {tree}")
     env = os.environ.get("BCC_KERNEL_SOURCE")
     if env:
         if not (Path(env) / "include").is_dir():
             raise BackendUnavailable(f"no kernel headers in BCC_KERNEL_SOURCE={env}: it has no include/ directory")
-        return {}
-    mod = Path("/lib/modules") / release
-    if (mod / "build").is_dir() and ((mod / "build" / "include").is_dir() or (mod / "source" / "include").is_dir()):
-        return {}
-    raise BackendUnavailable(
-        f"no kernel headers for {release}: looked in {mod}/build and {mod}/source and $BCC_KERNEL_SOURCE "
-        "(install the distribution's linux-headers package, or point --kernel-headers at a kernel tree)"
-    )
+        return HeaderTree({}, [], f"the kernel tree {env} (BCC_KERNEL_SOURCE)")
+    code = kernel_version_code(release)
+    return HeaderTree({"BCC_KERNEL_SOURCE": str(BUNDLED_HEADERS)}, [f"-DLINUX_VERSION_CODE={code}"], "bundled headers")
 
 
 def _enable_bpf_stats() -> int | None:
@@ -160,11 +195,15 @@ def read_pid_max(proc: Path) -> int:
         raise BackendUnavailable(f"cannot read pid_max: {e}") from None
 
 
-def _compile(bpf_class: Any, source: Path, cflags: list[str], env: dict[str, str]) -> Any:
+def _compile(bpf_class: Any, source: Path, cflags: list[str], env: dict[str, str | None]) -> Any:
     """BPF(src_file=...) with clang's diagnostics captured from fd 2, so a
     failure's reason carries them instead of spilling onto the terminal."""
     saved_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     saved_fd = os.dup(2)
     with tempfile.TemporaryFile() as err:
         os.dup2(err.fileno(), 2)
@@ -188,7 +227,7 @@ def _compile(bpf_class: Any, source: Path, cflags: list[str], env: dict[str, str
 
 def load(
     proc: Path,
-    kernel_headers: Path | None = None,
+    kernel_headers: Path | str | None = None,
     source: Path = SOURCE,
     btf_path: Path = btf.VMLINUX,
     clock: Callable[[], float] = time.monotonic,
@@ -213,10 +252,11 @@ def load(
         offsets = btf.task_offsets(btf_path)
     except btf.BtfError as e:
         raise BackendUnavailable(str(e)) from None
-    env = find_kernel_headers(kernel_headers)
+    headers = find_kernel_headers(kernel_headers)
     pid_max = read_pid_max(proc)
-    cflags = compile_flags(offsets, pid_max)
-    bpf = _compile(BPF, source, cflags, env)
+    cflags = compile_flags(offsets, pid_max) + headers.cflags
+    bpf = _compile(BPF, source, cflags, headers.env)
+    log.info("kernel backend compiled against %s", headers.name)
     try:
         ticked, tickless = tick_cpus(sysfs)
     except (OSError, ValueError) as e:

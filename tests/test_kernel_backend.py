@@ -340,6 +340,66 @@ def need_root() -> None:
         pytest.skip("needs root")
 
 
+# A mount namespace of the child's own where no kernel headers are: the
+# distribution's places hidden under empty mounts.
+WITHOUT_HEADERS = (
+    "mount -t tmpfs none /lib/modules && { [ ! -d /usr/src ] || mount -t tmpfs none /usr/src; } "
+    '&& exec "$0" -c "$1" "$2"'
+)
+LOAD = """
+import logging, sys
+from pathlib import Path
+from sampler import bpf_sched
+from sampler.backend import BackendUnavailable
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+try:
+    bpf_sched.load(Path("/proc"), kernel_headers=sys.argv[1] or None).close()
+except BackendUnavailable as e:
+    print(e)
+"""
+
+
+def load_without_headers(kernel_headers: str = "") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "BCC_KERNEL_SOURCE"}
+    argv = ["unshare", "--mount", "sh", "-c", WITHOUT_HEADERS, sys.executable, LOAD, kernel_headers]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parent.parent)
+
+
+def test_loads_on_a_machine_without_kernel_headers() -> None:
+    """The headers bpf/include/ ships are all the programs need: with none of
+    the distribution's in sight the backend compiles and attaches; asked for
+    the installed ones there, it says they are missing."""
+    need_root()
+    r = load_without_headers()
+    assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
+    assert "kernel backend compiled against bundled headers" in r.stderr
+    r = load_without_headers("installed")
+    assert r.stdout.startswith(f"no kernel headers installed for {os.uname().release}"), r.stdout + r.stderr
+
+
+def test_loads_against_the_installed_headers_when_asked(caplog: pytest.LogCaptureFixture) -> None:
+    """The distribution's headers stay usable (`--kernel-headers installed`).
+    NODESAMPLER_REQUIRE_HEADERS=1 (CI's host, and each guest once it has
+    unpacked its kernel's headers) fails where there are none."""
+    need_root()
+    release = os.uname().release
+    if not Path(f"/lib/modules/{release}/build").exists():
+        if os.environ.get("NODESAMPLER_REQUIRE_HEADERS") == "1":
+            pytest.fail(f"NODESAMPLER_REQUIRE_HEADERS=1 and no headers in /lib/modules/{release}/build")
+        pytest.skip(f"no kernel headers installed for {release}")
+    caplog.set_level("INFO", logger="sampler.bpf_sched")
+    bpf_sched.load(PROC, kernel_headers="installed").close()
+    assert f"kernel backend compiled against the installed headers in /lib/modules/{release}" in caplog.text
+
+
+def test_kernel_version_code_from_a_release() -> None:
+    assert bpf_sched.kernel_version_code("6.1.0-18-amd64") == (6 << 16) + (1 << 8)
+    assert bpf_sched.kernel_version_code("5.10.209") == (5 << 16) + (10 << 8) + 209
+    assert bpf_sched.kernel_version_code("6.18.44-fc-v857") == (6 << 16) + (18 << 8) + 44
+    assert bpf_sched.kernel_version_code("4.19.300") == (4 << 16) + (19 << 8) + 255  # sublevel capped, as the kernel
+    assert bpf_sched.kernel_version_code("6.13-rc1") == (6 << 16) + (13 << 8)
+
+
 def test_program_that_fails_to_compile_does_not_crash_auto(tmp_path: Path) -> None:
     need_root()
     src = tmp_path / "broken.bpf.c"

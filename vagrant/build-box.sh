@@ -8,8 +8,8 @@
 # A box is a whole disk: an MBR with one ext4 partition made by `mkfs.ext4 -d`
 # at a 1 MiB offset (no loop devices, no mounts) and GRUB written into the
 # MBR gap from grub-mkimage's core image, so it boots like any disk, under
-# libvirt's kvm or qemu driver alike. Inside: Debian's kernel and that
-# kernel's headers, systemd, sshd, the vagrant user with Vagrant's insecure
+# libvirt's kvm or qemu driver alike. Inside: Debian's kernel (its headers
+# packages kept aside, not installed), systemd, sshd, the vagrant user with Vagrant's insecure
 # key (replaced at the first `vagrant up`), DHCP on eth0, and whatever
 # vagrant/provision.sh installs, run through chroot; so the box comes up and
 # provisions without network.
@@ -46,10 +46,10 @@ build() {
     debootstrap --variant=minbase \
         --include="$(sh vagrant/provision.sh --packages),systemd-sysv,udev,openssh-server,sudo,ifupdown,dhcpcd-base,iproute2,rsync" \
         "$suite" "$root" "$mirror" >"$work/build.log" 2>&1 || { tail -20 "$work/build.log" >&2; return 1; }
-    kver=$(ls "$root/lib/modules")
     cp vagrant/provision.sh "$root/provision.sh"
-    chroot "$root" sh /provision.sh --kernel "$kver" --no-project >>"$work/build.log" 2>&1 \
+    chroot "$root" sh /provision.sh --kernel-from "$suite" --no-project >>"$work/build.log" 2>&1 \
         || { tail -20 "$work/build.log" >&2; return 1; }
+    kver=$(ls "$root/lib/modules")
     rm "$root/provision.sh"
 
     echo "$name" >"$root/etc/hostname"

@@ -22,6 +22,8 @@ s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 flags = struct.unpack_from("16sH", fcntl.ioctl(s, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]
 fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))' || echo "NODESAMPLER-LOOPBACK=down"
 echo "NODESAMPLER-KERNEL=$(uname -r) BCC=$(dpkg-query -W -f='${Version}' python3-bpfcc)"
+# Kernel headers at the tier: none (the image installs none).
+echo "NODESAMPLER-HEADERS=$([ -e "/lib/modules/$(uname -r)/build" ] && echo installed || echo none)"
 echo "NODESAMPLER-UPTIME=booted $(cut -d' ' -f1 /proc/uptime)"
 # Which backend the agent would load here, and if not the kernel's, why.
 echo "NODESAMPLER-BACKEND=$($python -c '
@@ -35,8 +37,18 @@ echo "NODESAMPLER-UPTIME=backend $(cut -d' ' -f1 /proc/uptime)"
 tier=$(grep -l '^pytestmark = pytest.mark.kernel' tests/test_*.py)
 NODESAMPLER_REQUIRE_BPF=1 NODESAMPLER_ACCURACY_LOG=/tmp/accuracy.jsonl \
     $python -m pytest -v -p no:cacheprovider -o addopts= --timeout=300 -m kernel $tier 2>&1
-echo "NODESAMPLER-EXIT=$?"
+tier=$?
 echo "NODESAMPLER-UPTIME=tests $(cut -d' ' -f1 /proc/uptime)"
+# The tier ran with no kernel headers installed. Now the kernel's own,
+# unpacked from the packages the image keeps (the root is a snapshot: nothing
+# persists), and the backend compiled against them.
+for deb in /var/cache/nodesampler/headers/*.deb; do dpkg-deb -x "$deb" /; done
+NODESAMPLER_REQUIRE_BPF=1 NODESAMPLER_REQUIRE_HEADERS=1 $python -m pytest -q -p no:cacheprovider -o addopts= \
+    --timeout=300 tests/test_kernel_backend.py -k installed_headers 2>&1
+headers=$?
+echo "NODESAMPLER-HEADERS=$([ $headers = 0 ] && echo pass || echo FAIL)"  # compiled against them
+[ $tier != 0 ] || tier=$headers
+echo "NODESAMPLER-EXIT=$tier"
 sed 's/^/NODESAMPLER-ACCURACY=/' /tmp/accuracy.jsonl 2>/dev/null
 echo 1 >/proc/sys/kernel/sysrq
 echo o >/proc/sysrq-trigger  # power off, rather than let init exit (a panic)

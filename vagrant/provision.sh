@@ -4,15 +4,24 @@
 # build-box.sh and run-tests.sh (both run it in the guest's root through
 # chroot while building, so a box or an image boots ready and offline).
 #
-#   provision.sh                 packages, the headers of the running kernel,
-#                                the project in /opt/nodesampler/venv
-#   provision.sh --packages      the Debian packages a guest image is built
-#                                with (its kernel and that kernel's headers
-#                                included), one line, for debootstrap
-#   provision.sh --kernel VER    headers for VER rather than `uname -r` (in a
-#                                chroot, uname -r is the host's kernel)
-#   provision.sh --no-project    the virtualenv without the project (an image
-#                                whose checkout only arrives at boot)
+#   provision.sh                   packages, the running kernel's headers
+#                                  downloaded (not installed), the project in
+#                                  /opt/nodesampler/venv
+#   provision.sh --packages        the Debian packages a guest root is made
+#                                  with (no kernel, no headers), one line, for
+#                                  debootstrap
+#   provision.sh --kernel-from S   install Debian suite S's kernel (a root
+#                                  being built has none; in a chroot, uname -r
+#                                  is the host's): its own suite's, or an older
+#                                  one's under the agent's userland
+#   provision.sh --no-project      the virtualenv without the project (an
+#                                  image whose checkout only arrives at boot)
+#
+# The guest has no kernel headers installed: the kernel tier runs as on a
+# machine without any (the backend compiles against bpf/include/). The
+# kernel's headers packages wait in /var/cache/nodesampler/headers; the guest
+# unpacks them after the tier and checks the backend compiles against them
+# too (--kernel-headers installed).
 #
 # NODESAMPLER_SRC: the checkout (default /vagrant). apt is asked only for what
 # is missing, so a second run in a prepared guest needs no network.
@@ -26,20 +35,20 @@ set -eu
 PACKAGES="python3-bpfcc python3-numpy python3-prometheus-client python3-aiohttp python3-cryptography python3-cffi-backend python3-pytest python3-pytest-timeout python3-venv python3-pip python3-setuptools procps util-linux kmod"
 
 kernel=$(uname -r)
+kernel_from=""
 project=1
 while [ $# -gt 0 ]; do
     case $1 in
-        --packages) echo "linux-image-amd64 linux-headers-amd64 $PACKAGES" | tr ' ' ,; exit 0 ;;
-        --kernel) kernel=$2; shift ;;
+        --packages) echo "$PACKAGES" | tr ' ' ,; exit 0 ;;
+        --kernel-from) kernel_from=$2; shift ;;
         --no-project) project=0 ;;
         *) echo "provision.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
 done
 
-wanted="$PACKAGES linux-headers-$kernel"
 missing=""
-for p in $wanted; do
+for p in $PACKAGES; do
     dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"
 done
 if [ -n "$missing" ]; then
@@ -48,11 +57,33 @@ if [ -n "$missing" ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
 fi
 
-# bcc finds a kernel's headers through /lib/modules/VER/build; Debian's
-# headers package makes that link, a hand-built kernel may not.
-if [ ! -e "/lib/modules/$kernel/build" ]; then
-    echo "provision: no headers for $kernel at /lib/modules/$kernel/build" >&2
-    exit 1
+updated=""
+[ -z "$missing" ] || updated=1
+if [ -n "$kernel_from" ]; then
+    # Another suite's kernel is found through that suite's archive, added
+    # beside the root's own; apt then takes the kernel from it by name.
+    if ! grep -q -s -E "^deb .* $kernel_from main" /etc/apt/sources.list /etc/apt/sources.list.d/*.list; then
+        mirror=$(awk '$1 == "deb" { print $2; exit }' /etc/apt/sources.list)
+        echo "deb ${mirror:-http://deb.debian.org/debian} $kernel_from main" >/etc/apt/sources.list.d/kernel.list
+    fi
+    apt-get update -q
+    updated=1
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "linux-image-amd64/$kernel_from"
+    kernel=$(ls /lib/modules)
+    [ "$(echo "$kernel" | wc -w)" = 1 ] || { echo "provision: one kernel expected, found: $kernel" >&2; exit 1; }
+fi
+
+# The kernel's headers, as its two Debian packages (the arch's and the common
+# one it depends on), downloaded but not installed.
+headers=/var/cache/nodesampler/headers
+if ! ls "$headers"/linux-headers-"$kernel"_*.deb >/dev/null 2>&1; then
+    mkdir -p "$headers"
+    [ -n "$updated" ] || apt-get update -q
+    common=$(apt-cache depends "linux-headers-$kernel" | sed -n 's/^ *Depends: \(linux-headers-.*-common[^ ]*\)$/\1/p' | head -n 1)
+    (cd "$headers" && apt-get download -q "linux-headers-$kernel" $common) || {
+        echo "provision: cannot download the headers of $kernel" >&2
+        exit 1
+    }
 fi
 
 # Debian's bcc is only importable from its own Python: the venv sees the system

@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # `make vm-test`: the kernel test tier on real guest kernels, without Vagrant.
 #
-# For each kernel line (Debian 12: 6.1, Debian 13: 6.12): a Debian root made
-# with debootstrap from vagrant/provision.sh's package list (its kernel, that
-# kernel's own headers, bcc and the test tools from Debian), provision.sh run
+# For each kernel line (Debian 11: 5.10, 12: 6.1, 13: 6.12, and unstable: the
+# newest kernel Debian publishes): a Debian root made with debootstrap from
+# vagrant/provision.sh's package list (its kernel, bcc and the test tools from
+# Debian; no kernel headers installed, their packages kept aside), provision.sh run
 # in it through chroot, packed into an ext4 image with `mkfs.ext4 -d` (no loop
 # devices) and cached by a hash of the package list, provision.sh and the
 # image's init. Then its kernel and initrd are booted directly by QEMU under
 # TCG (no hardware virtualisation here). The init only mounts the checkout
 # (read-only 9p) and runs vagrant/guest-init.sh from it, which says which
 # backend the agent would load, runs the kernel test tier (the files marked
-# `pytestmark = pytest.mark.kernel`), prints the exit code and each accuracy
-# comparison on the serial console, and powers off. A guest that hangs is
+# `pytestmark = pytest.mark.kernel`) with no kernel headers, then unpacks the
+# kernel's headers and compiles the backend against them, prints the exit code
+# and each accuracy comparison on the serial console, and powers off. A guest
+# that hangs is
 # named (vagrant/hung_guest.py) and booted again; so is one whose kernel died
 # (an Oops or a panic) before the tests ended.
 #
-# NODESAMPLER_VM_LINES (default "bookworm trixie"), NODESAMPLER_VM_CACHE
+# NODESAMPLER_VM_LINES (default "bullseye bookworm trixie sid"), NODESAMPLER_VM_CACHE
 # (default .vm-cache), NODESAMPLER_DEBIAN_MIRROR, NODESAMPLER_VM_HANG_SECONDS
 # (360), NODESAMPLER_VM_HANG_RETRIES (2).
 set -euo pipefail
@@ -23,7 +26,7 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 cache=${NODESAMPLER_VM_CACHE:-$root/.vm-cache}
 mirror=${NODESAMPLER_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-lines=${NODESAMPLER_VM_LINES:-"bookworm trixie"}
+lines=${NODESAMPLER_VM_LINES:-"bullseye bookworm trixie sid"}
 hang_after=${NODESAMPLER_VM_HANG_SECONDS:-360}
 hang_retries=${NODESAMPLER_VM_HANG_RETRIES:-2}
 mkdir -p "$cache"
@@ -44,19 +47,25 @@ mount -t proc proc /proc 2>/dev/null; mount -t sysfs sys /sys 2>/dev/null; mount
 mkdir -p /src && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 src /src
 exec sh /src/vagrant/guest-init.sh'
 
-image_dir() {  # suite -> where its image is cached
-    echo "$cache/$1-$( (echo "$1 $packages"; echo "$init"; cat vagrant/provision.sh) | sha256sum | cut -c1-12)"
+# The Debian suite whose userland a line's guest runs: its own, but for
+# Debian 11, whose Python (3.9) cannot run the agent (3.11 or newer). There the
+# agent runs from its image (Debian 12's userland and bcc) on the node's 5.10
+# kernel, and so does the guest: Debian 12's root with Debian 11's kernel.
+userland_of() { case $1 in bullseye) echo bookworm ;; *) echo "$1" ;; esac; }
+
+image_dir() {  # line -> where its image is cached
+    echo "$cache/$1-$( (echo "$1 $(userland_of "$1") $packages"; echo "$init"; cat vagrant/provision.sh) \
+        | sha256sum | cut -c1-12)"
 }
 
-build_image() {  # suite dir: rootfs.ext4, vmlinuz, initrd.img and build-seconds in dir
-    local suite=$1 dir=$2
+build_image() {  # line dir: rootfs.ext4, vmlinuz, initrd.img and build-seconds in dir
+    local line=$1 dir=$2
     rm -rf "$dir" && mkdir -p "$dir"
     local t0=$SECONDS
-    debootstrap --variant=minbase --include="$packages" "$suite" "$dir/root" "$mirror" >"$dir/debootstrap.log" 2>&1 \
-        || { tail -20 "$dir/debootstrap.log" >&2; return 1; }
-    local kver; kver=$(ls "$dir/root/lib/modules")
+    debootstrap --variant=minbase --include="$packages" "$(userland_of "$line")" "$dir/root" "$mirror" \
+        >"$dir/debootstrap.log" 2>&1 || { tail -20 "$dir/debootstrap.log" >&2; return 1; }
     cp vagrant/provision.sh "$dir/root/provision.sh"
-    chroot "$dir/root" sh /provision.sh --kernel "$kver" --no-project >>"$dir/debootstrap.log" 2>&1 \
+    chroot "$dir/root" sh /provision.sh --kernel-from "$line" --no-project >>"$dir/debootstrap.log" 2>&1 \
         || { tail -20 "$dir/debootstrap.log" >&2; return 1; }
     rm "$dir/root/provision.sh"
     cp "$dir"/root/boot/vmlinuz-* "$dir/vmlinuz"
@@ -111,7 +120,8 @@ boot() {  # image dir, out dir -> the tests' exit code, or "hung"; the serial lo
 tagged() { grep -a -o "NODESAMPLER-$1=.*" "$2" | cut -d= -f2- | tr -d '\r' || true; }
 
 failed=0
-printf '%-9s %-22s %-16s %-7s %-6s %s\n' line kernel bcc backend result "seconds: image, boot, backend load, tests, all"
+printf '%-9s %-22s %-16s %-7s %-10s %-6s %s\n' line kernel bcc backend headers result \
+    "seconds: image, boot, backend load, tests, all"
 for suite in $lines; do
     t0=$SECONDS
     dir=$(image_dir "$suite")
@@ -134,10 +144,12 @@ for suite in $lines; do
     kernel=$(tagged KERNEL "$log" | cut -d' ' -f1)
     bcc=$(tagged KERNEL "$log" | sed -n 's/.*BCC=//p')
     backend=$(tagged BACKEND "$log")
+    headers=$(tagged HEADERS "$log" | paste -s -d /)  # at the tier / compiled against once unpacked
     case ${rc:-x} in 0) result=pass ;; hung) result=HUNG ;; *) result=FAIL ;; esac
     [ "$result" = pass ] || failed=1
     stages=$(tagged UPTIME "$log" | awk '{ printf "%.0f ", $2 - prev; prev = $2 }')
-    printf '%-9s %-22s %-16s %-7s %-6s %s\n' "$suite" "${kernel:--}" "${bcc:--}" "${backend%%:*}" "$result" \
+    printf '%-9s %-22s %-16s %-7s %-10s %-6s %s\n' "$suite" "${kernel:--}" "${bcc:--}" "${backend%%:*}" \
+        "${headers:--}" "$result" \
         "$built, ${stages:-- - - }$((SECONDS - t0))"
     [ "${backend%%:*}" = bpf ] || echo "    backend: ${backend:-none reported}"
     [ -z "$hung" ] || echo "${hung%|}" | tr '|' '\n' | sed "s|^|    a boot hung or died, booted again: |"
