@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from sampler import btf, procfs
+from sampler import bpf_handoff, btf, procfs
 from sampler.backend import BackendUnavailable
 from sampler.proc_groups import PAGE_SIZE, GroupReading, within_capacity
 from sampler.selectors import GroupWatch, ProcessTable
@@ -234,31 +234,48 @@ def load(
     bpf_stats: bool = False,
     sysfs: Path = Path("/sys"),
 ) -> BpfGroupSampler:
-    """The programs compiled, loaded and attached. With `bpf_stats`, the
-    kernel's BPF statistics are turned on while the sampler lives (they time
-    every BPF program on the host, not ours alone) and each window reports
-    the programs' runs and run time."""
+    """The programs compiled, loaded and attached (by a child process, so that
+    this one never holds the compiler: sampler/bpf_handoff.py). With
+    `bpf_stats`, the kernel's BPF statistics are turned on while the sampler
+    lives (they time every BPF program on the host, not ours alone) and each
+    window reports the programs' runs and run time."""
+    headers = ["tree", str(kernel_headers)] if isinstance(kernel_headers, Path) else kernel_headers
+    options = {"proc": str(proc), "kernel_headers": headers, "source": str(source), "btf_path": str(btf_path),
+               "sysfs": str(sysfs)}  # fmt: skip
+    programs = bpf_handoff.load_programs(options)
+    for note in programs.notes:
+        log.info("%s", note)
+    return BpfGroupSampler(programs, proc, clock, bpf_stats)
+
+
+def compile_and_attach(
+    proc: str, kernel_headers: list[str] | str | None, source: str, btf_path: str, sysfs: str
+) -> tuple[Any, int, list[int], list[str]]:
+    """What the loader child does (everything bcc is needed for): the bcc
+    BPF object with its programs attached, pid_max, the CPUs left without the
+    cpu-clock tick, and notes for the agent's log; or BackendUnavailable,
+    checked in the order an operator would fix things."""
     try:
         from bcc import BPF, PerfSWConfig, PerfType
     except ImportError as e:
         raise BackendUnavailable(f"bcc is not installed ({e}); install python3-bpfcc") from None
     try:
-        caps = effective_capabilities(proc)
+        caps = effective_capabilities(Path(proc))
     except (OSError, procfs.ProcParseError) as e:
         raise BackendUnavailable(f"cannot read this process's capabilities: {e}") from None
     if not (caps >> CAP_SYS_ADMIN & 1 or (caps >> CAP_BPF & 1 and caps >> CAP_PERFMON & 1)):
         raise BackendUnavailable("missing capabilities: needs CAP_BPF and CAP_PERFMON, or CAP_SYS_ADMIN (run as root)")
     try:
-        offsets = btf.task_offsets(btf_path)
+        offsets = btf.task_offsets(Path(btf_path))
     except btf.BtfError as e:
         raise BackendUnavailable(str(e)) from None
-    headers = find_kernel_headers(kernel_headers)
-    pid_max = read_pid_max(proc)
+    headers = find_kernel_headers(Path(kernel_headers[1]) if isinstance(kernel_headers, list) else kernel_headers)
+    pid_max = read_pid_max(Path(proc))
     cflags = compile_flags(offsets, pid_max) + headers.cflags
-    bpf = _compile(BPF, source, cflags, headers.env)
-    log.info("kernel backend compiled against %s", headers.name)
+    bpf = _compile(BPF, Path(source), cflags, headers.env)
+    notes = [f"kernel backend compiled against {headers.name}"]
     try:
-        ticked, tickless = tick_cpus(sysfs)
+        ticked, tickless = tick_cpus(Path(sysfs))
     except (OSError, ValueError) as e:
         bpf.cleanup()
         raise BackendUnavailable(f"cannot tell which CPUs are online: {e}") from None
@@ -271,7 +288,7 @@ def load(
         if not tickless:
             bpf.attach_perf_event(ev_type=event[0], ev_config=event[1], fn_name=b"on_tick", sample_period=TICK_NS)
         else:
-            # bcc keeps one CPU's events per attach: gathered, so cleanup closes them all.
+            # bcc keeps one CPU's events per attach: gathered, so all are handed over.
             events = {}
             for cpu in ticked:
                 bpf.attach_perf_event(ev_type=event[0], ev_config=event[1], fn_name=b"on_tick",
@@ -282,8 +299,8 @@ def load(
         bpf.cleanup()
         raise BackendUnavailable(f"attaching the cpu-clock perf event failed: {e}") from None
     if tickless:
-        log.info("no cpu-clock tick on CPUs %s (nohz_full or isolated)", format_cpu_list(tickless))
-    return BpfGroupSampler(bpf, proc, pid_max, clock, bpf_stats, tickless)
+        notes.append(f"no cpu-clock tick on CPUs {format_cpu_list(tickless)} (nohz_full or isolated)")
+    return bpf, pid_max, tickless, notes
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -348,36 +365,32 @@ class BpfGroupSampler:
     CPU time is the sum over the slots whose set holds it, a matrix product.
     """
 
-    def __init__(self, bpf: Any, proc: Path, pid_max: int, clock: Callable[[], float] = time.monotonic,
-                 bpf_stats: bool = False, tickless_cpus: list[int] | None = None) -> None:  # fmt: skip
-        self.bpf, self.proc, self._clock = bpf, proc, clock
+    def __init__(self, programs: bpf_handoff.LoadedPrograms, proc: Path, clock: Callable[[], float] = time.monotonic,
+                 bpf_stats: bool = False) -> None:  # fmt: skip
+        self.programs, self.proc, self._clock = programs, proc, clock
         self.finest_hz: float | None = None  # nanoseconds, up to each sample
-        self.tickless_cpus = tickless_cpus or []  # CPUs without the cpu-clock tick (nohz_full, isolated)
+        self.tickless_cpus = programs.tickless_cpus  # CPUs without the cpu-clock tick (nohz_full, isolated)
         # The kernel's tgid -> slot bytes, shared memory: reading and writing
         # membership costs no system call.
-        table = bpf.get_table(b"task_slot")
-        self._task_slot_map = mmap.mmap(table.map_fd, (pid_max + 7) // 8 * 8, mmap.MAP_SHARED,
-                                        mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
+        self._task_slot_map = mmap.mmap(programs.maps["task_slot"].fd, (programs.pid_max + 7) // 8 * 8,
+                                        mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
         self.task_slot = np.frombuffer(self._task_slot_map, dtype=np.uint8)
-        self.slot_ns = bpf.get_table(b"slot_ns")
-        self._dropped_table = bpf.get_table(b"dropped_forks")
+        self.slot_ns = programs.maps["slot_ns"]
+        self._dropped_table = programs.maps["dropped_forks"]
         self._watches: dict[str, _Watch] = {}
         self._slot_of: dict[frozenset[str], int] = {}  # a set of watch ids -> its slot
         self._slots = np.zeros(0, dtype=np.int64)  # the slots in use, in a fixed order
         self._prev_ns = np.zeros((0, 2), dtype=np.int64)  # their totals (ns, late ns) at the last reading
         self._index_of_slot = np.full(MAX_SLOTS, -1, dtype=np.int64)  # slot -> its place in _slots
-        self._cpu_run = bpf.get_table(b"cpu_run")
-        self._cpu_run_key = self._cpu_run.Key(0)
+        self._cpu_run = programs.maps["cpu_run"]
         self._debt: dict[str, float] = {}  # watch id -> seconds counted ahead of the kernel's own account
         self._member_of = np.zeros((0, 0))  # [watch, slot] = 1 where the slot counts for the watch
         self._last_at: float | None = None
         self._cpus = os.cpu_count() or 1
         self._stats_fd = _enable_bpf_stats() if bpf_stats else None
         # The wait histogram, where the kernel keeps run_delay (CONFIG_SCHED_INFO).
-        try:
-            self._wait_hist, self._wait_ns = bpf.get_table(b"wait_hist"), bpf.get_table(b"wait_ns")
-        except KeyError:  # compiled without TASK_RUN_DELAY_OFF
-            self._wait_hist = self._wait_ns = None
+        # Compiled out where the kernel has no run_delay (TASK_RUN_DELAY_OFF).
+        self._wait_hist, self._wait_ns = programs.maps.get("wait_hist"), programs.maps.get("wait_ns")
         self._wait_prev_slots: list[int] = []
         self._wait_prev_hist: list[np.ndarray] = []
         self._wait_prev_total: list[int] = []
@@ -391,12 +404,15 @@ class BpfGroupSampler:
         return w.pgids, w.command
 
     def close(self) -> None:
+        """Unmaps, detaches and unloads; a second call does nothing."""
+        if not hasattr(self, "task_slot"):
+            return
         del self.task_slot  # the view goes before the mapping it looks into
         try:
             self._task_slot_map.close()
         except BufferError:  # a view still held (a traceback's frame): unmapped when it goes
             log.debug("task_slot still viewed at close: unmapped later")
-        self.bpf.cleanup()
+        self.programs.close()
         if self._stats_fd is not None:
             os.close(self._stats_fd)
             self._stats_fd = None
@@ -505,12 +521,12 @@ class BpfGroupSampler:
     def _read_ns(self) -> np.ndarray:
         """Each slot's on-CPU ns credited by the kernel (slices that have ended),
         and of those the ns credited late: [slot, (ns, late)]."""
-        Key = self.slot_ns.Key
-        return np.array([np.frombuffer(self.slot_ns.getvalue(Key(s)), dtype=np.uint64).reshape(-1, 2).sum(axis=0)
+        lookup = self.slot_ns.lookup
+        return np.array([np.frombuffer(lookup(s), dtype=np.uint64).reshape(-1, 2).sum(axis=0)
                          for s in self._slots.tolist()], dtype=np.int64).reshape(-1, 2)  # fmt: skip
 
     def _running(self) -> np.ndarray:
-        return np.frombuffer(self._cpu_run.getvalue(self._cpu_run_key), dtype=CPU_RUN)
+        return np.frombuffer(self._cpu_run.lookup(0), dtype=CPU_RUN)
 
     def _read_totals(self) -> tuple[np.ndarray, float]:
         """Each slot's on-CPU ns up to now: what the kernel credited, and the
@@ -597,8 +613,8 @@ class BpfGroupSampler:
         if self._stats_fd is None:
             return out
         for name in PROGRAMS:
-            fn = self.bpf.funcs.get(name.encode())
-            if fn is not None and (st := _program_stats(fn.fd)) is not None:
+            fd = self.programs.programs.get(name)
+            if fd is not None and (st := _program_stats(fd)) is not None:
                 out[name] = st
         return out
 
@@ -613,11 +629,10 @@ class BpfGroupSampler:
         slots = self._slots.tolist()
         hist = np.zeros((len(slots), WAIT_BUCKETS), dtype=np.uint64)
         total = np.zeros(len(slots), dtype=np.uint64)
-        HKey, TKey = self._wait_hist.Key, self._wait_ns.Key
         for j, slot in enumerate(slots):
             for b in range(WAIT_BUCKETS):
-                hist[j, b] = sum(self._wait_hist.getvalue(HKey(slot * WAIT_BUCKETS + b)))
-            total[j] = sum(self._wait_ns.getvalue(TKey(slot)))
+                hist[j, b] = np.frombuffer(self._wait_hist.lookup(slot * WAIT_BUCKETS + b), dtype=np.uint64).sum()
+            total[j] = np.frombuffer(self._wait_ns.lookup(slot), dtype=np.uint64).sum()
         prev = {s: (h, t) for s, h, t in zip(self._wait_prev_slots, self._wait_prev_hist, self._wait_prev_total,
                                                 strict=True)}  # fmt: skip
         known = np.array([s in prev for s in slots], dtype=bool)
@@ -645,4 +660,4 @@ class BpfGroupSampler:
         return out
 
     def dropped_forks(self) -> int | None:
-        return int(sum(self._dropped_table.getvalue(self._dropped_table.Key(0))))
+        return int(np.frombuffer(self._dropped_table.lookup(0), dtype=np.uint64).sum())

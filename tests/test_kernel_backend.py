@@ -300,8 +300,7 @@ def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups: bpf_sched.BpfGroup
     enabled = Path("/proc/sys/kernel/bpf_stats_enabled")
     if enabled.exists() and enabled.read_text().strip() == "0":  # nobody else holds them on either
         # The kernel counted no run of ours: statistics were off all along.
-        tick = bpf_groups.bpf.funcs[b"on_tick"]
-        assert bpf_sched._program_stats(tick.fd) == (0, 0)
+        assert bpf_sched._program_stats(bpf_groups.programs.programs["on_tick"]) == (0, 0)
 
 
 # --- falling back -----------------------------------------------------------------
@@ -314,13 +313,97 @@ def loads_or_says_why(**kwargs: object) -> str:
     return str(e.value)
 
 
-def test_missing_bcc_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "bcc", None)  # import bcc raises ImportError
+def test_missing_bcc_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bcc is imported by the loader child alone: a `bcc` ahead of the
+    system's on its path that cannot be imported stands for a machine without."""
+    (tmp_path / "bcc").mkdir()
+    (tmp_path / "bcc" / "__init__.py").write_text("raise ImportError('No module named bcc')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     choice, groups = open_backend("auto", PROC)
     assert choice.name == "proc" and isinstance(groups, ProcGroupSampler)
     assert choice.reason is not None and "bcc is not installed" in choice.reason
     with pytest.raises(BackendUnavailable, match="bcc is not installed"):
         open_backend("bpf", PROC)
+
+
+def test_a_loader_that_dies_is_a_reason_to_fall_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child that compiles exits without answering (here its bcc kills
+    it): the agent falls back with what the child said on its way out."""
+    (tmp_path / "bcc").mkdir()
+    (tmp_path / "bcc" / "__init__.py").write_text("import os, sys\nsys.stderr.write('bcc exploded\\n')\nos._exit(7)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    choice, groups = open_backend("auto", PROC)
+    assert choice.name == "proc" and isinstance(groups, ProcGroupSampler)
+    assert choice.reason is not None and "the loader process failed" in choice.reason
+    assert "bcc exploded" in choice.reason
+
+
+AGENT_AFTER_LOAD = """
+import sys
+from pathlib import Path
+from sampler import bpf_sched
+sampler = bpf_sched.load(Path("/proc"))
+maps = open("/proc/self/maps").read()
+print(sorted(m for m in sys.modules if m == "bcc" or m.startswith("bcc.")))
+print(sorted({line.split()[-1].rsplit("/", 1)[-1] for line in maps.splitlines()
+              if any(lib in line for lib in ("libbcc", "LLVM", "clang"))}))
+print(sorted(sampler.programs.programs))
+sampler.close()
+"""
+
+
+def test_the_agent_never_holds_the_compiler() -> None:
+    """bcc (and with it LLVM and clang) is loaded by the child that compiles,
+    never by the agent, which gets the programs attached all the same."""
+    need_root()
+    r = subprocess.run([sys.executable, "-c", AGENT_AFTER_LOAD], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    modules, libraries, programs = r.stdout.splitlines()
+    assert modules == "[]" and libraries == "[]", r.stdout
+    assert programs == str(sorted(bpf_sched.PROGRAMS))
+
+
+def program_ids(sampler: bpf_sched.BpfGroupSampler) -> list[int]:
+    ids = []
+    for fd in sampler.programs.programs.values():
+        fdinfo = Path(f"/proc/self/fdinfo/{fd}").read_text()
+        ids.append(int(next(line.split()[1] for line in fdinfo.splitlines() if line.startswith("prog_id:"))))
+    return ids
+
+
+def test_closing_the_backend_unloads_its_programs(bpf_groups: bpf_sched.BpfGroupSampler) -> None:
+    """The agent holds the only references the child handed over (no pins in
+    bpffs): once it closes them, the kernel has none of the programs left."""
+    import ctypes
+    import errno
+
+    from sampler.bpf_handoff import libbpf
+
+    ids = program_ids(bpf_groups)
+    assert len(ids) == len(bpf_sched.PROGRAMS)
+    lib = libbpf()
+    lib.bpf_prog_get_fd_by_id.restype = ctypes.c_int
+    fd = lib.bpf_prog_get_fd_by_id(ctypes.c_uint32(ids[0]))
+    assert fd >= 0, "the program is loaded while the backend is open"
+    os.close(fd)
+    bpf_groups.close()
+    # The kernel frees a detached program after a grace period, from a work
+    # queue: nothing to wait on but the program's absence, asked for until then.
+    def loaded(prog_id: int) -> bool:
+        fd = lib.bpf_prog_get_fd_by_id(ctypes.c_uint32(prog_id))
+        if fd >= 0:
+            os.close(fd)  # a reference of our own: it would keep the program
+            return True
+        assert ctypes.get_errno() == errno.ENOENT
+        return False
+
+    deadline = time.monotonic() + 60
+    left = ids
+    while left and time.monotonic() < deadline:
+        left = [i for i in left if loaded(i)]
+        time.sleep(0.05)
+    assert left == [], f"programs {left} still loaded a minute after close"
 
 
 def test_empty_headers_directory_falls_back(tmp_path: Path) -> None:
