@@ -34,6 +34,9 @@ set -eu
 # for the tests' own tools.
 PACKAGES="python3-bpfcc python3-numpy python3-prometheus-client python3-aiohttp python3-cryptography python3-cffi-backend python3-pytest python3-pytest-timeout python3-venv python3-pip python3-setuptools procps util-linux kmod"
 
+# The archive's snapshot may be older than a Release's Valid-Until (unstable's
+# is a week): what it serves is taken as it is.
+apt_update="-o Acquire::Check-Valid-Until=false"
 kernel=$(uname -r)
 kernel_from=""
 project=1
@@ -53,7 +56,7 @@ for p in $PACKAGES; do
 done
 if [ -n "$missing" ]; then
     echo "provision: installing$missing"
-    apt-get update -q
+    apt-get update -q $apt_update
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
 fi
 
@@ -66,7 +69,7 @@ if [ -n "$kernel_from" ]; then
         mirror=$(awk '$1 == "deb" { print $2; exit }' /etc/apt/sources.list)
         echo "deb ${mirror:-http://deb.debian.org/debian} $kernel_from main" >/etc/apt/sources.list.d/kernel.list
     fi
-    apt-get update -q
+    apt-get update -q $apt_update
     updated=1
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "linux-image-amd64/$kernel_from"
     kernel=$(ls /lib/modules)
@@ -78,7 +81,7 @@ fi
 headers=/var/cache/nodesampler/headers
 if ! ls "$headers"/linux-headers-"$kernel"_*.deb >/dev/null 2>&1; then
     mkdir -p "$headers"
-    [ -n "$updated" ] || apt-get update -q
+    [ -n "$updated" ] || apt-get update -q $apt_update
     common=$(apt-cache depends "linux-headers-$kernel" | sed -n 's/^ *Depends: \(linux-headers-.*-common[^ ]*\)$/\1/p' | head -n 1)
     (cd "$headers" && apt-get download -q "linux-headers-$kernel" $common) || {
         echo "provision: cannot download the headers of $kernel" >&2
