@@ -20,7 +20,7 @@ lint: setup-test
 test: lint
 	$(VENV)/pytest -q
 
-# The kernel tests on real guest kernels (Debian 12 and 13) under QEMU: see vagrant/run-tests.sh.
+# The kernel tests on real guest kernels (Debian 11, 12, 13 and unstable; no headers) under QEMU: see vagrant/run-tests.sh.
 vm-test: setup-test
 	bash vagrant/run-tests.sh
 
