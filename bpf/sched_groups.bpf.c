@@ -13,9 +13,10 @@
  * `cpu_run` beside the totals and counts a watched task still on a CPU from
  * `since` up to the sample's own clock reading, so time is credited to the
  * sample in which it was spent, at any rate (a task that never switches out
- * included). `seq` is odd while a CPU updates its entry and the totals;
- * userspace reads the entries before and after the totals and takes only
- * the CPUs whose `seq` did not move. No clock is read on a switch between
+ * included). `seq` is odd while a CPU updates its entry and the totals
+ * (a sequence lock): userspace reads every `seq`, then the entries and the
+ * totals, then every `seq` again, and takes only the CPUs whose `seq` was
+ * even and did not move. No clock is read on a switch between
  * two unwatched tasks.
  *
  * Some kernels switch tasks without this tracepoint now and then (the CI
@@ -74,19 +75,28 @@
 #ifndef TICK_NS
 #define TICK_NS 10000000
 #endif
+#ifndef NR_CPUS
+#define NR_CPUS 1 /* the loader passes the possible CPUs' highest id + 1 */
+#endif
 
 /* tgid / 8 -> eight one-byte slots. BPF_F_MMAPABLE: userspace maps it. */
 BPF_F_TABLE("array", u32, u64, task_slot, (PID_MAX + 7) / 8, BPF_F_MMAPABLE);
-/* slot -> on-CPU ns, per CPU, cumulative: never cleared, userspace takes
- * deltas. `late`: the part of `ns` spent before userspace could count it as
- * running (slices whose switch in was not seen, and what a slice grew beyond
- * its wall time); userspace spreads it over the samples that follow, as far
- * as their threads had room. */
+/* cpu * MAX_SLOTS + slot -> on-CPU ns, cumulative: never cleared, userspace
+ * takes deltas. `late`: the part of `ns` spent before userspace could count
+ * it as running (slices whose switch in was not seen, and what a slice grew
+ * beyond its wall time); userspace spreads it over the samples that follow,
+ * as far as their threads had room.
+ *
+ * This and cpu_run are read at every sample: plain arrays with a row per CPU,
+ * each CPU writing its own (a 4 KiB row, a 64-byte entry: no cache line
+ * shared between CPUs), rather than per-CPU maps, so that userspace maps
+ * them (BPF_F_MMAPABLE) and a sample reads them in place, without a system
+ * call. */
 struct slot_time {
     u64 ns;
     u64 late;
 };
-BPF_PERCPU_ARRAY(slot_ns, struct slot_time, MAX_SLOTS);
+BPF_F_TABLE("array", u32, struct slot_time, slot_ns, NR_CPUS * MAX_SLOTS, BPF_F_MMAPABLE);
 
 /* What each CPU is running: its task's slot, that task's runtime when it was
  * switched in (or learnt), and when (ns, CLOCK_MONOTONIC). Read by userspace.
@@ -100,8 +110,23 @@ struct cpu_run {
     u32 seq;
     u32 learnt; /* 1: learnt at the tick, `start` may be stale */
     u32 pad;
+    u64 spare[3]; /* to 64 bytes: one cache line per CPU */
 };
-BPF_PERCPU_ARRAY(cpu_run, struct cpu_run, 1);
+BPF_F_TABLE("array", u32, struct cpu_run, cpu_run, NR_CPUS, BPF_F_MMAPABLE);
+
+/* This CPU's entries. Programs on one CPU do not nest (the kernel runs no BPF
+ * program inside another on the same CPU), so no atomics are needed. */
+static __always_inline struct cpu_run *this_cpu_run(void)
+{
+    u32 cpu = bpf_get_smp_processor_id();
+    return cpu_run.lookup(&cpu);
+}
+
+static __always_inline struct slot_time *this_cpu_slot(u32 slot)
+{
+    u32 i = bpf_get_smp_processor_id() * MAX_SLOTS + slot;
+    return slot_ns.lookup(&i);
+}
 /* Forked processes that could not be given a slot (tgid above PID_MAX). */
 BPF_PERCPU_ARRAY(dropped_forks, u64, 1);
 
@@ -167,8 +192,8 @@ static __always_inline void credit(struct cpu_run *run, u64 runtime, u64 now)
     u64 wall = now > run->since ? now - run->since : 0;
     if (run->learnt && grown > wall)
         grown = wall;
-    struct slot_time *t = slot_ns.lookup(&run->slot);
-    if (t) { /* this CPU's own entry: no atomics needed */
+    struct slot_time *t = this_cpu_slot(run->slot);
+    if (t) {
         t->ns += grown;
         if (grown > wall)
             t->late += grown - wall;
@@ -178,7 +203,7 @@ static __always_inline void credit(struct cpu_run *run, u64 runtime, u64 now)
 /* Time spent before anyone could count it: credited, and marked late. */
 static __always_inline void credit_late(u32 slot, u64 grown)
 {
-    struct slot_time *t = slot_ns.lookup(&slot);
+    struct slot_time *t = this_cpu_slot(slot);
     if (t && grown) {
         t->ns += grown;
         t->late += grown;
@@ -215,8 +240,7 @@ static __always_inline void end_unseen(struct cpu_run *run, void *prev)
 /* args: (bool preempt, struct task_struct *prev, struct task_struct *next, ...) */
 RAW_TRACEPOINT_PROBE(sched_switch)
 {
-    u32 zero = 0;
-    struct cpu_run *run = cpu_run.lookup(&zero);
+    struct cpu_run *run = this_cpu_run();
     if (!run)
         return 0;
     void *prev = (void *)ctx->args[1], *next = (void *)ctx->args[2];
@@ -257,8 +281,7 @@ RAW_TRACEPOINT_PROBE(sched_switch)
  * slice up to each sample. */
 int on_tick(struct bpf_perf_event_data *ctx)
 {
-    u32 zero = 0;
-    struct cpu_run *run = cpu_run.lookup(&zero);
+    struct cpu_run *run = this_cpu_run();
     if (!run)
         return 0;
     void *task = (void *)bpf_get_current_task();

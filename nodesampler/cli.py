@@ -289,8 +289,9 @@ def _print_bpf(proc: Path) -> int:
     from sampler.backend import BackendUnavailable
 
     try:
-        flags = " ".join(bpf_sched.compile_flags(btf.task_offsets(), bpf_sched.read_pid_max(proc)))
-    except (btf.BtfError, BackendUnavailable) as e:
+        flags = " ".join(bpf_sched.compile_flags(btf.task_offsets(), bpf_sched.read_pid_max(proc),
+                                                 bpf_sched.possible_cpus()))
+    except (btf.BtfError, BackendUnavailable, OSError, ValueError) as e:
         flags = f"(unknown: {e})"
     print(f"// {bpf_sched.SOURCE}\n// cflags: {flags}\n")
     print(bpf_sched.SOURCE.read_text(), end="")

@@ -95,6 +95,7 @@ class LoadedPrograms:
     programs: dict[str, int]
     attachments: list[int]
     pid_max: int
+    cpus: int  # rows of the per-CPU arrays: the highest possible CPU id + 1
     tickless_cpus: list[int]
     notes: list[str]
 
@@ -142,7 +143,8 @@ def load_programs(options: dict[str, Any]) -> LoadedPrograms:
     maps = {m["name"]: BpfMap(m["name"], next(it), m["value_size"], m["percpu"]) for m in header["maps"]}
     programs = {name: next(it) for name in header["programs"]}
     attachments = list(it)
-    return LoadedPrograms(maps, programs, attachments, header["pid_max"], header["tickless_cpus"], header["notes"])
+    return LoadedPrograms(maps, programs, attachments, header["pid_max"], header["cpus"], header["tickless_cpus"],
+                          header["notes"])  # fmt: skip
 
 
 def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -170,7 +172,7 @@ def _child(options: dict[str, Any], sock: socket.socket) -> None:
     from sampler import bpf_sched
 
     try:
-        bpf, pid_max, tickless, notes = bpf_sched.compile_and_attach(**options)
+        bpf, pid_max, cpus, tickless, notes = bpf_sched.compile_and_attach(**options)
     except BackendUnavailable as e:
         _send(sock, {"error": str(e)}, [])
         return
@@ -189,8 +191,8 @@ def _child(options: dict[str, Any], sock: socket.socket) -> None:
     fds.extend(bpf.raw_tracepoint_fds.values())
     for events in bpf.open_perf_events.values():
         fds.extend(events.values())
-    _send(sock, {"maps": maps, "programs": list(programs), "pid_max": pid_max, "tickless_cpus": tickless,
-                 "notes": notes}, fds)  # fmt: skip
+    _send(sock, {"maps": maps, "programs": list(programs), "pid_max": pid_max, "cpus": cpus,
+                 "tickless_cpus": tickless, "notes": notes}, fds)  # fmt: skip
 
 
 if __name__ == "__main__":

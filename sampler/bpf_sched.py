@@ -43,7 +43,7 @@ BUNDLED_HEADERS = SOURCE.parent
 MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
 # The program's struct cpu_run, one per CPU: the slice a CPU is running for a slot.
 CPU_RUN = np.dtype([("start", "<u8"), ("since", "<u8"), ("task", "<u8"), ("slot", "<u4"), ("seq", "<u4"),
-                    ("learnt", "<u4"), ("pad", "<u4")])  # fmt: skip
+                    ("learnt", "<u4"), ("pad", "<u4"), ("spare", "<u8", 3)])  # fmt: skip
 SNAPSHOT_TRIES = 3
 TICK_NS = 10_000_000
 WAIT_BUCKETS = 32  # log2 buckets of a wait in ns, as in the program
@@ -170,9 +170,10 @@ def _program_stats(fd: int) -> tuple[int, int] | None:
     return values[b"run_time_ns"], values[b"run_cnt"]
 
 
-def compile_flags(offsets: dict[str, int], pid_max: int) -> list[str]:
+def compile_flags(offsets: dict[str, int], pid_max: int, cpus: int) -> list[str]:
     return [
         f"-DPID_MAX={pid_max}",
+        f"-DNR_CPUS={cpus}",
         f"-DMAX_SLOTS={MAX_SLOTS}",
         f"-DTASK_PID_OFF={offsets['pid']}",
         f"-DTASK_TGID_OFF={offsets['tgid']}",
@@ -250,9 +251,9 @@ def load(
 
 def compile_and_attach(
     proc: str, kernel_headers: list[str] | str | None, source: str, btf_path: str, sysfs: str
-) -> tuple[Any, int, list[int], list[str]]:
+) -> tuple[Any, int, int, list[int], list[str]]:
     """What the loader child does (everything bcc is needed for): the bcc
-    BPF object with its programs attached, pid_max, the CPUs left without the
+    BPF object with its programs attached, pid_max, the per-CPU arrays' rows, the CPUs left without the
     cpu-clock tick, and notes for the agent's log; or BackendUnavailable,
     checked in the order an operator would fix things."""
     try:
@@ -271,7 +272,11 @@ def compile_and_attach(
         raise BackendUnavailable(str(e)) from None
     headers = find_kernel_headers(Path(kernel_headers[1]) if isinstance(kernel_headers, list) else kernel_headers)
     pid_max = read_pid_max(Path(proc))
-    cflags = compile_flags(offsets, pid_max) + headers.cflags
+    try:
+        cpus = possible_cpus(Path(sysfs))
+    except (OSError, ValueError) as e:
+        raise BackendUnavailable(f"cannot tell which CPUs are possible: {e}") from None
+    cflags = compile_flags(offsets, pid_max, cpus) + headers.cflags
     bpf = _compile(BPF, Path(source), cflags, headers.env)
     notes = [f"kernel backend compiled against {headers.name}"]
     try:
@@ -300,7 +305,7 @@ def compile_and_attach(
         raise BackendUnavailable(f"attaching the cpu-clock perf event failed: {e}") from None
     if tickless:
         notes.append(f"no cpu-clock tick on CPUs {format_cpu_list(tickless)} (nohz_full or isolated)")
-    return bpf, pid_max, tickless, notes
+    return bpf, pid_max, cpus, tickless, notes
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -318,6 +323,12 @@ def parse_cpu_list(text: str) -> list[int]:
 
 def format_cpu_list(cpus: list[int]) -> str:
     return ",".join(str(c) for c in cpus)
+
+
+def possible_cpus(sysfs: Path = Path("/sys")) -> int:
+    """The highest possible CPU id + 1: the rows of the per-CPU arrays (a CPU
+    brought online later has its row already)."""
+    return max(parse_cpu_list((sysfs / "devices" / "system" / "cpu" / "possible").read_text())) + 1
 
 
 def tick_cpus(sysfs: Path = Path("/sys")) -> tuple[list[int], list[int]]:
@@ -375,14 +386,21 @@ class BpfGroupSampler:
         self._task_slot_map = mmap.mmap(programs.maps["task_slot"].fd, (programs.pid_max + 7) // 8 * 8,
                                         mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
         self.task_slot = np.frombuffer(self._task_slot_map, dtype=np.uint8)
-        self.slot_ns = programs.maps["slot_ns"]
+        # Each CPU's totals by slot and what it runs: shared memory too, read
+        # at every sample without a system call.
+        cpus = programs.cpus
+        self._slot_ns_map = mmap.mmap(programs.maps["slot_ns"].fd, cpus * MAX_SLOTS * 16, mmap.MAP_SHARED,
+                                      mmap.PROT_READ)  # fmt: skip
+        self._slot_ns = np.frombuffer(self._slot_ns_map, dtype=np.uint64).reshape(cpus, MAX_SLOTS, 2)
+        self._cpu_run_map = mmap.mmap(programs.maps["cpu_run"].fd, cpus * CPU_RUN.itemsize, mmap.MAP_SHARED,
+                                      mmap.PROT_READ)  # fmt: skip
+        self._cpu_run = np.frombuffer(self._cpu_run_map, dtype=CPU_RUN)
         self._dropped_table = programs.maps["dropped_forks"]
         self._watches: dict[str, _Watch] = {}
         self._slot_of: dict[frozenset[str], int] = {}  # a set of watch ids -> its slot
         self._slots = np.zeros(0, dtype=np.int64)  # the slots in use, in a fixed order
         self._prev_ns = np.zeros((0, 2), dtype=np.int64)  # their totals (ns, late ns) at the last reading
         self._index_of_slot = np.full(MAX_SLOTS, -1, dtype=np.int64)  # slot -> its place in _slots
-        self._cpu_run = programs.maps["cpu_run"]
         self._debt: dict[str, float] = {}  # watch id -> seconds counted ahead of the kernel's own account
         self._member_of = np.zeros((0, 0))  # [watch, slot] = 1 where the slot counts for the watch
         self._last_at: float | None = None
@@ -407,11 +425,14 @@ class BpfGroupSampler:
         """Unmaps, detaches and unloads; a second call does nothing."""
         if not hasattr(self, "task_slot"):
             return
-        del self.task_slot  # the view goes before the mapping it looks into
-        try:
-            self._task_slot_map.close()
-        except BufferError:  # a view still held (a traceback's frame): unmapped when it goes
-            log.debug("task_slot still viewed at close: unmapped later")
+        # The views go before the mappings they look into.
+        del self.task_slot, self._slot_ns, self._cpu_run
+        for name, mapping in (("task_slot", self._task_slot_map), ("slot_ns", self._slot_ns_map),
+                              ("cpu_run", self._cpu_run_map)):  # fmt: skip
+            try:
+                mapping.close()
+            except BufferError:  # a view still held (a traceback's frame): unmapped when it goes
+                log.debug("%s still viewed at close: unmapped later", name)
         self.programs.close()
         if self._stats_fd is not None:
             os.close(self._stats_fd)
@@ -521,32 +542,29 @@ class BpfGroupSampler:
     def _read_ns(self) -> np.ndarray:
         """Each slot's on-CPU ns credited by the kernel (slices that have ended),
         and of those the ns credited late: [slot, (ns, late)]."""
-        lookup = self.slot_ns.lookup
-        return np.array([np.frombuffer(lookup(s), dtype=np.uint64).reshape(-1, 2).sum(axis=0)
-                         for s in self._slots.tolist()], dtype=np.int64).reshape(-1, 2)  # fmt: skip
-
-    def _running(self) -> np.ndarray:
-        return np.frombuffer(self._cpu_run.lookup(0), dtype=CPU_RUN)
+        totals: np.ndarray = self._slot_ns[:, self._slots, :].sum(axis=0, dtype=np.uint64).astype(np.int64)
+        return totals
 
     def _read_totals(self) -> tuple[np.ndarray, float]:
         """Each slot's on-CPU ns up to now: what the kernel credited, and the
         slices still running on a CPU from when they were counted from; beside
-        it, the part of those the kernel credited late. The
-        CPUs' entries are read before and after the totals; a CPU whose entry
-        moved in between (a switch) is read again, and after a few tries left
-        out: its slice began or ended within microseconds of the reading."""
+        it, the part of those the kernel credited late. The CPUs' sequence
+        numbers are read before their entries and the totals, and again after:
+        a CPU whose number moved in between (a switch) or was odd is read
+        again, and after a few tries left out: its slice began or ended within
+        microseconds of the reading."""
         for _ in range(SNAPSHOT_TRIES):
-            before = self._running()
+            seq = self._cpu_run["seq"].copy()
+            running = self._cpu_run.copy()
             now = self._clock()
             credited = self._read_ns()
-            after = self._running()
-            steady = (before["seq"] == after["seq"]) & (before["seq"] % 2 == 0)
+            steady = (self._cpu_run["seq"] == seq) & (seq % 2 == 0)
             if steady.all():
                 break
-        running = steady & (before["slot"] != 0)
-        if running.any():
-            where = self._index_of_slot[before["slot"][running]]
-            ahead = np.maximum(0, round(now * 1e9) - before["since"][running].astype(np.int64))
+        busy = steady & (running["slot"] != 0)
+        if busy.any():
+            where = self._index_of_slot[running["slot"][busy]]
+            ahead = np.maximum(0, round(now * 1e9) - running["since"][busy].astype(np.int64))
             known = where >= 0  # a slot given up since: its slice no longer counts
             credited[:, 0] += np.bincount(where[known], weights=ahead[known], minlength=len(credited)).astype(np.int64)
         return credited, now

@@ -180,6 +180,11 @@ def test_a_fork_storm_while_discovery_and_sampling_run(
     # exited was left behind (a child that exited unreaped is a zombie: not living).
     os.killpg(storm.pid, signal.SIGSTOP)
     try:
+        # A signal is delivered when each process next runs: until all have
+        # stopped (or are zombies), one may still fork or exit.
+        deadline = time.monotonic() + 30
+        while any(process_state(p) not in "TZ" for p in ProcessTable.walk(PROC).by_group.get(storm.pid, ())):
+            assert time.monotonic() < deadline, "the storm's processes did not stop"
         live = {pid for pid in ProcessTable.walk(PROC).by_group.get(storm.pid, ()) if process_state(pid) != "Z"}
         assert bpf_groups.task_pids() == live and storm.pid in live
     finally:
