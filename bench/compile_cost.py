@@ -3,9 +3,9 @@ bcc compiles against: the bundled ones (bpf/include/, the default) and the
 distribution's (`--kernel-headers installed`).
 
 Each run is a fresh process, as an agent's start is: it imports the sampler,
-loads the backend (compile, load, attach) and reports from the outside's
-view the time from exec to the backend attached, the load alone, and the
-process's peak resident memory (VmHWM) then. Prints medians of --runs.
+loads the backend (a child compiles, loads and attaches) and reports the
+load's time, the imports', the whole process's from exec to exit, its peak
+resident memory (VmHWM) and the compiling child's. Prints medians of --runs.
 
 Needs root and bcc; `installed` needs /lib/modules/$(uname -r)/build. Not a
 test: no thresholds.
@@ -34,7 +34,8 @@ t1 = time.monotonic()
 sampler = bpf_sched.load(Path("/proc"), kernel_headers=sys.argv[1] or None)
 t2 = time.monotonic()
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "peak_kib": hwm}), flush=True)
+print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "peak_kib": hwm,
+                  "loader_peak_kib": sampler.programs.loader_peak_kib}), flush=True)
 sampler.close()
 """
 
@@ -58,7 +59,8 @@ def main() -> None:
     else:
         print(f"no headers installed for {os.uname().release}: the bundled headers only")
     one_start("")  # warm the page cache: every run then reads the same files from memory
-    print(f"{'headers':<10} {'load s':>8} {'imports s':>10} {'process s':>10} {'peak MiB':>9}", end="")
+    print(f"{'headers':<10} {'load s':>8} {'imports s':>10} {'process s':>10} {'peak MiB':>9} {'compiler MiB':>13}",
+          end="")  # fmt: skip
     print(f"  (medians of {args.runs})")
     for kind in kinds:
         runs = [one_start("" if kind == "bundled" else kind) for _ in range(args.runs)]
@@ -67,7 +69,7 @@ def main() -> None:
             return statistics.median(r[key] for r in runs)
 
         print(f"{kind:<10} {median('load_s'):>8.3f} {median('import_s'):>10.3f} {median('process_s'):>10.3f} "
-              f"{median('peak_kib') / 1024:>9.1f}")  # fmt: skip
+              f"{median('peak_kib') / 1024:>9.1f} {median('loader_peak_kib') / 1024:>13.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ class LoadedPrograms:
     cpus: int  # rows of the per-CPU arrays: the highest possible CPU id + 1
     tickless_cpus: list[int]
     notes: list[str]
+    loader_peak_kib: int | None = None  # the child's peak resident memory (VmHWM): the compile's
 
     def close(self) -> None:
         """Detach first, then let the programs and maps go."""
@@ -144,7 +145,7 @@ def load_programs(options: dict[str, Any]) -> LoadedPrograms:
     programs = {name: next(it) for name in header["programs"]}
     attachments = list(it)
     return LoadedPrograms(maps, programs, attachments, header["pid_max"], header["cpus"], header["tickless_cpus"],
-                          header["notes"])  # fmt: skip
+                          header["notes"], header.get("peak_kib"))  # fmt: skip
 
 
 def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -192,7 +193,12 @@ def _child(options: dict[str, Any], sock: socket.socket) -> None:
     for events in bpf.open_perf_events.values():
         fds.extend(events.values())
     _send(sock, {"maps": maps, "programs": list(programs), "pid_max": pid_max, "cpus": cpus,
-                 "tickless_cpus": tickless, "notes": notes}, fds)  # fmt: skip
+                 "tickless_cpus": tickless, "notes": notes, "peak_kib": _peak_kib()}, fds)  # fmt: skip
+
+
+def _peak_kib() -> int | None:
+    with open("/proc/self/status") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith("VmHWM:")), None)
 
 
 if __name__ == "__main__":
