@@ -313,14 +313,20 @@ def loads_or_says_why(**kwargs: object) -> str:
     return str(e.value)
 
 
-def test_missing_bcc_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bcc is imported by the loader child alone: a `bcc` ahead of the
-    system's on its path that cannot be imported stands for a machine without."""
+def auto_with_bcc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) -> BackendChoice:
+    """open_backend("auto") with a `bcc` of `source` ahead of the system's on
+    the loader child's path (bcc is imported there alone): it falls back."""
     (tmp_path / "bcc").mkdir()
-    (tmp_path / "bcc" / "__init__.py").write_text("raise ImportError('No module named bcc')\n")
+    (tmp_path / "bcc" / "__init__.py").write_text(source)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     choice, groups = open_backend("auto", PROC)
-    assert choice.name == "proc" and isinstance(groups, ProcGroupSampler)
+    assert choice.name == "proc" and isinstance(groups, ProcGroupSampler) and choice.reason is not None
+    return choice
+
+
+def test_missing_bcc_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bcc that cannot be imported stands for a machine without."""
+    choice = auto_with_bcc(tmp_path, monkeypatch, "raise ImportError('No module named bcc')\n")
     assert choice.reason is not None and "bcc is not installed" in choice.reason
     with pytest.raises(BackendUnavailable, match="bcc is not installed"):
         open_backend("bpf", PROC)
@@ -329,11 +335,7 @@ def test_missing_bcc_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 def test_a_loader_that_dies_is_a_reason_to_fall_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The child that compiles exits without answering (here its bcc kills
     it): the agent falls back with what the child said on its way out."""
-    (tmp_path / "bcc").mkdir()
-    (tmp_path / "bcc" / "__init__.py").write_text("import os, sys\nsys.stderr.write('bcc exploded\\n')\nos._exit(7)\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    choice, groups = open_backend("auto", PROC)
-    assert choice.name == "proc" and isinstance(groups, ProcGroupSampler)
+    choice = auto_with_bcc(tmp_path, monkeypatch, "import os, sys\nsys.stderr.write('bcc exploded\\n')\nos._exit(7)\n")
     assert choice.reason is not None and "the loader process failed" in choice.reason
     assert "bcc exploded" in choice.reason
 
