@@ -32,6 +32,23 @@ from sampler.backend import open_backend
 choice, groups = open_backend("auto", Path("/proc"))
 print(choice.name if choice.reason is None else f"{choice.name}: {choice.reason}")' 2>&1 | tail -n 1)"
 echo "NODESAMPLER-UPTIME=backend $(cut -d' ' -f1 /proc/uptime)"
+# `nodesampler.load_loop=N` on the kernel command line (NODESAMPLER_VM_APPEND):
+# instead of the tier, load and close the kernel backend N times, each load
+# said on the console (the 6.1 stall's reproduction, vagrant/README.md).
+loops=$(sed -n 's/.*nodesampler\.load_loop=\([0-9][0-9]*\).*/\1/p' /proc/cmdline)
+if [ -n "$loops" ]; then
+    $python -c 'import sys, time
+from pathlib import Path
+from sampler import bpf_sched
+for i in range(int(sys.argv[1])):
+    t = time.monotonic()
+    bpf_sched.load(Path("/proc")).close()
+    print(f"NODESAMPLER-LOAD={i + 1} {time.monotonic() - t:.1f} s", flush=True)' "$loops" 2>&1
+    echo "NODESAMPLER-EXIT=$?"
+    echo 1 >/proc/sys/kernel/sysrq
+    echo o >/proc/sysrq-trigger
+    sleep 30
+fi
 # A test that hangs fails after 5 minutes with every thread's stack, and the
 # others still run (a whole run takes about 3 minutes under emulation).
 tier=$(grep -l '^pytestmark = pytest.mark.kernel' tests/test_*.py)

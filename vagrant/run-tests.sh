@@ -20,7 +20,9 @@
 #
 # NODESAMPLER_VM_LINES (default "bullseye bookworm trixie sid"), NODESAMPLER_VM_CACHE
 # (default .vm-cache), NODESAMPLER_DEBIAN_MIRROR, NODESAMPLER_VM_HANG_SECONDS
-# (360), NODESAMPLER_VM_HANG_RETRIES (2).
+# (360), NODESAMPLER_VM_HANG_RETRIES (2), NODESAMPLER_VM_APPEND (more of the
+# guest kernel's command line; `nodesampler.load_loop=N` loads the backend N
+# times instead of the tier).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -29,6 +31,7 @@ mirror=${NODESAMPLER_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 lines=${NODESAMPLER_VM_LINES:-"bullseye bookworm trixie sid"}
 hang_after=${NODESAMPLER_VM_HANG_SECONDS:-360}
 hang_retries=${NODESAMPLER_VM_HANG_RETRIES:-2}
+append=${NODESAMPLER_VM_APPEND:-}
 mkdir -p "$cache"
 
 # What this harness needs on the host, installed by itself (debootstrap is not part of `make setup`).
@@ -84,7 +87,7 @@ boot() {  # image dir, out dir -> the tests' exit code, or "hung"; the serial lo
     rm -rf "$out" && mkdir -p "$out"
     qemu-system-x86_64 -accel tcg -cpu qemu64 -smp 2 -m 3072 -nographic -no-reboot \
         -kernel "$dir/vmlinuz" -initrd "$dir/initrd.img" \
-        -append "root=/dev/vda rw console=ttyS0 init=/init-tests panic=-1" \
+        -append "root=/dev/vda rw console=ttyS0 init=/init-tests panic=-1 $append" \
         -drive "file=$dir/rootfs.ext4,format=raw,if=virtio,snapshot=on" \
         -virtfs "local,path=$root,mount_tag=src,security_model=none,readonly=on" \
         -virtfs "local,path=$out,mount_tag=out,security_model=none" \
