@@ -552,7 +552,8 @@ class BpfGroupSampler:
         numbers are read before their entries and the totals, and again after:
         a CPU whose number moved in between (a switch) or was odd is read
         again, and after a few tries left out: its slice began or ended within
-        microseconds of the reading."""
+        microseconds of the reading. (The order of the reads is the
+        program's: x86 does not reorder loads; arm64 would need barriers.)"""
         for _ in range(SNAPSHOT_TRIES):
             seq = self._cpu_run["seq"].copy()
             running = self._cpu_run.copy()
