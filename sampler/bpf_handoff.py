@@ -20,18 +20,16 @@ import contextlib
 import ctypes
 import ctypes.util
 import json
-import logging
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sampler.backend import BackendUnavailable
-
-log = logging.getLogger(__name__)
 
 MAPS = ("task_slot", "slot_ns", "cpu_run", "dropped_forks", "wait_hist", "wait_ns")
 FDS_PER_MESSAGE = 200  # the kernel takes at most 253 descriptors in one message (SCM_MAX_FD)
@@ -116,11 +114,13 @@ def load_programs(options: dict[str, Any]) -> LoadedPrograms:
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one message, one read
     package_root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-    with parent:
+    # The child's stderr goes to a file, not a pipe: read only on failure, a
+    # pipe it filled would stall the hand-off.
+    with parent, tempfile.TemporaryFile() as err:
         try:
             proc = subprocess.Popen([sys.executable, "-m", "sampler.bpf_handoff", json.dumps(options),
                                      str(child.fileno())], pass_fds=(child.fileno(),), env=env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+                                    stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
         finally:
             child.close()
         parent.settimeout(CHILD_SECONDS)
@@ -128,16 +128,17 @@ def load_programs(options: dict[str, Any]) -> LoadedPrograms:
             header, fds = _receive(parent)
         except (OSError, ValueError) as e:
             proc.kill()
-            _, err = proc.communicate()
-            detail = err.decode(errors="replace").strip().splitlines()[-3:]
+            proc.wait()
+            err.seek(0)
+            detail = err.read().decode(errors="replace").strip().splitlines()[-3:]
             raise BackendUnavailable(f"the loader process failed ({e}): {'; '.join(detail) or 'no output'}") from None
         finally:
             if proc.poll() is None:
                 try:
-                    proc.communicate(timeout=CHILD_SECONDS)
+                    proc.wait(timeout=CHILD_SECONDS)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                    proc.communicate()
+                    proc.wait()
     if "error" in header:
         raise BackendUnavailable(header["error"])
     it = iter(fds)
