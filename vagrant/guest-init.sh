@@ -49,6 +49,17 @@ for i in range(int(sys.argv[1])):
     echo o >/proc/sysrq-trigger
     sleep 30
 fi
+# `nodesampler.poke_loop=N`: the control, with no BPF program and no bcc:
+# the same tracepoints and cpu-clock events turned on and off N times through
+# tracefs and perf_event_open while every CPU switches tasks (text_poke_loop.py).
+pokes=$(sed -n 's/.*nodesampler\.poke_loop=\([0-9][0-9]*\).*/\1/p' /proc/cmdline)
+if [ -n "$pokes" ]; then
+    $python vagrant/text_poke_loop.py "$pokes" 2>&1
+    echo "NODESAMPLER-EXIT=$?"
+    echo 1 >/proc/sys/kernel/sysrq
+    echo o >/proc/sysrq-trigger
+    sleep 30
+fi
 # A test that hangs fails after 5 minutes with every thread's stack, and the
 # others still run (a whole run takes about 3 minutes under emulation).
 tier=$(grep -l '^pytestmark = pytest.mark.kernel' tests/test_*.py)

@@ -22,7 +22,11 @@
 # (default .vm-cache), NODESAMPLER_DEBIAN_MIRROR, NODESAMPLER_VM_HANG_SECONDS
 # (360), NODESAMPLER_VM_HANG_RETRIES (2), NODESAMPLER_VM_APPEND (more of the
 # guest kernel's command line; `nodesampler.load_loop=N` loads the backend N
-# times instead of the tier).
+# times instead of the tier, `nodesampler.poke_loop=N` runs the no-BPF control
+# of vagrant/text_poke_loop.py), NODESAMPLER_VM_ACCEL (QEMU's -accel, default
+# tcg; tcg,thread=single for one host thread for all vCPUs),
+# NODESAMPLER_VM_CPU (-cpu, default qemu64), NODESAMPLER_VM_BOOT_SECONDS (a
+# boot's limit, 1200).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -32,6 +36,9 @@ lines=${NODESAMPLER_VM_LINES:-"bullseye bookworm trixie sid"}
 hang_after=${NODESAMPLER_VM_HANG_SECONDS:-360}
 hang_retries=${NODESAMPLER_VM_HANG_RETRIES:-2}
 append=${NODESAMPLER_VM_APPEND:-}
+accel=${NODESAMPLER_VM_ACCEL:-tcg}
+cpu_model=${NODESAMPLER_VM_CPU:-qemu64}
+boot_limit=${NODESAMPLER_VM_BOOT_SECONDS:-1200}
 mkdir -p "$cache"
 
 # What this harness needs on the host, installed by itself (debootstrap is not part of `make setup`).
@@ -85,7 +92,7 @@ boot() {  # image dir, out dir -> the tests' exit code, or "hung"; the serial lo
     local dir=$1 out=$2
     local log=$out/serial.log
     rm -rf "$out" && mkdir -p "$out"
-    qemu-system-x86_64 -accel tcg -cpu qemu64 -smp 2 -m 3072 -nographic -no-reboot \
+    qemu-system-x86_64 -accel "$accel" -cpu "$cpu_model" -smp 2 -m 3072 -nographic -no-reboot \
         -kernel "$dir/vmlinuz" -initrd "$dir/initrd.img" \
         -append "root=/dev/vda rw console=ttyS0 init=/init-tests panic=-1 $append" \
         -drive "file=$dir/rootfs.ext4,format=raw,if=virtio,snapshot=on" \
@@ -96,11 +103,11 @@ boot() {  # image dir, out dir -> the tests' exit code, or "hung"; the serial lo
     # Hung: the kernel reports a lockup or an RCU stall; or the console has
     # said nothing for $hang_after seconds (a test stuck in userspace would
     # have been failed by pytest-timeout after 5 minutes); or the boot has
-    # run 20 minutes (a whole line takes about 4).
+    # run $boot_limit seconds (a whole line takes about 8 minutes).
     while kill -0 "$qemu" 2>/dev/null; do
         sleep 10
         if [ "$(stat -c %s "$log")" = "$size" ]; then quiet=$((quiet + 10)); else size=$(stat -c %s "$log"); quiet=0; fi
-        if [ "$quiet" -ge "$hang_after" ] || [ $((SECONDS - started)) -ge 1200 ] \
+        if [ "$quiet" -ge "$hang_after" ] || [ $((SECONDS - started)) -ge "$boot_limit" ] \
             || grep -a -q -E 'BUG: soft lockup|detected stalls on CPUs|blocked for more than' "$log"; then
             python3 vagrant/hung_guest.py "$out/monitor.sock" "$out/kallsyms" >"$out/hung.txt" 2>&1 || true
             grep -a -m 1 -E 'BUG: soft lockup|detected stalls on CPUs|blocked for more than' "$log" \
