@@ -37,7 +37,7 @@ def perf_event_open_cpu_clock(cpu: int) -> int:
     # (enabled, no sampling fields: the event only runs its hrtimer).
     attr = struct.pack("IIQQ", PERF_TYPE_SOFTWARE, PERF_ATTR_SIZE, PERF_COUNT_SW_CPU_CLOCK, TICK_NS)
     buf = ctypes.create_string_buffer(attr.ljust(PERF_ATTR_SIZE, b"\0"), PERF_ATTR_SIZE)
-    fd = libc.syscall(SYS_PERF_EVENT_OPEN, buf, -1, cpu, -1, PERF_FLAG_FD_CLOEXEC)
+    fd: int = libc.syscall(SYS_PERF_EVENT_OPEN, buf, -1, cpu, -1, PERF_FLAG_FD_CLOEXEC)
     if fd < 0:
         raise OSError(ctypes.get_errno(), f"perf_event_open(cpu-clock, cpu {cpu})")
     return fd
