@@ -25,6 +25,18 @@ echo "NODESAMPLER-KERNEL=$(uname -r) BCC=$(dpkg-query -W -f='${Version}' python3
 # Kernel headers at the tier: none (the image installs none).
 echo "NODESAMPLER-HEADERS=$([ -e "/lib/modules/$(uname -r)/build" ] && echo installed || echo none)"
 echo "NODESAMPLER-UPTIME=booted $(cut -d' ' -f1 /proc/uptime)"
+# `nodesampler.poke_loop=N`: the control, with no BPF program and no bcc (so
+# before the backend is even tried):
+# the same tracepoints and cpu-clock events turned on and off N times through
+# tracefs and perf_event_open while every CPU switches tasks (text_poke_loop.py).
+pokes=$(sed -n 's/.*nodesampler\.poke_loop=\([0-9][0-9]*\).*/\1/p' /proc/cmdline)
+if [ -n "$pokes" ]; then
+    $python vagrant/text_poke_loop.py "$pokes" 2>&1
+    echo "NODESAMPLER-EXIT=$?"
+    echo 1 >/proc/sys/kernel/sysrq
+    echo o >/proc/sysrq-trigger
+    sleep 30
+fi
 # Which backend the agent would load here, and if not the kernel's, why.
 echo "NODESAMPLER-BACKEND=$($python -c '
 from pathlib import Path
@@ -44,17 +56,6 @@ for i in range(int(sys.argv[1])):
     t = time.monotonic()
     bpf_sched.load(Path("/proc")).close()
     print(f"NODESAMPLER-LOAD={i + 1} {time.monotonic() - t:.1f} s", flush=True)' "$loops" 2>&1
-    echo "NODESAMPLER-EXIT=$?"
-    echo 1 >/proc/sys/kernel/sysrq
-    echo o >/proc/sysrq-trigger
-    sleep 30
-fi
-# `nodesampler.poke_loop=N`: the control, with no BPF program and no bcc:
-# the same tracepoints and cpu-clock events turned on and off N times through
-# tracefs and perf_event_open while every CPU switches tasks (text_poke_loop.py).
-pokes=$(sed -n 's/.*nodesampler\.poke_loop=\([0-9][0-9]*\).*/\1/p' /proc/cmdline)
-if [ -n "$pokes" ]; then
-    $python vagrant/text_poke_loop.py "$pokes" 2>&1
     echo "NODESAMPLER-EXIT=$?"
     echo 1 >/proc/sys/kernel/sysrq
     echo o >/proc/sysrq-trigger
