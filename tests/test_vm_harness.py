@@ -112,6 +112,12 @@ def test_a_hung_guest_reads_as_functions_and_interrupt_state() -> None:
     assert without[0] == "vCPU 0 at 0xffffffff89c4718c, interrupts off"
 
 
+def test_code_bytes_read_from_a_monitor_answer() -> None:
+    hung_guest = vagrant_module("hung_guest")
+    answer = "x/8xb 0xffffffff81e0a1bc\r\nffffffff81e0a1bc: 0xcc 0x1f 0x44 0x00 0x00 0x49 0x8b 0x44\r\n(qemu) "
+    assert hung_guest.code_bytes(answer) == "cc 1f 44 00 00 49 8b 44"
+
+
 def test_the_hang_report_reads_a_real_qemu_monitor(tmp_path: Path) -> None:
     """A paused QEMU (no guest at all) answers `info registers -a` over the
     same kind of socket the harness gives its guests."""
@@ -129,6 +135,13 @@ def test_the_hang_report_reads_a_real_qemu_monitor(tmp_path: Path) -> None:
         rows = hung_guest.describe(registers, hung_guest.KernelSymbols(""))
         # Two vCPUs at the reset vector, in real mode (EIP/EFL), interrupts off.
         assert rows == ["vCPU 0 at 0xfff0, interrupts off", "vCPU 1 at 0xfff0, interrupts off"], registers
+        # Paused, neither moves; what memory holds there is read back, eight bytes.
+        report = hung_guest.stuck_report(str(sock), hung_guest.KernelSymbols(""), readings=2, apart_s=0.1)
+        assert report[:2] == rows
+        for n, line in enumerate(report[2:]):
+            head, _, code = line.partition("; memory there holds ")
+            assert head == f"vCPU {n} stayed at that instruction over 2 readings 0.1 s apart", line
+            assert re.fullmatch(r"([0-9a-f]{2} ){7}[0-9a-f]{2}", code), line
     finally:
         qemu.kill()
         qemu.wait()

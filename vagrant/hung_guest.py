@@ -84,8 +84,38 @@ def describe(registers: str, symbols: KernelSymbols) -> list[str]:
     ]
 
 
+def code_bytes(answer: str) -> str:
+    """The bytes of an `x/NXb ADDRESS` answer, as hex pairs."""
+    return " ".join(
+        b[2:]
+        for line in answer.splitlines()
+        if ":" in line
+        for b in re.findall(r"0x[0-9a-f]{2}\b", line.split(":", 1)[1])
+    )
+
+
+def stuck_report(monitor: str, symbols: KernelSymbols, readings: int = 3, apart_s: float = 1.0) -> list[str]:
+    """Each vCPU where it is, then whether it moved over `readings` readings
+    `apart_s` apart, and the code memory holds at its last instruction
+    pointer: a vCPU that stays on one instruction whose bytes say it would
+    move on is executing something memory no longer holds."""
+    first = monitor_command(monitor, "info registers -a")
+    lines = describe(first, symbols)
+    seen = [[ip] for ip, _ in vcpus(first)]
+    for _ in range(readings - 1):
+        time.sleep(apart_s)
+        for n, (ip, _) in enumerate(vcpus(monitor_command(monitor, "info registers -a"))):
+            if n < len(seen):
+                seen[n].append(ip)
+    for n, ips in enumerate(seen):
+        where = "stayed at that instruction" if len(set(ips)) == 1 else f"moved ({len(set(ips))} places)"
+        code = code_bytes(monitor_command(monitor, f"x/8xb {ips[-1]:#x}"))
+        lines.append(f"vCPU {n} {where} over {len(ips)} readings {apart_s:g} s apart; memory there holds {code}")
+    return lines
+
+
 if __name__ == "__main__":
     monitor, kallsyms = sys.argv[1], Path(sys.argv[2])
     symbols = KernelSymbols(kallsyms.read_text() if kallsyms.exists() else "")
-    for line in describe(monitor_command(monitor, "info registers -a"), symbols):
+    for line in stuck_report(monitor, symbols):
         print(line)
