@@ -7,7 +7,7 @@ an int3 over the first byte, an IPI to every CPU, the rest, another IPI), and
 opens a cpu-clock perf event on each CPU (an IPI to that CPU to install it).
 Closing undoes both. This does the same through tracefs and perf_event_open,
 round after round, while every CPU switches tasks as fast as it can (the
-patched sites are in `__schedule`), and says each hundredth round on the
+patched sites are in `__schedule`), and says every tenth round on the
 console. Run by guest-init.sh for `nodesampler.poke_loop=N`.
 
     python3 vagrant/text_poke_loop.py ROUNDS
@@ -79,7 +79,7 @@ def main() -> int:
             for fd in fds:
                 os.close(fd)
             set_tracepoints(False)
-            if i % 100 == 0:
+            if i % 10 == 0:
                 print(f"NODESAMPLER-POKE={i} {time.monotonic() - t0:.0f} s", flush=True)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
