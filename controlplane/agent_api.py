@@ -18,6 +18,7 @@ from aiohttp import web
 
 from controlplane.history import EmbeddedHistory
 from controlplane.keys import AUTHENTICATOR, METRICS, RECORDER, REGISTRY
+from controlplane.live import LIVE, LiveSamples
 from controlplane.node_identity import Forbidden, NodeAuthenticator, Unauthenticated
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry, UnknownNode
@@ -146,21 +147,36 @@ async def register(request: web.Request) -> web.Response:
 
 
 async def heartbeat(request: web.Request) -> web.Response:
+    """A window's summary. While someone watches the node live, the answer
+    asks for raw samples (`"raw": true`), and those that come are the live
+    view's, never the registry's (controlplane/live.py)."""
     dropped: wire.Dropped = []
-    hb = await _checked_body(request, _parse_keeping(wire.parse_heartbeat, dropped))
+    live = request.app.get(LIVE)
+    hb = await _checked_body(request, lambda data: wire.parse_heartbeat(data, dropped,
+                                                                        live.wanted if live is not None else None))
     if isinstance(hb, web.Response):
         return hb
+    came_raw = "raw" in hb
+    raw = hb.pop("raw", None)
     try:
         request.app[REGISTRY].heartbeat(hb)
     except UnknownNode:
         return _error(404, "unknown node: register again")
     if (history := request.app.get(RECORDER)) is not None:
         history.record(hb["node"], hb)
-    return _answer(request, {"ok": True}, dropped)
+    answer: dict[str, object] = {"ok": True}
+    wanted = live is not None and live.wanted(hb["node"])
+    if came_raw:
+        request.app[METRICS].live_heartbeats.labels("true" if raw is not None else "false").inc()
+    if live is not None and wanted:
+        if raw is not None:
+            live.record(hb["node"], hb, raw)
+        answer["raw"] = True
+    return _answer(request, answer, dropped)
 
 
 def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics: ControlPlaneMetrics | None = None,
-               history: EmbeddedHistory | None = None) -> web.Application:  # fmt: skip
+               history: EmbeddedHistory | None = None, live: LiveSamples | None = None) -> web.Application:  # fmt: skip
     """`auth` verifies tokens; bytes are a cluster secret (HMAC node tokens only)."""
     app = web.Application(client_max_size=wire.MAX_BODY_BYTES, middlewares=[counted, no_tracebacks])
     app[REGISTRY] = registry
@@ -168,6 +184,8 @@ def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics:
     app[METRICS] = metrics or ControlPlaneMetrics(registry)
     if history is not None:
         app[RECORDER] = history
+    if live is not None:
+        app[LIVE] = live
     app.router.add_post("/v1/register", register)
     app.router.add_post("/v1/heartbeat", heartbeat)
     return app

@@ -182,6 +182,13 @@ async def within_deadline(request: web.Request, handler: Callable[[web.Request],
     if guard is None or conn is None:  # not behind a guard (the tests' in-process clients)
         return await handler(request)
     left = conn.handler_started()
+    if getattr(request.match_info.handler, "streams", False):
+        # A stream (controlplane/live.py) answers a GET at once and lasts as long
+        # as its reader: it bounds its own writes, and holds no request open.
+        try:
+            return await handler(request)
+        finally:
+            conn.answered()
     deadline = asyncio.timeout(left)
     try:
         async with deadline:

@@ -27,6 +27,11 @@ class ControlPlaneMetrics:
         self.items_dropped = Counter("nodesampler_heartbeat_items_dropped",
                                      "Entries of accepted bodies left out (a shard, disk or GPU), by list and reason",
                                      ["reason"], registry=self.prometheus)  # fmt: skip
+        self.live_heartbeats = Counter("nodesampler_live_heartbeats",
+                                       "Heartbeats that carried raw samples, by whether a live view used them",
+                                       ["used"], registry=self.prometheus)  # fmt: skip
+        for used in ("true", "false"):
+            self.live_heartbeats.labels(used)
         self.connections_closed = Counter("nodesampler_connections_closed",
                                           "Connections the control plane closed: idle, a request not complete "
                                           "in time, or one too many from a peer address",

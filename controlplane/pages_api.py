@@ -21,6 +21,7 @@ from controlplane.agent_api import no_tracebacks
 from controlplane.exposition import FleetExposition
 from controlplane.history import EmbeddedHistory
 from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
+from controlplane.live import LIVE, LiveSamples, live_stream
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx
 from controlplane.registry import NodeRegistry
@@ -57,11 +58,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def nodes(request: web.Request) -> web.Response:
-    body = await request.app[PAGE_WORKER].run(_nodes_json, request.app[REGISTRY])
+    live = request.app.get(LIVE)  # read here, on the loop that changes it
+    watched = {node: live.describe(node) for node in live.live_nodes()} if live is not None else {}
+    body = await request.app[PAGE_WORKER].run(_nodes_json, request.app[REGISTRY], watched)
     return web.Response(text=body, content_type="application/json")
 
 
-def _nodes_json(registry: NodeRegistry) -> str:
+def _nodes_json(registry: NodeRegistry, watched: dict[str, dict[str, Any] | None] | None = None) -> str:
     now = registry.clock()
     out: list[dict[str, Any]] = []
     for state in registry.nodes():
@@ -75,6 +78,8 @@ def _nodes_json(registry: NodeRegistry) -> str:
             "registration": state.registration,
             # A stale node's measurements are not shown as current.
             "heartbeat": state.heartbeat if fresh else None,
+            # Watched live: its viewers and the samples kept (absent while nobody watches).
+            **({"live": d} if (d := (watched or {}).get(state.node)) is not None else {}),
         })  # fmt: skip
     return json.dumps({"nodes": out})
 
@@ -115,7 +120,8 @@ async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
-               history: EmbeddedHistory | None = None, state_file: Path | None = None) -> web.Application:  # fmt: skip
+               history: EmbeddedHistory | None = None, state_file: Path | None = None,
+               live: LiveSamples | None = None) -> web.Application:  # fmt: skip
     app = web.Application(middlewares=[no_tracebacks])
     if state_file is not None:
         app[STATE_FILE] = state_file
@@ -131,5 +137,8 @@ def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
     app.router.add_get("/health", health)
     app.router.add_get("/api/nodes", nodes)
     app.router.add_delete("/api/nodes/{node}", forget_node)
+    if live is not None:
+        app[LIVE] = live
+        app.router.add_get("/node/{node}/live", live_stream)
     app.cleanup_ctx.append(forget_gone_nodes)
     return app

@@ -19,6 +19,7 @@ from aiohttp import web
 from controlplane import agent_api, pages_api
 from controlplane.connection_limits import GUARD, ConnectionGuard, ConnectionLimits, within_deadline
 from controlplane.history import EmbeddedHistory
+from controlplane.live import LiveSamples
 from controlplane.node_identity import NodeAuthenticator
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import MAX_SHARDS_PER_NODE, NodeRegistry
@@ -54,7 +55,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                 max_shards: int = MAX_SHARDS_PER_NODE, state_file: Path | None = None,
                 forget_after: float | None = None,
                 add_routes: Callable[[web.Application, EmbeddedHistory | None, str | None], None] | None = None,
-                ) -> None:  # fmt: skip
+                live: LiveSamples | None = None) -> None:  # fmt: skip
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
         log.warning("agent listener %s has no TLS: bearer tokens cross the network in clear text "
                     "(--tls-cert and --tls-key)", agent_listen)  # fmt: skip
@@ -62,15 +63,16 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     own = ControlPlaneMetrics(registry)
     # The embedded history is fed only when the pages read it (no --prometheus).
     history = None if prometheus_url else EmbeddedHistory(stale_after=stale_after)
-    pages = pages_api.create_app(registry, own, history, state_file)
+    pages = pages_api.create_app(registry, own, history, state_file, live)
     if add_routes is not None:  # the pages (web/pages.py): charts from the history or from Prometheus
         add_routes(pages, history, prometheus_url)
     limits = limits or ConnectionLimits()
     loop = asyncio.get_running_loop()
     runners, servers = [], []
+    agents = agent_api.create_app(registry, auth, own, history, live)
     try:
         for name, app, address, context in (
-            ("agents", agent_api.create_app(registry, auth, own, history), agent_listen, tls.context if tls else None),
+            ("agents", agents, agent_listen, tls.context if tls else None),
             ("pages", pages, pages_listen, None),
         ):
             # Every connection through a guard (controlplane/connection_limits.py):

@@ -194,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 604800: a week); DELETE /api/nodes/NODE forgets one at once")
     c.add_argument("--max-shards-per-node", type=_count(256), default=64, metavar="N",
                    help="engines of one node exported, charted and shown, the busiest kept (default 64)")
+    c.add_argument("--max-live-nodes", type=_count(1000), default=10, metavar="N",
+                   help="nodes watched live (every sample) at once; 0: no live view (default 10)")
+    c.add_argument("--live-linger", type=_positive(3600), default=60.0, metavar="S",
+                   help="seconds a node keeps sending every sample after its last live viewer left (default 60)")
     c.add_argument("--prometheus", default=None, metavar="URL",
                    help="draw the pages' charts from this Prometheus (default: the embedded history)")
     # Connections held to account (controlplane/connection_limits.py).
@@ -475,6 +479,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     import ssl
 
     from controlplane.connection_limits import ConnectionLimits
+    from controlplane.live import LiveSamples
     from controlplane.server import serve, split_address
     from controlplane.starvation import StarvationRules
     from controlplane.tls_files import ReloadingServerTLS
@@ -508,7 +513,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
                                 args.host_bound_gpu_utilization)  # fmt: skip
         limits = ConnectionLimits(args.request_deadline, args.idle_timeout, args.max_connections_per_peer)
         asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls, rules, limits,
-                          args.max_shards_per_node, args.state_file, args.forget_after, add_routes=add_pages))
+                          args.max_shards_per_node, args.state_file, args.forget_after, add_routes=add_pages,
+                          live=LiveSamples(args.max_live_nodes, args.live_linger) if args.max_live_nodes else None))
     except OSError as e:  # the address is taken or not ours
         _fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

@@ -289,15 +289,13 @@ def _decode(data: bytes) -> Json:
     if len(data) > MAX_BODY_BYTES:
         raise WireError("body", f"larger than {MAX_BODY_BYTES} bytes")
     try:
-        # parse_constant: NaN and Infinity are not JSON; refuse them at the door.
-        body = json.loads(data, parse_constant=_no_constant)
+        # NaN and Infinity are not JSON, but Python writes them: read as floats,
+        # they fail the range check of the field they are in, which names it
+        # (and costs only that entry when it is one of a list's).
+        body = json.loads(data)
     except (ValueError, RecursionError) as e:
         raise WireError("body", f"not JSON: {str(e)[:120]}") from None
     return obj(body, "body")
-
-
-def _no_constant(text: str) -> Any:
-    raise ValueError(f"{text} is not a number")
 
 
 def parse_registration(data: bytes, dropped: Dropped | None = None) -> Json:
@@ -314,7 +312,11 @@ def parse_registration(data: bytes, dropped: Dropped | None = None) -> Json:
     return out
 
 
-def parse_heartbeat(data: bytes, dropped: Dropped | None = None) -> Json:
+def parse_heartbeat(data: bytes, dropped: Dropped | None = None,
+                    raw_for: Callable[[str], bool] | None = None) -> Json:  # fmt: skip
+    """A heartbeat, checked. Its raw samples are read only for a node
+    `raw_for` says is watched live; for any other they are not read (`raw`
+    is then None, saying only that they came)."""
     b = _decode(data)
     out: Json = {"node": node_id(b.get("node")), "seq": integer(b.get("seq"), "seq", 0, 2**62)}
     backend = b.get("backend")
@@ -344,6 +346,12 @@ def parse_heartbeat(data: bytes, dropped: Dropped | None = None) -> Json:
     if b.get("gpus") is not None:
         out["gpus"] = _gpus(b["gpus"], "gpus", dropped)
     optional(b, "gpu_error", "", _text, out)
+    if b.get("raw") is not None:  # None when not read, or left out whole
+        out["raw"] = None
+        if raw_for is not None and raw_for(out["node"]):
+            from nodesampler.raw_samples import parse_raw  # built on this module's checks
+
+            out["raw"] = parse_raw(b["raw"], {s["id"] for s in shards}, dropped)
     return out
 
 

@@ -243,14 +243,17 @@ class HeartbeatClient:
         self.token = token if callable(token) else (lambda: token)
         self._dropped_said: set[str] = set()
 
-    async def _post(self, path: str, body: dict[str, Any]) -> None:
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The answer to an accepted body ({} when it cannot be read: it says no more)."""
         headers = {"Authorization": f"Bearer {self.token()}", "Content-Type": "application/json"}
         try:
             async with self.session.post(self.base_url + path, data=wire.dumps(body), headers=headers) as r:
                 if r.status == 200:
-                    with contextlib.suppress(ValueError):  # accepted; an answer we cannot read says no more
-                        self._say_dropped(await r.json(content_type=None))
-                    return
+                    answer: Any = {}
+                    with contextlib.suppress(ValueError):
+                        answer = await r.json(content_type=None)
+                    self._say_dropped(answer)
+                    return answer if isinstance(answer, dict) else {}
                 text = (await r.text())[:300]
         except aiohttp.ClientConnectorCertificateError as e:
             raise DeliveryError(f"TLS: the control plane's certificate is not trusted (--ca-file?): "
@@ -275,8 +278,10 @@ class HeartbeatClient:
     async def register(self, registration: dict[str, Any]) -> None:
         await self._post("/v1/register", registration)
 
-    async def heartbeat(self, summary: dict[str, Any]) -> None:
-        await self._post("/v1/heartbeat", summary)
+    async def heartbeat(self, summary: dict[str, Any]) -> bool:
+        """Sends a window's summary; True when the control plane asks for the
+        next windows' raw samples (someone watches this node live)."""
+        return (await self._post("/v1/heartbeat", summary)).get("raw") is True
 
 
 @dataclass
@@ -388,8 +393,12 @@ class Agent:
                     await client.register(body)
                     registered, registered_gpus = True, gpus
                     log.info("registered with %s as %s", self.url, self.node)
-                await client.heartbeat(summary)
+                raw_wanted = await client.heartbeat(summary)
                 self.sent += 1
+                if raw_wanted != self.sampler.raw_wanted:
+                    log.info("raw samples %s: %s", "on" if raw_wanted else "off",
+                             "someone watches this node live" if raw_wanted else "nobody watches any more")  # fmt: skip
+                    self.sampler.raw_wanted = raw_wanted  # read by the sampling thread at its window's end
                 unknown_again = False
             except UnknownToControlPlane:
                 if not unknown_again:

@@ -43,6 +43,8 @@ class GpuReading:
     # shard id -> its GPU utilisation on the cards it runs on (mean, max of SM and memory
     # bandwidth, percent); a shard on no card, or with no per-process samples from a driver, is absent
     shard_utilisation: dict[str, dict[str, float]] = field(default_factory=dict)
+    # card index -> NVML's utilisation samples of this reading: times (Unix microseconds) and percents
+    utilisation_samples: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 INIT_RETRY_START_S = 1.0
@@ -207,8 +209,9 @@ class GpuReader:
             log.debug("GPU %d: %s failed: %s", card.index, name, e)
             return None
 
-    def _utilisation_samples(self, card: _Card) -> np.ndarray | None:
-        """Utilisation samples (percent) NVML buffered since the last reading."""
+    def _utilisation_samples(self, card: _Card) -> tuple[np.ndarray, np.ndarray] | None:
+        """Utilisation samples NVML buffered since the last reading: their
+        times (Unix microseconds) and values (percent)."""
         nv = self._nvml
         try:
             _, samples = nv.nvmlDeviceGetSamples(card.handle, nv.NVML_GPU_UTILIZATION_SAMPLES, card.last_sample_us)
@@ -227,16 +230,18 @@ class GpuReader:
         if not fresh:
             return None
         card.last_sample_us = max(t for t, _ in fresh)
-        return np.array([v for _, v in fresh], dtype=np.float64)
+        return np.array([t for t, _ in fresh], dtype=np.float64), np.array([v for _, v in fresh], dtype=np.float64)
 
-    def _read_card(self, card: _Card) -> dict[str, Any]:
+    def _read_card(self, card: _Card, raw: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
         nv, h = self._nvml, card.handle
         out: dict[str, Any] = {"index": card.index, "uuid": card.uuid}
         if card.name is not None:
             out["name"] = card.name
         rates = self._field(card, "utilization", lambda: nv.nvmlDeviceGetUtilizationRates(h))
-        samples = self._utilisation_samples(card)
-        if samples is not None:
+        timed = self._utilisation_samples(card)
+        if timed is not None:
+            raw[card.index] = timed
+            samples = timed[1]
             out["utilization_percent"] = round(float(samples.mean()), 2)
             out["utilization_p95_percent"] = round(float(np.percentile(samples, 95)), 2)
             out["utilization_max_percent"] = float(samples.max())
@@ -340,9 +345,10 @@ class GpuReader:
         answered = False
         owner = {pid: sid for sid, pids in members.items() for pid in pids}
         shares: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        raw: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for card in self._cards:
             try:
-                gpus.append(self._read_card(card))
+                gpus.append(self._read_card(card, raw))
                 procs = self._processes(card) if members else None
                 samples = self._process_samples(card) if members else None
             except _CardLost:
@@ -366,7 +372,7 @@ class GpuReader:
                 for sid, share in self._card_share(samples, owner, on_card).items():
                     shares.setdefault(sid, []).append(share)
         shard_memory: dict[str, int | None] = {sid: (v if answered else None) for sid, v in used.items()}
-        return GpuReading(gpus, shard_memory, self._clock() - started, None, self._shard_utilisation(shares))
+        return GpuReading(gpus, shard_memory, self._clock() - started, None, self._shard_utilisation(shares), raw)
 
     # --- on the caller's thread ----------------------------------------------------
 

@@ -53,7 +53,10 @@ class RateSeries:
         self.seconds[self.n] = seconds
         self.n += 1
 
-    def summary(self) -> dict[str, float] | None:
+    def samples(self) -> tuple[np.ndarray, np.ndarray]:
+        """The window's samples as the summary counts them: each value (NaN:
+        not measured) and its length in seconds, a short last sample merged
+        into the one before it. Copies: the series may go on."""
         v, w = self.values[: self.n].copy(), self.seconds[: self.n].copy()
         if self._carry is not None:  # the window's last sample was short: into the one before it
             amount, carried = self._carry
@@ -62,6 +65,10 @@ class RateSeries:
                 w[-1] += carried
             elif not self.n:
                 v, w = np.array([amount / carried]), np.array([carried])
+        return v, w
+
+    def summary(self) -> dict[str, float] | None:
+        v, w = self.samples()
         ok = ~np.isnan(v) & (w > 0)
         if not ok.any():
             return None

@@ -15,7 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nodesampler import wire
+import numpy as np
+
+from nodesampler import raw_samples, wire
 from sampler.backend import BackendChoice, GroupSampler
 from sampler.cfs import CGROUP_ROOT, CfsBandwidthReader
 from sampler.engine_metrics import EngineMetricsReader
@@ -80,6 +82,9 @@ class WindowSampler:
         self.last_gauges: dict[str, Any] = {}
         self._cpus = os.cpu_count() or 1
         self._said_impossible: set[str] = set()
+        # Set by the agent while the control plane asks for raw samples (someone
+        # watches this node live): the window's samples go with its summary.
+        self.raw_wanted = False
 
     def prime(self, seconds: float) -> None:
         """Take the first readings, so that the first window has something to
@@ -147,6 +152,7 @@ class WindowSampler:
         # A sample covers the time since the one before it, which may have been
         # the previous window's last: its weight must say so.
         last = start if self._last_sample_at is None else self._last_sample_at
+        first_from = last  # where the window's first sample begins
         # The GPU reading is asked for before the window ends, on NVML's own
         # thread, and taken at the end only if it is ready: a slow or hung
         # driver costs this window its GPU figures, never its cadence.
@@ -203,16 +209,21 @@ class WindowSampler:
         summary["machine"] = m
         memory = self.groups.memory()
         summary["shards"] = [self._shard(w, shards[w.id], memory.get(w.id)) for w in self.groups.watches]
+        series_of = {id(s): shards[w.id] for s, w in zip(summary["shards"], self.groups.watches, strict=True)}
         waits = self._waits()
         bandwidth = self.cfs.read(self._members)  # once a window: cumulative counters
         for shard in summary["shards"]:
             if (wait := waits.get(shard["id"])) is not None:
                 shard["runqueue_wait_seconds"] = wait
             shard.update(bandwidth.get(shard["id"], {}))
+        gpu_samples: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         if self.gpus is not None:
             if self.gpu_grace > 0:
                 self.gpus.wait(self.gpu_grace)
-            self._add_gpus(summary, self.gpus.take())
+            reading = self.gpus.take()
+            self._add_gpus(summary, reading)
+            if reading is not None:
+                gpu_samples = reading.utilisation_samples
         if self.gpu_grace > 0:
             self.engine_metrics.wait(self.gpu_grace)
         queues = self.engine_metrics.take()
@@ -220,7 +231,23 @@ class WindowSampler:
             shard.update(queues.get(shard["id"], {}))
         if cost := self._program_cost():
             summary["bpf"] = cost
-        return wire.fit_heartbeat(summary)  # machine text escaped, lists within the wire's limits
+        wire.fit_heartbeat(summary)  # machine text escaped, lists within the wire's limits
+        if self.raw_wanted:
+            summary["raw"] = self._raw(summary, first_from - start, machine, series_of, gpu_samples, start_wall)
+        return summary
+
+    @staticmethod
+    def _raw(summary: dict[str, Any], first_from: float, machine: RateSeries, series_of: dict[int, RateSeries],
+             gpu_samples: dict[int, tuple[np.ndarray, np.ndarray]], start_wall: float) -> dict[str, Any]:  # fmt: skip
+        """The window's samples for a live viewer, as the summary counted them
+        (nodesampler/raw_samples.py): machine CPU, each sent shard's cores
+        (by its id as sent), and the GPUs' NVML samples."""
+        cpu = raw_samples.rate_series(first_from, *machine.samples(), digits=4)
+        gpus = [(index, raw_samples.gpu_points(t_us / 1e6 - start_wall, v)) for index, (t_us, v) in
+                sorted(gpu_samples.items())]  # fmt: skip
+        shards = [(s["id"], raw_samples.rate_series(first_from, *series_of[id(s)].samples(), digits=5))
+                  for s in summary["shards"]]  # fmt: skip
+        return raw_samples.fit_raw(len(wire.dumps(summary)), cpu, gpus, shards)
 
     def _impossible(self, wid: str, r: GroupReading) -> None:
         """A sample of more cores than the machine has is a bug in a backend, not

@@ -199,10 +199,13 @@ async def test_not_a_json_object_is_400(agents: TestClient, data: bytes) -> None
     assert status == 400 and body["field"] in ("body", "node")
 
 
-async def test_nan_is_refused() -> None:
+async def test_nan_is_refused_naming_its_field() -> None:
     with pytest.raises(wire.WireError) as e:
         wire.parse_heartbeat(json.dumps(heartbeat()).replace("37.5", "NaN").encode())
-    assert e.value.field == "body"
+    assert (e.value.field, e.value.reason) == ("machine.cpu_percent.mean", "must be finite")
+    with pytest.raises(wire.WireError) as e:
+        wire.parse_heartbeat(json.dumps(heartbeat()).replace("37.5", "-Infinity").encode())
+    assert (e.value.field, e.value.reason) == ("machine.cpu_percent.mean", "must be finite")
 
 
 async def test_oversized_body_is_413(agents: TestClient, registry: NodeRegistry) -> None:

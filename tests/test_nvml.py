@@ -370,3 +370,28 @@ def test_gpu_memory_and_share_by_pod(tmp_path: Path, readers: list[GpuReader]) -
     assert shards["llm/engine-0"]["gpu_memory_bytes"] == 12 * GiB  # both its processes, on both cards
     assert shards["llm/engine-1"]["gpu_memory_bytes"] == 3 * GiB
     assert (shards["llm/engine-0"]["namespace"], shards["llm/engine-0"]["pod"]) == ("llm", "engine-0")
+
+
+def test_raw_samples_carry_nvmls_own_samples_and_the_windows(tmp_path: Path, readers: list[GpuReader]) -> None:
+    """While a live viewer asks: each card's NVML samples of this reading, at
+    their times from the window's start, whose mean is the card's
+    utilisation; the machine's and the shard's samples, one per slot."""
+    nvml = h200_node(2)
+    ws, _ = window_sampler(tmp_path, nvml, readers)
+    ws.run_window(1.0)  # the clock is at 101 s: NVML's samples below are this next window's
+    nvml.cards[0].samples = [(101_100_000, 90), (101_267_000, 100), (101_433_000, 95)]
+    nvml.cards[1].samples = [(101_200_000, 10)]
+    ws.raw_wanted = True
+    summary = ws.run_window(1.0)
+    raw = summary["raw"]
+    start = summary["window"]["start"]
+    assert start == 101.0
+    assert raw["gpus"] == [{"index": 0, "utilization_percent": {"t": [0.1, 0.267, 0.433], "v": [90.0, 100.0, 95.0]}},
+                           {"index": 1, "utilization_percent": {"t": [0.2], "v": [10.0]}}]  # fmt: skip
+    assert summary["gpus"][0]["utilization_percent"] == 95.0 == sum(raw["gpus"][0]["utilization_percent"]["v"]) / 3
+    machine = raw["machine"]["cpu_percent"]
+    [shard] = raw["shards"]
+    assert shard["id"] == "llama" and len(shard["cpu_cores"]["us"]) == len(machine["us"]) == 10
+    assert sum(machine["us"]) == 1_000_000 and machine["start"] == 0.0  # the slots cover the window exactly
+    ws.raw_wanted = False
+    assert "raw" not in ws.run_window(1.0)  # nobody watches: nothing extra

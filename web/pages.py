@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import aiohttp
 import jinja2
@@ -21,6 +21,7 @@ from aiohttp import web
 
 from controlplane.history import ChartSpec, EmbeddedHistory, History, HistoryError, PrometheusHistory, Series
 from controlplane.keys import REGISTRY
+from controlplane.live import LIVE
 from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx
 from controlplane.registry import NodeRegistry, NodeState
 from nodesampler import wire
@@ -282,7 +283,9 @@ async def node_page(request: web.Request) -> web.Response:
         raise web.HTTPBadRequest(text=f"shard: must be printable text of 1-{wire.MAX_NAME} characters")
     specs = (_shard_specs(state.node, shard) if shard else []) + _node_specs(state.node, view)
     charts, errors = await _charts(request.app, specs, time.time())
-    return await _render(request, "node.html", n=view, charts=charts, history_errors=errors, shard=shard)
+    live_url = f"/node/{quote(state.node, safe='')}/live" if LIVE in request.app else None
+    return await _render(request, "node.html", n=view, charts=charts, history_errors=errors, shard=shard,
+                         live_url=live_url)
 
 
 async def prometheus_session(app: web.Application) -> AsyncIterator[None]:

@@ -1,0 +1,181 @@
+"""Raw samples on the wire: a window's samples themselves, which the agent
+adds to its heartbeat while someone watches the node live
+(docs/wire-format.md, "Raw samples").
+
+A rate series (the machine's CPU, a shard's cores) is where its first sample
+begins (seconds from `window.start`), each sample's length in whole
+microseconds and each value (`null`: not measured): exactly the samples and
+weights the window's summary was computed from, so a series' time-weighted
+mean is the summary's mean. A GPU's utilisation is NVML's own samples: each
+one's time (seconds from `window.start`) and value.
+
+The agent fits the block to the body's limit (`fit_raw`): the machine and
+the GPUs first, then the shards in the summary's order while they fit, with
+a count of those left out. The control plane checks it item by item
+(`parse_raw`): a bad series costs that item alone, like a bad shard.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from nodesampler import wire
+from nodesampler.wire import Dropped, Field, Json, WireError, integer, items, name, number, obj
+
+MAX_RAW_SAMPLES = 20_000  # one series: 1000 Hz for 20 s
+MAX_SAMPLE_US = 3_600_000_000  # one sample: an hour
+MAX_OFFSET_S = 3600.0  # a time's distance from the window's start
+BODY_ROOM = 16 * 1024  # what the raw block leaves free in the body, besides the summary
+
+
+def rate_series(start: float, values: np.ndarray, seconds: np.ndarray, digits: int) -> Json:
+    """One rate series as it crosses the wire (samples of no length carry no
+    weight and are left out)."""
+    keep = seconds > 0
+    us = np.maximum(1, np.rint(seconds[keep] * 1e6)).astype(np.int64).tolist()
+    v = [None if x != x else x for x in np.round(values[keep], digits).tolist()]  # NaN: not measured
+    return {"start": round(start, 6), "us": us, "v": v}
+
+
+def gpu_points(times_s: np.ndarray, values: np.ndarray) -> Json:
+    return {"t": np.round(times_s, 4).tolist(), "v": np.round(values, 2).tolist()}
+
+
+def fit_raw(summary_bytes: int, machine: Json | None, gpus: Iterable[tuple[int, Json]],
+            shards: Iterable[tuple[str, Json]]) -> Json:  # fmt: skip
+    """The raw block for a heartbeat whose summary takes `summary_bytes`:
+    the machine's series, the GPUs', then each shard's while the body stays
+    within its limit; `shards_left_out` counts the rest."""
+    room = wire.MAX_BODY_BYTES - summary_bytes - BODY_ROOM
+    out: Json = {}
+    if machine is not None:
+        out["machine"] = {"cpu_percent": machine}
+        room -= _size(out["machine"])
+    out["gpus"] = []
+    for index, points in gpus:
+        entry = {"index": index, "utilization_percent": points}
+        if (size := _size(entry)) <= room:
+            out["gpus"].append(entry)
+            room -= size
+    out["shards"] = []
+    left_out = 0
+    for sid, series in shards:
+        entry = {"id": sid, "cpu_cores": series}
+        if left_out == 0 and (size := _size(entry)) <= room:
+            out["shards"].append(entry)
+            room -= size
+        else:
+            left_out += 1  # the summary's order is the busiest first: once one does not fit, neither do the rest
+    if left_out:
+        out["shards_left_out"] = left_out
+    return out
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":"))) + 1
+
+
+# --- what the control plane accepts ------------------------------------------------
+
+
+def _values(value: Any, field: Field, lo: float, hi: float, nulls: bool) -> list[float | None]:
+    out = items(value, field, MAX_RAW_SAMPLES)
+    for i, x in enumerate(out):
+        kind = type(x)
+        if (kind is float or kind is int) and lo <= x <= hi:
+            continue
+        if x is None and nulls:
+            continue
+        number(x, (field, i), lo, hi)  # raises, naming the problem
+    return out
+
+
+def _series(value: Any, field: Field, hi: float) -> Json:
+    s = obj(value, field)
+    start = number(s.get("start"), (field, "start"), -MAX_OFFSET_S, MAX_OFFSET_S)
+    us = items(s.get("us"), (field, "us"), MAX_RAW_SAMPLES)
+    for i, x in enumerate(us):
+        if type(x) is not int or not 1 <= x <= MAX_SAMPLE_US:
+            integer(x, (field, "us", i), 1, MAX_SAMPLE_US)
+    v = _values(s.get("v"), (field, "v"), 0.0, hi, nulls=True)
+    if len(v) != len(us):
+        raise WireError(field, f"{len(us)} lengths but {len(v)} values")
+    return {"start": start, "us": us, "v": v}
+
+
+def _points(value: Any, field: Field) -> Json:
+    p = obj(value, field)
+    t = _values(p.get("t"), (field, "t"), -MAX_OFFSET_S, MAX_OFFSET_S, nulls=False)
+    v = _values(p.get("v"), (field, "v"), 0.0, 100.0, nulls=False)
+    if len(v) != len(t):
+        raise WireError(field, f"{len(t)} times but {len(v)} values")
+    return {"t": t, "v": v}
+
+
+def _kept(dropped: Dropped | None, check: Any, *args: Any) -> Any:
+    """check(*args), or None with its reason in `dropped`."""
+    try:
+        return check(*args)
+    except WireError as e:
+        if dropped is None:
+            raise
+        dropped.append({"field": e.field, "reason": e.reason})
+        return None
+
+
+def parse_raw(value: Any, shard_ids: set[str], dropped: Dropped | None) -> Json | None:
+    """A heartbeat's raw block, checked item by item: a bad series, shard or
+    GPU is left out and named in `dropped`; a block that is not one at all is
+    left out whole (None)."""
+    r = _kept(dropped, obj, value, "raw")
+    if r is None:
+        return None
+    out: Json = {}
+    m = r.get("machine")
+    if m is not None and (
+        cpu := _kept(
+            dropped,
+            lambda: _series(obj(m, ("raw", "machine")).get("cpu_percent"), ("raw", "machine", "cpu_percent"), 100.0),
+        )
+    ):
+        out["machine"] = {"cpu_percent": cpu}
+    out["shards"], seen = [], set[str]()
+    for i, entry in enumerate(_kept(dropped, items, r.get("shards", []), ("raw", "shards"), wire.MAX_SHARDS) or []):
+        shard = _kept(dropped, _raw_shard, entry, ("raw", "shards", i), shard_ids, seen)
+        if shard is not None:
+            seen.add(shard["id"])
+            out["shards"].append(shard)
+    out["gpus"], indices = [], set[int]()
+    for i, entry in enumerate(_kept(dropped, items, r.get("gpus", []), ("raw", "gpus"), wire.MAX_GPUS) or []):
+        gpu = _kept(dropped, _raw_gpu, entry, ("raw", "gpus", i), indices)
+        if gpu is not None:
+            indices.add(gpu["index"])
+            out["gpus"].append(gpu)
+    left = _kept(dropped, lambda: None if r.get("shards_left_out") is None else
+                 integer(r["shards_left_out"], ("raw", "shards_left_out"), 0, 1 << 31))  # fmt: skip
+    if left is not None:
+        out["shards_left_out"] = left
+    return out
+
+
+def _raw_shard(value: Any, field: Field, shard_ids: set[str], seen: set[str]) -> Json:
+    s = obj(value, field)
+    sid = name(s.get("id"), (field, "id"))
+    if sid not in shard_ids:
+        raise WireError((field, "id"), "no such shard in this heartbeat")
+    if sid in seen:
+        raise WireError((field, "id"), "a shard's raw samples twice")
+    return {"id": sid, "cpu_cores": _series(s.get("cpu_cores"), (field, "cpu_cores"), wire.MAX_CORES)}
+
+
+def _raw_gpu(value: Any, field: Field, indices: set[int]) -> Json:
+    g = obj(value, field)
+    index = integer(g.get("index"), (field, "index"), 0, 4095)
+    if index in indices:
+        raise WireError((field, "index"), "a GPU's raw samples twice")
+    points = _points(g.get("utilization_percent"), (field, "utilization_percent"))
+    return {"index": index, "utilization_percent": points}
