@@ -75,6 +75,47 @@ def test_node_page_refreshes_in_place(fleet: Fleet) -> None:
     assert (ARTIFACTS / "node-page.png").stat().st_size > 10_000
 
 
+def test_the_live_view_draws_every_sample_as_it_arrives(fleet: Fleet) -> None:
+    """The toggle on: the charts gain points window after window without a
+    reload, with each window's mean, p95 and max drawn over them."""
+    chromium = chromium_path()
+    from playwright.sync_api import sync_playwright
+
+    fleet.start_control_plane()
+    fleet.start_agent("--hz", "10")
+    fleet.wait_for(fresh_with_seq)
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "live-view.png"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 900})
+            navigations: list[str] = []
+            page.on("framenavigated", lambda frame: navigations.append(frame.url))
+            page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
+            toggle = page.locator("#live-toggle")
+            assert toggle.is_visible()
+            toggle.click()
+            machine = "svg.live[data-key=machine] path.samples"
+            page.wait_for_selector(machine, timeout=60_000)
+            first = page.evaluate(f"document.querySelector('{machine}').getAttribute('d').split(/[ML]/).length")
+            # More windows arrive: the same chart, more points.
+            page.wait_for_function(
+                f"n => document.querySelector('{machine}').getAttribute('d').split(/[ML]/).length > n",
+                arg=first, timeout=60_000)  # fmt: skip
+            for which in ("mean", "p95", "max"):
+                assert page.locator(f"svg.live[data-key=machine] line.summary.{which}").count() >= 2
+            assert page.locator("svg.live[data-key^='shard:']").count() >= 1
+            assert "samples in the last minute" in page.locator("#live-status").inner_text()
+            assert len(navigations) == 1  # no reload
+            page.locator("#live").screenshot(path=str(shot))
+            toggle.click()
+            assert page.locator("#live-status").inner_text() == "Off."
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 5_000
+
+
 def test_a_starved_engine_beside_a_healthy_one(fleet: Fleet, cpu_cgroup: CpuCgroup,
                                               group: list[subprocess.Popen[str]]) -> None:  # fmt: skip
     """Three busy threads capped at half a core, and one busy thread with the

@@ -70,8 +70,10 @@
   }
 
   function draw() {
-    const end = windows[windows.length - 1].end, from = end - SPAN_S;
-    const x = (t) => LEFT + ((t - from) / SPAN_S) * (W - LEFT - 4);
+    // The last minute, or as much of it as has come: a new viewer sees its first window whole.
+    const end = windows[windows.length - 1].end, from = Math.max(end - SPAN_S, windows[0].start);
+    const span = Math.max(end - from, 1);
+    const x = (t) => LEFT + ((t - from) / span) * (W - LEFT - 4);
     let samples = 0;
     charts.replaceChildren();
     for (const [key, k] of gather()) {
@@ -82,7 +84,7 @@
       const svg = el("svg", { class: "chart live", "data-key": key, viewBox: `0 0 ${W} ${H}`, width: W, height: H });
       svg.append(el("text", { class: "tick", x: 2, y: y(top) + 8 }, top.toFixed(k.unit === "%" ? 0 : 2)));
       svg.append(el("text", { class: "tick", x: 2, y: y(0) }, "0"));
-      svg.append(el("text", { class: "tick", x: LEFT, y: H - 4 }, "−60 s"));
+      svg.append(el("text", { class: "tick", x: LEFT, y: H - 4 }, `−${Math.round(end - from)} s`));
       svg.append(el("text", { class: "tick", x: W - 30, y: H - 4 }, "now"));
       let d = "", pen = false;
       for (const p of k.points) {
