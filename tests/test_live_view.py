@@ -339,7 +339,8 @@ def test_a_viewer_gets_every_sample_and_the_agent_stops_when_it_leaves(tmp_path:
     fleet = Fleet(tmp_path)
     busy = start_group(busy_threads(1, duty=0.5))  # something to count, with a shape
     try:
-        fleet.start_control_plane("--live-linger", "2")
+        # A request deadline shorter than the stream: the stream is not a request held open.
+        fleet.start_control_plane("--live-linger", "2", "--request-deadline", "1")
         fleet.start_agent("--backend", backend, "--hz", str(hz))
         fleet.wait_for(fresh_with_seq)
         viewer = Viewer(f"http://127.0.0.1:{fleet.pages_port}/node/n1/live")
