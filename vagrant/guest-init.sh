@@ -31,7 +31,8 @@ echo "NODESAMPLER-UPTIME=booted $(cut -d' ' -f1 /proc/uptime)"
 # tracefs and perf_event_open while every CPU switches tasks (text_poke_loop.py).
 pokes=$(sed -n 's/.*nodesampler\.poke_loop=\([0-9][0-9]*\).*/\1/p' /proc/cmdline)
 if [ -n "$pokes" ]; then
-    $python vagrant/text_poke_loop.py "$pokes" 2>&1
+    parts=$(sed -n 's/.*nodesampler\.poke_parts=\([a-z,-]*\).*/\1/p' /proc/cmdline)
+    $python vagrant/text_poke_loop.py "$pokes" ${parts:-tracepoints,cpu-clock} 2>&1
     echo "NODESAMPLER-EXIT=$?"
     echo 1 >/proc/sys/kernel/sysrq
     echo o >/proc/sysrq-trigger

@@ -10,7 +10,10 @@ round after round, while every CPU switches tasks as fast as it can (the
 patched sites are in `__schedule`), and says every tenth round on the
 console. Run by guest-init.sh for `nodesampler.poke_loop=N`.
 
-    python3 vagrant/text_poke_loop.py ROUNDS
+    python3 vagrant/text_poke_loop.py ROUNDS [tracepoints,cpu-clock]
+
+The second argument takes the round apart: only the tracepoints, or only
+the cpu-clock events (`nodesampler.poke_parts=` on the guest's command line).
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ def set_tracepoints(on: bool) -> None:
 
 def main() -> int:
     rounds = int(sys.argv[1])
+    parts = set((sys.argv[2] if len(sys.argv) > 2 else "tracepoints,cpu-clock").split(","))
+    if not parts or parts - {"tracepoints", "cpu-clock"}:
+        raise SystemExit(f"text_poke_loop: parts are tracepoints and cpu-clock, not {sys.argv[2]!r}")
     cpus = sorted(os.sched_getaffinity(0))
     os.setpgid(0, 0)
     for cpu in cpus:
@@ -74,11 +80,13 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         for i in range(1, rounds + 1):
-            set_tracepoints(True)
-            fds = [perf_event_open_cpu_clock(cpu) for cpu in cpus]
+            if "tracepoints" in parts:
+                set_tracepoints(True)
+            fds = [perf_event_open_cpu_clock(cpu) for cpu in cpus] if "cpu-clock" in parts else []
             for fd in fds:
                 os.close(fd)
-            set_tracepoints(False)
+            if "tracepoints" in parts:
+                set_tracepoints(False)
             if i % 10 == 0:
                 print(f"NODESAMPLER-POKE={i} {time.monotonic() - t0:.0f} s", flush=True)
     finally:
