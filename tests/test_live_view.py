@@ -35,6 +35,20 @@ from tests.test_controlplane_api import SECRET, auth, heartbeat, post, registrat
 from tests.workloads import busy_threads, start_group
 
 
+def p95_fits(series: dict[str, Any], p95: float) -> bool:
+    """Whether `p95` is the time-weighted 95th percentile of the series as the
+    summary defines it (sampler/window.py): the samples below it cover at most
+    95% of the measured time and those at or below it at least 95%, within
+    the wire's rounding (values to 1e-4, lengths to 0.5 us each)."""
+    us = np.array(series["us"], dtype=float)
+    v = np.array([np.nan if x is None else x for x in series["v"]])
+    ok = ~np.isnan(v)
+    us, v = us[ok], v[ok]
+    total, slack = us.sum(), 0.5 * len(us) + 1
+    below, at_or_below = us[v < p95 - 6e-5].sum(), us[v <= p95 + 6e-5].sum()
+    return bool(below <= 0.95 * total + slack and at_or_below >= 0.95 * total - slack)
+
+
 def weighted_mean(series: dict[str, Any]) -> float:
     us = np.array(series["us"], dtype=float)
     v = np.array([np.nan if x is None else x for x in series["v"]])
@@ -62,6 +76,7 @@ def test_a_series_mean_is_its_summary_mean(samples: list[tuple[float | None, flo
         assert all(v is None for v in raw["v"])
         return
     assert weighted_mean(raw) == pytest.approx(summary["mean"], abs=6e-5, rel=1e-4)
+    assert p95_fits(raw, summary["p95"])
     assert max(v for v in raw["v"] if v is not None) == pytest.approx(summary["max"], abs=6e-5)
 
 
@@ -355,6 +370,7 @@ def test_a_viewer_gets_every_sample_and_the_agent_stops_when_it_leaves(tmp_path:
                 assert s["summary"] is not None, s
                 # The same samples as the summary: the same mean, within its rounding.
                 assert weighted_mean(s) == pytest.approx(s["summary"]["mean"], abs=6e-5, rel=1e-4), s["key"]
+                assert p95_fits(s, s["summary"]["p95"]), s
                 assert max(v for v in s["v"] if v is not None) == pytest.approx(s["summary"]["max"], abs=6e-5)
                 # Every sample, not a summary of them: the kernel backend's series are the
                 # window's samples one for one; /proc's and the machine's merge a sample
