@@ -57,6 +57,20 @@ def status_kib(pid: int, field: str) -> int:
     return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1))  # type: ignore[union-attr]
 
 
+def register_fleet(port: int, nodes: int) -> list[tuple[str, str]]:
+    """Nodes node-00000... registered with the control plane on `port`: each one's name and bearer header."""
+    out = []
+    for i in range(nodes):
+        node = f"node-{i:05d}"
+        auth = f"Bearer {tokens.node_token(SECRET, node)}"
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/register", method="POST",
+                                     data=json.dumps(registration(node)).encode(),
+                                     headers={"Authorization": auth, "Content-Type": "application/json"})
+        urllib.request.urlopen(req).read()
+        out.append((node, auth))
+    return out
+
+
 def get_ms(url: str) -> tuple[float, int]:
     started = time.perf_counter()
     with urllib.request.urlopen(url, timeout=60) as r:
@@ -147,15 +161,7 @@ def one_fleet(nodes: int, heartbeats: int, seconds: float, tmp: Path) -> dict[st
     figures: dict[str, float] = {}
     try:
         assert cp.stdout is not None and b"control plane" in cp.stdout.readline()
-        bodies = []
-        for i in range(nodes):
-            node = f"node-{i:05d}"
-            auth = f"Bearer {tokens.node_token(SECRET, node)}"
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/register", method="POST",
-                                         data=json.dumps(registration(node)).encode(),
-                                         headers={"Authorization": auth, "Content-Type": "application/json"})
-            urllib.request.urlopen(req).read()
-            bodies.append((auth, json.dumps(gpu_node_heartbeat(node))))
+        bodies = [(auth, json.dumps(gpu_node_heartbeat(node))) for node, auth in register_fleet(port, nodes)]
         rss_empty = status_kib(cp.pid, "VmRSS")
         rate = fill(port, bodies, nodes * heartbeats, tmp)
         figures["rss_mib"] = status_kib(cp.pid, "VmRSS") / 1024

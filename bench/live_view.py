@@ -39,11 +39,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fleet_control_plane import register_fleet  # noqa: E402
 from heartbeat_throughput import SECRET, free_port, gpu_node_heartbeat  # noqa: E402
 
 from nodesampler import raw_samples, tokens, wire  # noqa: E402
 from sampler.window import RateSeries  # noqa: E402
-from tests.test_controlplane_api import registration  # noqa: E402
 
 INTERVAL_S = 5.0
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -108,15 +108,8 @@ async def ingest(nodes: int, live: int, seconds: float, raw_body: dict[str, Any]
     try:
         assert cp.stdout is not None and b"control plane" in cp.stdout.readline()
         plain, rich = [], []
-        for i in range(nodes):
-            node = f"node-{i:05d}"
-            auth = f"Bearer {tokens.node_token(SECRET, node)}"
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/register", method="POST",
-                                         data=json.dumps(registration(node)).encode(),
-                                         headers={"Authorization": auth, "Content-Type": "application/json"})
-            urllib.request.urlopen(req).read()
-            hb = gpu_node_heartbeat(node)
-            plain.append((auth, json.dumps(hb)))
+        for node, auth in register_fleet(port, nodes):
+            plain.append((auth, json.dumps(gpu_node_heartbeat(node))))
             rich.append((auth, json.dumps({**raw_body, "node": node})))
         print(f"2. control plane (CPU 0) with {nodes} nodes, heartbeats at {nodes / INTERVAL_S:.0f}/s "
               f"for {seconds:.0f} s each:", flush=True)  # fmt: skip

@@ -4,6 +4,7 @@ a starved engine beside a healthy one, each measured by a real agent."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -38,81 +39,78 @@ def chromium_path() -> str:
     return chromium
 
 
-def test_node_page_refreshes_in_place(fleet: Fleet) -> None:
+@contextlib.contextmanager
+def browser_page(width: int, height: int) -> Iterator[tuple[Any, list[str]]]:
+    """A page of a headless Chromium, and the URLs its frame has navigated to."""
     chromium = chromium_path()
     from playwright.sync_api import sync_playwright
 
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            navigations: list[str] = []
+            page.on("framenavigated", lambda frame: navigations.append(frame.url))
+            yield page, navigations
+        finally:
+            browser.close()
+
+
+def test_node_page_refreshes_in_place(fleet: Fleet) -> None:
     fleet.start_control_plane()
     fleet.start_agent()
     fleet.wait_for(fresh_with_seq)
     ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1000, "height": 500})
-            navigations: list[str] = []
-            page.on("framenavigated", lambda frame: navigations.append(frame.url))
-            page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
-            assert page.locator("h1").inner_text().startswith("n1")
-            assert page.locator("main svg.chart").count() >= 5
-            first = page.locator("main p.rendered").inner_text()
-            page.evaluate("window.scrollTo(0, 300); window.__stayed = 'yes'")
-            scrolled = page.evaluate("window.scrollY")
-            assert scrolled > 0
-            # The page's own timer swaps <main> every 15 s; wait for that event.
-            page.wait_for_function(
-                "initial => document.querySelector('main p.rendered').innerText !== initial", arg=first, timeout=60_000
-            )
-            assert page.evaluate("window.__stayed") == "yes"  # the same document: no reload
-            assert len(navigations) == 1  # only the first load
-            assert page.evaluate("window.scrollY") == scrolled
-            assert page.locator("main svg.chart").count() >= 5
-            page.screenshot(path=str(ARTIFACTS / "node-page.png"), full_page=True)
-            page.goto(f"http://127.0.0.1:{fleet.pages_port}/")
-            page.screenshot(path=str(ARTIFACTS / "cluster-page.png"), full_page=True)
-        finally:
-            browser.close()
+    with browser_page(1000, 500) as (page, navigations):
+        page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
+        assert page.locator("h1").inner_text().startswith("n1")
+        assert page.locator("main svg.chart").count() >= 5
+        first = page.locator("main p.rendered").inner_text()
+        page.evaluate("window.scrollTo(0, 300); window.__stayed = 'yes'")
+        scrolled = page.evaluate("window.scrollY")
+        assert scrolled > 0
+        # The page's own timer swaps <main> every 15 s; wait for that event.
+        page.wait_for_function(
+            "initial => document.querySelector('main p.rendered').innerText !== initial", arg=first, timeout=60_000
+        )
+        assert page.evaluate("window.__stayed") == "yes"  # the same document: no reload
+        assert len(navigations) == 1  # only the first load
+        assert page.evaluate("window.scrollY") == scrolled
+        assert page.locator("main svg.chart").count() >= 5
+        page.screenshot(path=str(ARTIFACTS / "node-page.png"), full_page=True)
+        page.goto(f"http://127.0.0.1:{fleet.pages_port}/")
+        page.screenshot(path=str(ARTIFACTS / "cluster-page.png"), full_page=True)
     assert (ARTIFACTS / "node-page.png").stat().st_size > 10_000
 
 
 def test_the_live_view_draws_every_sample_as_it_arrives(fleet: Fleet) -> None:
     """The toggle on: the charts gain points window after window without a
     reload, with each window's mean, p95 and max drawn over them."""
-    chromium = chromium_path()
-    from playwright.sync_api import sync_playwright
-
     fleet.start_control_plane()
     fleet.start_agent("--hz", "10")
     fleet.wait_for(fresh_with_seq)
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "live-view.png"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1000, "height": 900})
-            navigations: list[str] = []
-            page.on("framenavigated", lambda frame: navigations.append(frame.url))
-            page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
-            toggle = page.locator("#live-toggle")
-            assert toggle.is_visible()
-            toggle.click()
-            machine = "svg.live[data-key=machine] path.samples"
-            page.wait_for_selector(machine, timeout=60_000)
-            first = page.evaluate(f"document.querySelector('{machine}').getAttribute('d').split(/[ML]/).length")
-            # More windows arrive: the same chart, more points.
-            page.wait_for_function(
-                f"n => document.querySelector('{machine}').getAttribute('d').split(/[ML]/).length > n",
-                arg=first, timeout=60_000)  # fmt: skip
-            for which in ("mean", "p95", "max"):
-                assert page.locator(f"svg.live[data-key=machine] line.summary.{which}").count() >= 2
-            assert page.locator("svg.live[data-key^='shard:']").count() >= 1
-            assert "samples in the last minute" in page.locator("#live-status").inner_text()
-            assert len(navigations) == 1  # no reload
-            page.locator("#live").screenshot(path=str(shot))
-            toggle.click()
-            assert page.locator("#live-status").inner_text() == "Off."
-        finally:
-            browser.close()
+    with browser_page(1000, 900) as (page, navigations):
+        page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
+        toggle = page.locator("#live-toggle")
+        assert toggle.is_visible()
+        toggle.click()
+        machine = "svg.live[data-key=machine] path.samples"
+        page.wait_for_selector(machine, timeout=60_000)
+        first = page.evaluate(f"document.querySelector('{machine}').getAttribute('d').split(/[ML]/).length")
+        # More windows arrive: the same chart, more points.
+        page.wait_for_function(
+            f"n => document.querySelector('{machine}').getAttribute('d').split(/[ML]/).length > n",
+            arg=first, timeout=60_000)  # fmt: skip
+        for which in ("mean", "p95", "max"):
+            assert page.locator(f"svg.live[data-key=machine] line.summary.{which}").count() >= 2
+        assert page.locator("svg.live[data-key^='shard:']").count() >= 1
+        assert "samples in the last minute" in page.locator("#live-status").inner_text()
+        assert len(navigations) == 1  # no reload
+        page.locator("#live").screenshot(path=str(shot))
+        toggle.click()
+        assert page.locator("#live-status").inner_text() == "Off."
     assert shot.stat().st_size > 5_000
 
 
@@ -121,9 +119,6 @@ def test_a_starved_engine_beside_a_healthy_one(fleet: Fleet, cpu_cgroup: CpuCgro
     """Three busy threads capped at half a core, and one busy thread with the
     machine to itself: the agent measures both, the control plane judges them,
     the node page marks the first and says why."""
-    chromium = chromium_path()
-    from playwright.sync_api import sync_playwright
-
     cpu_cgroup.cap(0.5)
     # Each on a CPU of its own; the healthy one busy a third of the time, as a
     # fed engine is: a busy browser or a neighbour delays a waking thread little.
@@ -149,28 +144,23 @@ def test_a_starved_engine_beside_a_healthy_one(fleet: Fleet, cpu_cgroup: CpuCgro
     fleet.wait_for(judged)
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "starved-engines.png"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 400})
-            rows, marked = page.locator("table.engines tbody tr"), page.locator("table.engines tr.starved")
-            # The page shows the newest window; a window in which the machine's own work
-            # (this browser starting) delayed the healthy engine is starved too: load again.
-            for _ in range(30):
-                seq = fleet.nodes()[0]["heartbeat"]["seq"]
-                page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
-                if marked.count() == 1 and "throttled" in marked.inner_text():
-                    break
-                fleet.wait_for(lambda nodes: fresh_with_seq(nodes, seq))  # noqa: B023 (called here, at once)
-            else:
-                raise AssertionError(page.locator("table.engines").inner_text())
-            assert rows.count() == 2 and "capped-70b" in marked.inner_text()
-            assert marked.locator(".verdict").inner_text() == "CPU-starved"
-            why = marked.locator(".why").inner_text()
-            assert why.startswith("throttled in ") and "(quota 0.5 cores, 4 threads)" in why, why
-            fed = rows.filter(has_text="roomy-8b")
-            assert fed.locator(".verdict").inner_text() == "ok" and fed.locator(".why").count() == 0
-            page.locator("table.engines").screenshot(path=str(shot))
-        finally:
-            browser.close()
+    with browser_page(1500, 400) as (page, _):
+        rows, marked = page.locator("table.engines tbody tr"), page.locator("table.engines tr.starved")
+        # The page shows the newest window; a window in which the machine's own work
+        # (this browser starting) delayed the healthy engine is starved too: load again.
+        for _ in range(30):
+            seq = fleet.nodes()[0]["heartbeat"]["seq"]
+            page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
+            if marked.count() == 1 and "throttled" in marked.inner_text():
+                break
+            fleet.wait_for(lambda nodes: fresh_with_seq(nodes, seq))  # noqa: B023 (called here, at once)
+        else:
+            raise AssertionError(page.locator("table.engines").inner_text())
+        assert rows.count() == 2 and "capped-70b" in marked.inner_text()
+        assert marked.locator(".verdict").inner_text() == "CPU-starved"
+        why = marked.locator(".why").inner_text()
+        assert why.startswith("throttled in ") and "(quota 0.5 cores, 4 threads)" in why, why
+        fed = rows.filter(has_text="roomy-8b")
+        assert fed.locator(".verdict").inner_text() == "ok" and fed.locator(".why").count() == 0
+        page.locator("table.engines").screenshot(path=str(shot))
     assert shot.stat().st_size > 5_000
