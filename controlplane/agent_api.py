@@ -165,10 +165,9 @@ async def heartbeat(request: web.Request) -> web.Response:
     if (history := request.app.get(RECORDER)) is not None:
         history.record(hb["node"], hb)
     answer: dict[str, object] = {"ok": True}
-    wanted = live is not None and live.wanted(hb["node"])
     if came_raw:
         request.app[METRICS].live_heartbeats.labels("true" if raw is not None else "false").inc()
-    if live is not None and wanted:
+    if live is not None and live.wanted(hb["node"]):
         if raw is not None:
             live.record(hb["node"], hb, raw)
         answer["raw"] = True

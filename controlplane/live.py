@@ -121,9 +121,6 @@ class LiveSamples:
             except asyncio.QueueFull:
                 state.missed += 1
 
-    def forget(self, node: str) -> None:
-        self._nodes.pop(node, None)
-
     def describe(self, node: str) -> dict[str, Any] | None:
         """For /api/nodes: viewers, kept windows, and whether raw samples are asked for."""
         state = self._nodes.get(node)
