@@ -10,8 +10,10 @@ A sample shorter than its counter's resolution (`min_seconds`: one clock tick
 for /proc's counters) is not turned into a rate: one 10 ms tick seen in 50 us
 would read as 200 cores. It is merged into the next sample (and the window's
 last such one into the sample before it). A sample that measured nothing is
-NaN and is left out of every statistic; a window with no measured sample has
-no statistic at all.
+NaN and is left out of every statistic; a short sample followed by one that
+measured nothing is part of that unmeasured stretch (its time kept, its value
+too short to be a rate). A window with no measured sample has no statistic at
+all. Whatever is merged, the samples' lengths always add up to the time added.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ class RateSeries:
         self.seconds = np.zeros(self.capacity)
 
     def add(self, value: float | None, seconds: float) -> None:
-        if value is not None and self._carry is not None:
+        if self._carry is not None:
             amount, carried = self._carry
-            value = (value * seconds + amount) / (seconds + carried)
+            if value is not None:
+                value = (value * seconds + amount) / (seconds + carried)
             seconds += carried
         self._carry = None
         if value is not None and 0 < seconds < self.min_seconds:
@@ -60,11 +63,11 @@ class RateSeries:
         v, w = self.values[: self.n].copy(), self.seconds[: self.n].copy()
         if self._carry is not None:  # the window's last sample was short: into the one before it
             amount, carried = self._carry
-            if self.n and not np.isnan(v[-1]):
+            if not self.n:
+                v, w = np.array([amount / carried]), np.array([carried])
+            else:  # into the one before it, measured or not (then the stretch is unmeasured)
                 v[-1] = (v[-1] * w[-1] + amount) / (w[-1] + carried)
                 w[-1] += carried
-            elif not self.n:
-                v, w = np.array([amount / carried]), np.array([carried])
         return v, w
 
     def summary(self) -> dict[str, float] | None:

@@ -9,6 +9,7 @@ import logging
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,6 +42,22 @@ def test_short_samples_merge_without_losing_time(drawn: list[tuple[float, float]
     kept = series.seconds[: series.n]
     if series.n > 1:
         assert (kept[:-1] >= TICK - 1e-12).all()  # only the window's last may stay short, merged backwards
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.none(), st.floats(0.0, 4.0)), st.floats(0.0005, 0.05)), min_size=1,
+                max_size=60))  # fmt: skip
+def test_merging_never_loses_time_even_next_to_unmeasured_samples(drawn: list[tuple[float | None, float]]) -> None:
+    series = RateSeries(len(drawn), TICK)
+    for cores, seconds in drawn:
+        series.add(cores, seconds)
+    values, lengths = series.samples()
+    # The live view draws the samples end to end: every added second is in one of them.
+    assert math.isclose(float(lengths.sum()), sum(s for _, s in drawn), abs_tol=1e-12)
+    measured = values[~np.isnan(values)]
+    assert (measured <= max((c for c, _ in drawn if c is not None), default=0.0) + 1e-9).all()
+    # No measured sample shorter than a tick was made a rate, but for the window's last.
+    assert (lengths[:-1][~np.isnan(values[:-1])] >= TICK - 1e-12).all()
 
 
 @settings(max_examples=300, deadline=None)
