@@ -27,8 +27,12 @@ class TestIssuer:
         return {"keys": [jwk]}
 
     def claims(self, node: str | None, namespace: str = "nodesampler", account: str = "nodesampler-agent",
-               audience: str = "nodesampler", ttl: float = 3600, now: float | None = None) -> dict[str, Any]:
-        now = time.time() if now is None else now
+               audience: str = "nodesampler", ttl: float = 3600, now: float | None = None,
+               issued_in: float = 0.0) -> dict[str, Any]:
+        """`issued_in`: seconds after the moment of signing that the token says
+        it was issued (a clock ahead), read when it is signed, not when a test
+        is collected."""
+        now = (time.time() if now is None else now) + issued_in
         ident: dict[str, Any] = {
             "namespace": namespace,
             "serviceaccount": {"name": account, "uid": str(uuid.uuid4())},
