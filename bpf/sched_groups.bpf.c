@@ -27,19 +27,10 @@
  * readings of both clocks (`cal_ktime`, `cal_task`) that userspace converts
  * it with; the pair is read again at a watched switch when it is over
  * CAL_NS old on the task clock. Between two such readings the clocks part by
- * the interrupt and stolen time in between: a running slice is then counted
- * from that much too early, which its credit at the switch out (its
- * runtime's growth) settles.
- *
- * Where sched_clock is unstable (TSCs not in step: it is then pulled towards
- * CLOCK_MONOTONIC at each tick, and jumps; QEMU's emulated CPUs are such a
- * machine), or a hypervisor steals milliseconds, the task clock does not
- * follow CLOCK_MONOTONIC: at each new pair the program checks how far the
- * old pair's conversion would be off now, and a CPU whose conversion was off
- * by more than DRIFT_NS reads the clock at each watched switch again
- * (`since` on CLOCK_MONOTONIC, `task_clock` 0), as a CPU does at first,
- * until its pairs have agreed for TRUST_NS (`steady_since`). Slices learnt at
- * the tick keep `since` on CLOCK_MONOTONIC too.
+ * the interrupt and stolen time in between, at most CAL_NS: a running slice
+ * is then counted from up to that much too early, which its credit at the
+ * switch out (its runtime's growth) settles. Slices learnt at the tick keep
+ * `since` on CLOCK_MONOTONIC (`task_clock` 0), read there.
  *
  * Some kernels switch tasks without this tracepoint now and then (the CI
  * host's did, a few times a second, its switch count running ahead of the
@@ -102,12 +93,6 @@
 #ifndef CAL_NS
 #define CAL_NS 1000000 /* how old on the task clock a CPU's pair of clock readings may be */
 #endif
-#ifndef DRIFT_NS
-#define DRIFT_NS 50000 /* how far a pair's conversion may be off at the next pair */
-#endif
-#ifndef TRUST_NS
-#define TRUST_NS 100000000 /* how long a CPU's pairs must agree before its task clock is used */
-#endif
 #ifndef NR_CPUS
 #define NR_CPUS 1 /* the loader passes the possible CPUs' highest id + 1 */
 #endif
@@ -146,7 +131,7 @@ struct cpu_run {
     u32 task_clock; /* 1: `since` is on the task clock; 0: CLOCK_MONOTONIC */
     u64 cal_ktime;  /* CLOCK_MONOTONIC and the task clock, read together */
     u64 cal_task;
-    u64 steady_since; /* CLOCK_MONOTONIC: since when the pairs have agreed (0: no pair yet) */
+    u64 spare;      /* to 64 bytes: one cache line per CPU */
 };
 BPF_F_TABLE("array", u32, struct cpu_run, cpu_run, NR_CPUS, BPF_F_MMAPABLE);
 
@@ -268,9 +253,8 @@ static __always_inline void credit(struct cpu_run *run, u64 runtime, u64 now)
 
 /* A watched task switched in: its slice counts from its pick, on the task
  * clock, with its runtime then (se.exec_start and se.sum_exec_runtime, read
- * together where they are neighbours). The CPU's pair of clock readings is
- * taken again if it is over CAL_NS old, or the task clock is not trusted (the
- * clock is read for this slice anyway), and checked against the last. */
+ * together where they are neighbours); the CPU's pair of clock readings is
+ * taken again if it is over CAL_NS old. */
 static __always_inline void start_slice(struct cpu_run *run, void *next)
 {
     u64 picked = 0, runtime = 0;
@@ -284,27 +268,13 @@ static __always_inline void start_slice(struct cpu_run *run, void *next)
     runtime = runtime_of(next);
 #endif
     run->start = runtime;
+    run->since = picked;
     run->learnt = 0;
-    u8 trusted = run->steady_since && run->cal_ktime - run->steady_since >= TRUST_NS;
-    if (trusted && picked >= run->cal_task && picked - run->cal_task < CAL_NS) {
-        run->since = picked; /* the common case: no clock read */
-        run->task_clock = 1;
-        return;
+    run->task_clock = 1;
+    if (picked - run->cal_task >= CAL_NS || picked < run->cal_task) {
+        run->cal_ktime = bpf_ktime_get_ns();
+        run->cal_task = picked;
     }
-    u64 now = bpf_ktime_get_ns();
-    if (!run->steady_since || picked < run->cal_task) {
-        run->steady_since = now;
-    } else {
-        u64 predicted = run->cal_ktime + (picked - run->cal_task);
-        u64 off = now > predicted ? now - predicted : predicted - now;
-        if (off > DRIFT_NS)
-            run->steady_since = now;
-    }
-    run->cal_ktime = now;
-    run->cal_task = picked;
-    trusted = now - run->steady_since >= TRUST_NS;
-    run->since = trusted ? picked : now;
-    run->task_clock = trusted;
 }
 
 /* Time spent before anyone could count it: credited, and marked late. */

@@ -44,7 +44,7 @@ MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
 # The program's struct cpu_run, one per CPU: the slice a CPU is running for a slot.
 CPU_RUN = np.dtype([("start", "<u8"), ("since", "<u8"), ("task", "<u8"), ("slot", "<u4"), ("seq", "<u4"),
                     ("learnt", "<u4"), ("task_clock", "<u4"), ("cal_ktime", "<u8"), ("cal_task", "<u8"),
-                    ("steady_since", "<u8")])  # fmt: skip
+                    ("spare", "<u8")])  # fmt: skip
 SNAPSHOT_TRIES = 3
 TICK_NS = 10_000_000
 WAIT_BUCKETS = 32  # log2 buckets of a wait in ns, as in the program

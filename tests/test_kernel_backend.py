@@ -240,9 +240,9 @@ def test_each_sample_holds_the_time_up_to_its_own_reading(
 def test_a_slice_on_the_task_clock_is_converted_by_its_cpus_readings() -> None:
     run = np.zeros(2, dtype=bpf_sched.CPU_RUN)
     # Switched in 1,000 ns on the task clock after the CPU read both clocks.
-    run[0] = (0, 5_000, 0, 1, 2, 0, 1, 1_000_000, 4_000, 1)
-    # Learnt at the tick, or on a CPU whose task clock is not trusted: on CLOCK_MONOTONIC already.
-    run[1] = (0, 777, 0, 1, 2, 1, 0, 1_000_000, 4_000, 1)
+    run[0] = (0, 5_000, 0, 1, 2, 0, 1, 1_000_000, 4_000, 0)
+    # Learnt at the tick: on CLOCK_MONOTONIC already.
+    run[1] = (0, 777, 0, 1, 2, 1, 0, 1_000_000, 4_000, 0)
     assert bpf_sched.monotonic_since(run).tolist() == [1_001_000, 777]
 
 
