@@ -6,8 +6,8 @@
  * The scheduler already accounts each task's on-CPU time
  * (se.sum_exec_runtime, brought up to date before sched_switch fires). Each
  * CPU remembers the group of the watched task it switched in, that task's
- * runtime then, and when (`since`); at the switch out, the runtime's growth
- * is credited to the group: the slot's total is exact.
+ * runtime then, and when (`since`, CLOCK_MONOTONIC); at the switch out, the
+ * runtime's growth is credited to the group: the slot's total is exact.
  *
  * A sample does not wait for the switch out: userspace reads each CPU's
  * `cpu_run` beside the totals and counts a watched task still on a CPU from
@@ -16,21 +16,8 @@
  * included). `seq` is odd while a CPU updates its entry and the totals
  * (a sequence lock): userspace reads every `seq`, then the entries and the
  * totals, then every `seq` again, and takes only the CPUs whose `seq` was
- * even and did not move.
- *
- * No clock is read at a switch, as a rule: bpf_ktime_get_ns costs ~40 ns on
- * our VMs, 40% of a watched switch. The scheduler has just read its own: a
- * task's slice starts when it is picked, at se.exec_start, on the CPU's task
- * clock (rq_clock_task: sched_clock, less interrupt and stolen time where
- * the kernel accounts those), and its runtime grows by that clock. So `since`
- * is kept on the task clock (`task_clock` 1), and each CPU keeps a pair of
- * readings of both clocks (`cal_ktime`, `cal_task`) that userspace converts
- * it with; the pair is read again at a watched switch when it is over
- * CAL_NS old on the task clock. Between two such readings the clocks part by
- * the interrupt and stolen time in between, at most CAL_NS: a running slice
- * is then counted from up to that much too early, which its credit at the
- * switch out (its runtime's growth) settles. Slices learnt at the tick keep
- * `since` on CLOCK_MONOTONIC (`task_clock` 0), read there.
+ * even and did not move. No clock is read on a switch between
+ * two unwatched tasks.
  *
  * Some kernels switch tasks without this tracepoint now and then (the CI
  * host's did, a few times a second, its switch count running ahead of the
@@ -88,9 +75,6 @@
 #ifndef TICK_NS
 #define TICK_NS 10000000
 #endif
-#ifndef CAL_NS
-#define CAL_NS 1000000 /* how old on the task clock a CPU's pair of clock readings may be */
-#endif
 #ifndef NR_CPUS
 #define NR_CPUS 1 /* the loader passes the possible CPUs' highest id + 1 */
 #endif
@@ -115,8 +99,7 @@ struct slot_time {
 BPF_F_TABLE("array", u32, struct slot_time, slot_ns, NR_CPUS * MAX_SLOTS, BPF_F_MMAPABLE);
 
 /* What each CPU is running: its task's slot, that task's runtime when it was
- * switched in (or learnt), and when (ns: on the task clock, or on
- * CLOCK_MONOTONIC for a slice learnt at the tick). Read by userspace.
+ * switched in (or learnt), and when (ns, CLOCK_MONOTONIC). Read by userspace.
  * `task`: the task it was last seen switching to, watched or not; compared
  * with the task switching out, never read through. */
 struct cpu_run {
@@ -125,11 +108,9 @@ struct cpu_run {
     u64 task;
     u32 slot;
     u32 seq;
-    u32 learnt;     /* 1: learnt at the tick, `start` may be stale */
-    u32 task_clock; /* 1: `since` is on the task clock; 0: CLOCK_MONOTONIC */
-    u64 cal_ktime;  /* CLOCK_MONOTONIC and the task clock, read together */
-    u64 cal_task;
-    u64 spare;      /* to 64 bytes: one cache line per CPU */
+    u32 learnt; /* 1: learnt at the tick, `start` may be stale */
+    u32 pad;
+    u64 spare[3]; /* to 64 bytes: one cache line per CPU */
 };
 BPF_F_TABLE("array", u32, struct cpu_run, cpu_run, NR_CPUS, BPF_F_MMAPABLE);
 
@@ -197,54 +178,25 @@ static __always_inline u64 runtime_of(void *task)
     return ns;
 }
 
-/* Credit the slice that ends now to its slot: its runtime's growth. A slice
- * counted on the task clock grew by that very clock from `since`: exact. One
- * learnt at the tick (`since` on CLOCK_MONOTONIC, `now`) credits at most the
- * wall time since then, and what it grew beyond its wall time was spent
- * before userspace counted the slice as running (its runtime was last
- * brought up to date before the tick): late. */
+/* Credit the slice that ends now to its slot: its runtime's growth (for a
+ * slice learnt at the tick, at most the wall time since then). What it grew
+ * beyond its wall time since `since` was spent before userspace counted the
+ * slice as running (the scheduler's clock starts a slice at its pick, a
+ * tick-learnt one's runtime was last brought up to date before the tick):
+ * late. */
 static __always_inline void credit(struct cpu_run *run, u64 runtime, u64 now)
 {
     if (!run->slot || runtime <= run->start)
         return;
-    u64 grown = runtime - run->start, late = 0;
-    if (!run->task_clock) {
-        u64 wall = now > run->since ? now - run->since : 0;
-        if (run->learnt && grown > wall)
-            grown = wall;
-        if (grown > wall)
-            late = grown - wall;
-    }
+    u64 grown = runtime - run->start;
+    u64 wall = now > run->since ? now - run->since : 0;
+    if (run->learnt && grown > wall)
+        grown = wall;
     struct slot_time *t = this_cpu_slot(run->slot);
     if (t) {
         t->ns += grown;
-        t->late += late;
-    }
-}
-
-/* A watched task switched in: its slice counts from its pick, on the task
- * clock, with its runtime then (se.exec_start and se.sum_exec_runtime, read
- * together where they are neighbours); the CPU's pair of clock readings is
- * taken again if it is over CAL_NS old. */
-static __always_inline void start_slice(struct cpu_run *run, void *next)
-{
-    u64 picked = 0, runtime = 0;
-#if TASK_EXEC_START_OFF + 8 == TASK_RUNTIME_OFF
-    u64 both[2] = {};
-    bpf_probe_read_kernel(both, sizeof(both), next + TASK_EXEC_START_OFF);
-    picked = both[0];
-    runtime = both[1];
-#else
-    bpf_probe_read_kernel(&picked, sizeof(picked), next + TASK_EXEC_START_OFF);
-    runtime = runtime_of(next);
-#endif
-    run->start = runtime;
-    run->since = picked;
-    run->learnt = 0;
-    run->task_clock = 1;
-    if (picked - run->cal_task >= CAL_NS || picked < run->cal_task) {
-        run->cal_ktime = bpf_ktime_get_ns();
-        run->cal_task = picked;
+        if (grown > wall)
+            t->late += grown - wall;
     }
 }
 
@@ -300,20 +252,23 @@ RAW_TRACEPOINT_PROBE(sched_switch)
     u8 next_slot = slot ? *slot : 0;
     u8 unseen = seen && seen != (u64)prev;
     if (!run->slot && !next_slot && !unseen)
-        return 0; /* unwatched to unwatched: the common case */
+        return 0; /* unwatched to unwatched: the common case, no clock read */
+    u64 now = bpf_ktime_get_ns();
     run->seq += 1; /* odd: userspace ignores this CPU until it is even again */
     if (unseen)
         end_unseen(run, prev);
     if (run->slot) {
-        /* A clock is read only for a slice learnt at the tick. */
-        credit(run, runtime_of(prev), run->task_clock ? 0 : bpf_ktime_get_ns());
+        credit(run, runtime_of(prev), now);
 #ifdef TASK_RUN_DELAY_OFF
         record_wait(prev, run->slot);
 #endif
     }
     run->slot = next_slot;
-    if (next_slot)
-        start_slice(run, next);
+    if (next_slot) {
+        run->start = runtime_of(next);
+        run->since = now;
+        run->learnt = 0;
+    }
     run->seq += 1;
     return 0;
 }
@@ -349,7 +304,6 @@ int on_tick(struct bpf_perf_event_data *ctx)
     run->start = runtime;
     run->since = now;
     run->learnt = !unseen;
-    run->task_clock = 0;
     run->seq += 1;
     return 0;
 }

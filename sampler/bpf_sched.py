@@ -43,8 +43,7 @@ BUNDLED_HEADERS = SOURCE.parent
 MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
 # The program's struct cpu_run, one per CPU: the slice a CPU is running for a slot.
 CPU_RUN = np.dtype([("start", "<u8"), ("since", "<u8"), ("task", "<u8"), ("slot", "<u4"), ("seq", "<u4"),
-                    ("learnt", "<u4"), ("task_clock", "<u4"), ("cal_ktime", "<u8"), ("cal_task", "<u8"),
-                    ("spare", "<u8")])  # fmt: skip
+                    ("learnt", "<u4"), ("pad", "<u4"), ("spare", "<u8", 3)])  # fmt: skip
 SNAPSHOT_TRIES = 3
 TICK_NS = 10_000_000
 WAIT_BUCKETS = 32  # log2 buckets of a wait in ns, as in the program
@@ -171,15 +170,6 @@ def _program_stats(fd: int) -> tuple[int, int] | None:
     return values[b"run_time_ns"], values[b"run_cnt"]
 
 
-def monotonic_since(running: np.ndarray) -> np.ndarray:
-    """Each running slice's start on CLOCK_MONOTONIC (ns): a slice switched in
-    keeps it on the CPU's task clock, converted by the CPU's pair of readings
-    of both clocks (bpf/sched_groups.bpf.c); one learnt at the tick, as read."""
-    since = running["since"].astype(np.int64)
-    shifted = running["cal_ktime"].astype(np.int64) + (since - running["cal_task"].astype(np.int64))
-    return np.where(running["task_clock"] != 0, shifted, since)
-
-
 def compile_flags(offsets: dict[str, int], pid_max: int, cpus: int) -> list[str]:
     return [
         f"-DPID_MAX={pid_max}",
@@ -189,7 +179,6 @@ def compile_flags(offsets: dict[str, int], pid_max: int, cpus: int) -> list[str]
         f"-DTASK_TGID_OFF={offsets['tgid']}",
         f"-DTASK_RUNTIME_OFF={offsets['runtime']}",
         f"-DTASK_PICKED_RUNTIME_OFF={offsets['picked_runtime']}",
-        f"-DTASK_EXEC_START_OFF={offsets['exec_start']}",
         f"-DTASK_POLICY_OFF={offsets['policy']}",
         f"-DTICK_NS={TICK_NS}",
         f"-DTASK_SIGNAL_OFF={offsets['signal']}",
@@ -576,7 +565,7 @@ class BpfGroupSampler:
         busy = steady & (running["slot"] != 0)
         if busy.any():
             where = self._index_of_slot[running["slot"][busy]]
-            ahead = np.maximum(0, round(now * 1e9) - monotonic_since(running[busy]))
+            ahead = np.maximum(0, round(now * 1e9) - running["since"][busy].astype(np.int64))
             known = where >= 0  # a slot given up since: its slice no longer counts
             credited[:, 0] += np.bincount(where[known], weights=ahead[known], minlength=len(credited)).astype(np.int64)
         return credited, now

@@ -97,22 +97,20 @@ def struct_member_offsets(data: bytes, wanted: dict[str, list[str]]) -> dict[str
 
 def task_offsets(path: Path = VMLINUX) -> dict[str, int]:
     """Where a task keeps its pid, its tgid, its scheduling policy, the CPU
-    time the scheduler has accounted to it (se.sum_exec_runtime, ns), that
-    time when the fair class last picked it (se.prev_sum_exec_runtime), when
-    its runtime was last brought up to date (se.exec_start, the scheduler's
-    task clock), and its process's count of live threads (signal->live), in
-    the running kernel."""
+    time the scheduler has accounted to it (se.sum_exec_runtime, ns) and that
+    time when the fair class last picked it (se.prev_sum_exec_runtime), and
+    its process's count of live threads (signal->live), in the running
+    kernel."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise BtfError(f"kernel BTF unreadable ({path}: {e.strerror}); needs CONFIG_DEBUG_INFO_BTF") from None
     found = struct_member_offsets(data, {"task_struct": ["pid", "tgid", "policy", "se", "signal"],
-                                         "sched_entity": ["sum_exec_runtime", "prev_sum_exec_runtime", "exec_start"],
+                                         "sched_entity": ["sum_exec_runtime", "prev_sum_exec_runtime"],
                                          "signal_struct": ["live"]})  # fmt: skip
     task, se = found["task_struct"], found["sched_entity"]
     out = {"pid": task["pid"], "tgid": task["tgid"], "policy": task["policy"],
            "runtime": task["se"] + se["sum_exec_runtime"], "picked_runtime": task["se"] + se["prev_sum_exec_runtime"],
-           "exec_start": task["se"] + se["exec_start"],
            # The process's live threads (an atomic_t: its counter first), for its last thread's exit.
            "signal": task["signal"], "live": found["signal_struct"]["live"]}  # fmt: skip
     try:
