@@ -13,9 +13,14 @@ fast as the machine can. Measured in the same run:
   apart from the cost of measuring it;
 - the ping-pong's own timing with the programs loaded (noisy: quoted only).
 
+With `--against OTHER.bpf.c` it compares two versions of the program
+instead (a change to it against the one before, for example from
+`git show HEAD~1:bpf/sched_groups.bpf.c`): each loaded in turn, `--runs`
+times, in one process, so that the machine's drift falls on both alike.
+
 Needs root and a C compiler (gcc). Not a test: no thresholds.
 
-    .venv/bin/python bench/switch_cost.py [--round-trips 200000] [--runs 5]
+    .venv/bin/python bench/switch_cost.py [--round-trips 200000] [--runs 5] [--against FILE]
 """
 
 from __future__ import annotations
@@ -89,13 +94,36 @@ def empty_program_floor(exe: Path, trips: int) -> float:
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
+def compare(exe: Path, trips: int, runs: int, other: Path) -> None:
+    """The programs' run time per switch, this version against `other`, each
+    loaded in turn `runs` times."""
+    sources = {"this program": bpf_sched.SOURCE, str(other): other}
+    cost: dict[str, dict[bool, list[float]]] = {name: {False: [], True: []} for name in sources}
+    for _ in range(runs):
+        for name, source in sources.items():
+            groups = bpf_sched.load(PROC, bpf_stats=True, source=source)
+            try:
+                for watched in (False, True):
+                    cost[name][watched].append(program_cost(groups, exe, trips, watched)[0])
+            finally:
+                groups.close()
+    for name, by in cost.items():
+        print(f"{name:<40} programs' run time per switch: not watched {statistics.median(by[False]):4.0f} ns "
+              f"({min(by[False]):.0f}..{max(by[False]):.0f}), watched {statistics.median(by[True]):4.0f} ns "
+              f"({min(by[True]):.0f}..{max(by[True]):.0f}); median of {runs}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--round-trips", type=int, default=200000)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--against", type=Path, help="another version of bpf/sched_groups.bpf.c to compare with")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(Path(tmp))
+        if args.against is not None:
+            compare(exe, args.round_trips, args.runs, args.against)
+            return
         bare = [pingpong(exe, args.round_trips)[1] for _ in range(args.runs)]
         switch_ns = statistics.median(bare)
         groups = bpf_sched.load(PROC, bpf_stats=True)

@@ -31,7 +31,7 @@ from typing import Any
 
 from sampler.backend import BackendUnavailable
 
-MAPS = ("task_slot", "slot_ns", "cpu_run", "dropped_forks", "wait_hist", "wait_ns")
+MAPS = ("task_slot", "slot_ns", "cpu_run", "dropped_forks", "wait_log")
 FDS_PER_MESSAGE = 200  # the kernel takes at most 253 descriptors in one message (SCM_MAX_FD)
 CHILD_SECONDS = 600  # compiling under emulation takes a minute; a child stuck in the kernel is given up on
 

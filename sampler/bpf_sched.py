@@ -408,7 +408,7 @@ class BpfGroupSampler:
         self._stats_fd = _enable_bpf_stats() if bpf_stats else None
         # The wait histogram, where the kernel keeps run_delay (CONFIG_SCHED_INFO).
         # Compiled out where the kernel has no run_delay (TASK_RUN_DELAY_OFF).
-        self._wait_hist, self._wait_ns = programs.maps.get("wait_hist"), programs.maps.get("wait_ns")
+        self._wait_log = programs.maps.get("wait_log")
         self._wait_prev_slots: list[int] = []
         self._wait_prev_hist: list[np.ndarray] = []
         self._wait_prev_total: list[int] = []
@@ -643,15 +643,15 @@ class BpfGroupSampler:
         """Per watch, the waits for a CPU since the last call: p50 and p99 from the
         kernel's log2 histogram (interpolated within a bucket), total and mean.
         None when this kernel has no run_delay (the caller falls back to schedstat)."""
-        if self._wait_hist is None or self._wait_ns is None:
+        if self._wait_log is None:
             return None
         slots = self._slots.tolist()
         hist = np.zeros((len(slots), WAIT_BUCKETS), dtype=np.uint64)
         total = np.zeros(len(slots), dtype=np.uint64)
         for j, slot in enumerate(slots):
-            for b in range(WAIT_BUCKETS):
-                hist[j, b] = np.frombuffer(self._wait_hist.lookup(slot * WAIT_BUCKETS + b), dtype=np.uint64).sum()
-            total[j] = np.frombuffer(self._wait_ns.lookup(slot), dtype=np.uint64).sum()
+            # Every CPU's struct wait_log: ns waited, then the counts by log2(ns).
+            log = np.frombuffer(self._wait_log.lookup(slot), dtype=np.uint64).reshape(-1, 1 + WAIT_BUCKETS).sum(axis=0)
+            total[j], hist[j] = log[0], log[1:]
         prev = {s: (h, t) for s, h, t in zip(self._wait_prev_slots, self._wait_prev_hist, self._wait_prev_total,
                                                 strict=True)}  # fmt: skip
         known = np.array([s in prev for s in slots], dtype=bool)
