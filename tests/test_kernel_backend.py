@@ -170,7 +170,7 @@ FORK_CHURN = """
 import os, sys
 print("ready", flush=True)
 sys.stdin.readline()
-for _ in range(20000):
+for _ in range(5000):
     pid = os.fork()
     if pid == 0:
         os._exit(0)
@@ -197,7 +197,7 @@ def test_pid_churn_leaves_the_task_map_bounded(bpf_groups_with_stats: bpf_sched.
         assert bpf_groups.map_size() == 1
         assert bpf_groups.dropped_forks() == 0
         forks = bpf_groups.program_stats()["raw_tracepoint__sched_process_fork"][1] - forks_before
-        assert forks >= 20000
+        assert forks >= 5000
     finally:
         p.kill()
         p.wait()
@@ -291,8 +291,9 @@ def test_program_cost_is_in_the_summary_when_asked_for(bpf_groups_with_stats: bp
     assert summary["bpf"]["dropped_forks"] == 0
 
 
-def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups: bpf_sched.BpfGroupSampler) -> None:
+def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups_alone: bpf_sched.BpfGroupSampler) -> None:
     """BPF_ENABLE_STATS times every BPF program on the host: not ours to turn on by default."""
+    bpf_groups = bpf_groups_alone  # loaded after any test that held them on
     ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, None, hz=10)
     ws.prime(0)
     summary = ws.run_window(0.3)
@@ -374,7 +375,7 @@ def program_ids(sampler: bpf_sched.BpfGroupSampler) -> list[int]:
     return ids
 
 
-def test_closing_the_backend_unloads_its_programs(bpf_groups: bpf_sched.BpfGroupSampler) -> None:
+def test_closing_the_backend_unloads_its_programs(bpf_groups_alone: bpf_sched.BpfGroupSampler) -> None:
     """The agent holds the only references the child handed over (no pins in
     bpffs): once it closes them, the kernel has none of the programs left."""
     import ctypes
@@ -382,6 +383,7 @@ def test_closing_the_backend_unloads_its_programs(bpf_groups: bpf_sched.BpfGroup
 
     from sampler.bpf_handoff import libbpf
 
+    bpf_groups = bpf_groups_alone
     ids = program_ids(bpf_groups)
     assert len(ids) == len(bpf_sched.PROGRAMS)
     lib = libbpf()

@@ -169,13 +169,13 @@ def test_a_fork_storm_while_discovery_and_sampling_run(
     group.append(storm)
     ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, [watch(storm.pid)], hz=100)
     ws.prime(0)
-    end = time.monotonic() + 60
+    end = time.monotonic() + 20
     windows = 0
     while time.monotonic() < end:
         [shard] = ws.run_window(1.0)["shards"]  # a walk, then 100 samples, while the kernel writes the map
         assert shard["cpu_cores"]["mean"] is not None
         windows += 1
-    assert windows >= 30
+    assert windows >= 10
     # Held still, the group's living members are exactly the map's: none that
     # exited was left behind (a child that exited unreaped is a zombie: not living).
     os.killpg(storm.pid, signal.SIGSTOP)
