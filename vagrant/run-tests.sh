@@ -7,7 +7,8 @@
 # Debian; no kernel headers installed, their packages kept aside), provision.sh run
 # in it through chroot, packed into an ext4 image with `mkfs.ext4 -d` (no loop
 # devices) and cached by a hash of the package list, provision.sh and the
-# image's init. Then its kernel and initrd are booted directly by QEMU under
+# image's init (the images a run lacks are built side by side before the first
+# guest boots). Then its kernel and initrd are booted directly by QEMU under
 # TCG (no hardware virtualisation here). The init only mounts the checkout
 # (read-only 9p) and runs vagrant/guest-init.sh from it, which says which
 # backend the agent would load, runs the kernel test tier (the files marked
@@ -130,15 +131,27 @@ boot() {  # image dir, out dir -> the tests' exit code, or "hung"; the serial lo
 
 tagged() { grep -a -o "NODESAMPLER-$1=.*" "$2" | cut -d= -f2- | tr -d '\r' || true; }
 
+# Every image not cached yet is built first, all side by side (debootstrap
+# mostly waits on the mirror), so that no build runs beside a guest's tests.
+declare -A building=()
+for suite in $lines; do
+    dir=$(image_dir "$suite")
+    [ -s "$dir/rootfs.ext4" ] || { build_image "$suite" "$dir" >"$cache/$suite.build.log" 2>&1 & building[$suite]=$!; }
+done
+for suite in "${!building[@]}"; do
+    wait "${building[$suite]}" || building[$suite]=failed
+done
+
 failed=0
 printf '%-9s %-22s %-16s %-7s %-10s %-6s %s\n' line kernel bcc backend headers result \
-    "seconds: image, boot, backend load, tests, all"
+    "seconds: image (built side by side), boot, backend load, tests, all"
 for suite in $lines; do
     t0=$SECONDS
     dir=$(image_dir "$suite")
     built=cached
-    if [ ! -s "$dir/rootfs.ext4" ]; then
-        build_image "$suite" "$dir" || { printf '%-9s %s\n' "$suite" "FAIL: no image"; failed=1; continue; }
+    if [ "${building[$suite]:-}" = failed ]; then
+        printf '%-9s %s\n' "$suite" "FAIL: no image"; sed 's/^/    /' "$cache/$suite.build.log"; failed=1; continue
+    elif [ -n "${building[$suite]:-}" ]; then
         built=$(cat "$dir/build-seconds")
     fi
     out="$cache/$suite.out"
