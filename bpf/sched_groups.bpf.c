@@ -193,7 +193,11 @@ static __always_inline void record_wait(void *me, u32 slot)
     u32 bucket = waited ? bpf_log2l(waited) : 0;
     if (bucket >= WAIT_BUCKETS)
         bucket = WAIT_BUCKETS - 1;
-    log->count[bucket] += 1;
+    /* The verifiers of 5.10 and 6.1 lose the clamp's bound on the way to the
+     * index (and refuse the program); the mask gives them one, and the empty
+     * asm keeps the compiler from dropping the mask as redundant. */
+    asm volatile("" : "+r"(bucket));
+    log->count[bucket & (WAIT_BUCKETS - 1)] += 1;
     log->ns += waited;
 }
 #endif
