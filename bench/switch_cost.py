@@ -5,17 +5,20 @@ fast as the machine can. Measured in the same run:
 - the cost of one switch, from the ping-pong's own timing, programs unloaded;
 - the programs' run time per switch, from the kernel's BPF statistics
   (run_time_ns / run count, via each program's fdinfo while BPF_ENABLE_STATS
-  is held), with the ping-pong outside any watched group and inside one;
+  is held), with the ping-pong outside any watched group and inside one,
+  with sched_switch attached as tp_btf (the default) and as a raw
+  tracepoint (the fallback), each run in turn;
 - that as a share of one switch;
 - the floor of that measurement: the run time the kernel's statistics report
-  for an empty program on the same tracepoint (the clock reads around each
+  for an empty program attached the same way (the clock reads around each
   run are inside run_time_ns), so that the programs' own cost can be told
   apart from the cost of measuring it;
 - the ping-pong's own timing with the programs loaded (noisy: quoted only).
 
 With `--against OTHER.bpf.c` it compares two versions of the program
 instead (a change to it against the one before, for example from
-`git show HEAD~1:bpf/sched_groups.bpf.c`): each loaded in turn, `--runs`
+`git show HEAD~1:bpf/sched_groups.bpf.c`, from the version with
+on_switch on): each loaded in turn, `--runs`
 times, in one process, so that the machine's drift falls on both alike.
 
 Needs root and a C compiler (gcc). Not a test: no thresholds.
@@ -70,26 +73,41 @@ def program_cost(groups: bpf_sched.BpfGroupSampler, exe: Path, trips: int, watch
     switches, ns = pingpong(exe, trips, groups if watched else None)
     after = groups.program_stats()
     run_ns = sum(after[n][0] - before[n][0] for n in after)
-    runs = after["raw_tracepoint__sched_switch"][1] - before["raw_tracepoint__sched_switch"][1]
+    [switch] = [n for n in bpf_sched.SWITCH_PROGRAMS if n in after]
+    runs = after[switch][1] - before[switch][1]
     # The ping-pong's switches dominate; the machine's others are in the count too.
     return run_ns / max(runs, switches), ns
 
 
-EMPTY = b"RAW_TRACEPOINT_PROBE(sched_switch) { return 0; }"
+EMPTY_RAW = b"RAW_TRACEPOINT_PROBE(sched_switch) { return 0; }"
+EMPTY_INSNS = bytes([0xB7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])  # r0 = 0; exit
 
 
-def empty_program_floor(exe: Path, trips: int) -> float:
-    """ns per run that the BPF statistics report for a program that does nothing."""
+def empty_program_floor(exe: Path, trips: int, raw: bool) -> float:
+    """ns per run that the BPF statistics report for a program that does
+    nothing, attached as the switch program is (tp_btf, or a raw tracepoint)."""
+    import os
+
     from bcc import BPF
 
-    b = BPF(text=EMPTY)
+    from sampler import tp_btf
+
+    b, fds = None, []
     try:
-        fd = b.funcs[b"raw_tracepoint__sched_switch"].fd
+        if raw:
+            b = BPF(text=EMPTY_RAW)
+            fd = b.funcs[b"raw_tracepoint__sched_switch"].fd
+        else:
+            fd, link = tp_btf.load_and_attach(EMPTY_INSNS, "empty", "sched_switch")
+            fds = [link, fd]
         before = bpf_sched._program_stats(fd)
         pingpong(exe, trips)
         after = bpf_sched._program_stats(fd)
     finally:
-        b.cleanup()
+        for f in fds:
+            os.close(f)
+        if b is not None:
+            b.cleanup()
     assert before is not None and after is not None
     return (after[0] - before[0]) / (after[1] - before[1])
 
@@ -126,26 +144,39 @@ def main() -> None:
             return
         bare = [pingpong(exe, args.round_trips)[1] for _ in range(args.runs)]
         switch_ns = statistics.median(bare)
-        groups = bpf_sched.load(PROC, bpf_stats=True)
-        try:
-            floor = statistics.median(empty_program_floor(exe, args.round_trips) for _ in range(args.runs))
-            results = {}
-            for watched in (False, True):
-                runs = [program_cost(groups, exe, args.round_trips, watched) for _ in range(args.runs)]
-                results[watched] = ([r[0] for r in runs], [r[1] for r in runs])
-        finally:
-            groups.close()
+        # Both ways of attaching sched_switch, each run in turn, so that the
+        # machine's drift falls on both alike.
+        stats = bpf_sched._enable_bpf_stats()  # held for the floors; each load holds its own too
+        if stats is None:
+            raise SystemExit("switch_cost: the kernel's BPF statistics cannot be turned on (BPF_ENABLE_STATS)")
+        floors: dict[bool, list[float]] = {False: [], True: []}
+        costs: dict[tuple[bool, bool], list[tuple[float, float]]] = {}
+        for _ in range(args.runs):
+            for raw in (False, True):
+                floors[raw].append(empty_program_floor(exe, args.round_trips, raw))
+                groups = bpf_sched.load(PROC, bpf_stats=True, raw_switch=raw)
+                try:
+                    for watched in (False, True):
+                        costs.setdefault((raw, watched), []).append(program_cost(groups, exe, args.round_trips,
+                                                                                 watched))  # fmt: skip
+                finally:
+                    groups.close()
     print(f"one context switch, programs unloaded: {switch_ns:.0f} ns "
           f"(median of {args.runs}, {min(bare):.0f}..{max(bare):.0f})")  # fmt: skip
-    print(f"an empty program's run time as the BPF statistics report it (their floor): {floor:.0f} ns per run")
-    for watched, (cost, loaded) in results.items():
-        label = "ping-pong in a watched group" if watched else "ping-pong not watched"
-        c = statistics.median(cost)
-        print(f"{label:<30} programs' run time per switch {c:4.0f} ns ({min(cost):.0f}..{max(cost):.0f}) "
-              f"= {100 * c / switch_ns:4.1f}% of a switch; above the floor {c - floor:4.0f} ns "
-              f"= {100 * (c - floor) / switch_ns:4.1f}%; ping-pong with programs loaded "
-              f"{statistics.median(loaded):.0f} ns per switch")  # fmt: skip
-
+    for raw in (False, True):
+        kind = "raw tracepoint (fallback)" if raw else "tp_btf (default)"
+        floor = statistics.median(floors[raw])
+        print(f"sched_switch as {kind}: an empty program's run time as the BPF statistics report it "
+              f"(their floor) {floor:.0f} ns per run")  # fmt: skip
+        for watched in (False, True):
+            cost = [r[0] for r in costs[raw, watched]]
+            loaded = [r[1] for r in costs[raw, watched]]
+            label = "ping-pong in a watched group" if watched else "ping-pong not watched"
+            c = statistics.median(cost)
+            print(f"  {label:<30} programs' run time per switch {c:4.0f} ns ({min(cost):.0f}..{max(cost):.0f}) "
+                  f"= {100 * c / switch_ns:4.1f}% of a switch; above the floor {c - floor:4.0f} ns "
+                  f"= {100 * (c - floor) / switch_ns:4.1f}%; ping-pong with programs loaded "
+                  f"{statistics.median(loaded):.0f} ns per switch")  # fmt: skip
 
 if __name__ == "__main__":
     main()

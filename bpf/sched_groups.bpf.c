@@ -59,9 +59,15 @@
  * the running kernel's): offsets come from the running kernel's BTF
  * (TASK_PID_OFF, TASK_TGID_OFF, TASK_POLICY_OFF, TASK_RUNTIME_OFF,
  * TASK_PICKED_RUNTIME_OFF, TASK_RUN_DELAY_OFF, TASK_SIGNAL_OFF,
- * SIGNAL_LIVE_OFF), read by the loader. From 5.11 the
- * task switching out, which is current, is read by plain loads through the
- * BTF-typed pointer to it (current_task() below).
+ * SIGNAL_LIVE_OFF), read by the loader.
+ *
+ * A field of a task is read by a plain load where the verifier knows the
+ * pointer's BTF type (`typed`), else through bpf_probe_read_kernel (~15 ns a
+ * call on our VMs, which at a watched switch made most of its cost):
+ * - sched_switch is loaded as a BTF-typed tracepoint (tp_btf, by the loader:
+ *   on_switch) wherever the kernel's BTF names it: both tasks are typed. The
+ *   raw tracepoint (on_switch_raw) is the fallback.
+ * - the current task is typed from 5.11 (bpf_get_current_task_btf).
  */
 
 /* The kernel's own headers define it; the bundled ones (bpf/include/) do not. */
@@ -132,20 +138,18 @@ static __always_inline struct slot_time *this_cpu_slot(u32 slot)
 /* Forked processes that could not be given a slot (tgid above PID_MAX). */
 BPF_PERCPU_ARRAY(dropped_forks, u64, 1);
 
-/* The task switching out is the current one. From 5.11 the kernel hands out a
- * BTF-typed pointer to it (bpf_get_current_task_btf), whose fields are plain
- * loads the verifier checks against the kernel's BTF: no helper call a field
- * (bpf_probe_read_kernel, ~15 ns on our VMs, three of them at a watched
- * switch out). The task switching in is only a raw tracepoint argument, read
- * through the helper on every kernel. */
+/* The current task; typed from 5.11 (bpf_get_current_task_btf). */
 #if LINUX_VERSION_CODE >= KERNEL_VERSION(5, 11, 0)
 #define current_task() ((void *)bpf_get_current_task_btf())
-#define current_u64(task, off) (*(u64 *)((task) + (off)))
-#define current_u32(task, off) (*(u32 *)((task) + (off)))
+#define CURRENT_TYPED 1
 #else
-#define current_task() ((void *)bpf_get_current_task())
-#define current_u64(task, off) read_u64((task) + (off))
-#define current_u32(task, off) read_u32((task) + (off))
+/* bpf_get_current_task under another name: bcc rewrites every dereference of
+ * a pointer it sees come from that helper (by name) into a helper call, in
+ * every function the pointer is passed to: the typed reads of on_switch
+ * included. This program reads the untyped task through read_u64 itself. */
+static u64 (*current_task_untyped)(void) = (void *)BPF_FUNC_get_current_task;
+#define current_task() ((void *)current_task_untyped())
+#define CURRENT_TYPED 0
 #endif
 
 static __always_inline u64 read_u64(void *where)
@@ -162,6 +166,18 @@ static __always_inline u32 read_u32(void *where)
     return v;
 }
 
+/* A task's field. `typed` is a constant at every call: each program keeps
+ * only its own kind of read. */
+static __always_inline u64 task_u64(void *task, u32 off, const int typed)
+{
+    return typed ? *(u64 *)(task + off) : read_u64(task + off);
+}
+
+static __always_inline u32 task_u32(void *task, u32 off, const int typed)
+{
+    return typed ? *(u32 *)(task + off) : read_u32(task + off);
+}
+
 #define WAIT_BUCKETS 32
 #ifdef TASK_RUN_DELAY_OFF
 /* tid -> its run_delay at its last switch out, | 1 (0: not seen). 64 bits: a
@@ -174,11 +190,11 @@ struct wait_log {
 };
 BPF_PERCPU_ARRAY(wait_log, struct wait_log, MAX_SLOTS);
 
-/* `me`: the task switching out, current (current_task()). */
-static __always_inline void record_wait(void *me, u32 slot)
+/* `me`: the task switching out, current. */
+static __always_inline void record_wait(void *me, u32 slot, const int typed)
 {
     u32 pid = bpf_get_current_pid_tgid();
-    u64 delay = current_u64(me, TASK_RUN_DELAY_OFF);
+    u64 delay = task_u64(me, TASK_RUN_DELAY_OFF, typed);
     u64 *last = last_delay.lookup(&pid);
     if (!last)
         return;
@@ -207,11 +223,6 @@ static __always_inline u8 *slot_of(u32 tgid)
     u32 idx = tgid / 8;
     u64 *eight = task_slot.lookup(&idx);
     return eight ? (u8 *)eight + (tgid & 7) : 0;
-}
-
-static __always_inline u64 runtime_of(void *task)
-{
-    return read_u64(task + TASK_RUNTIME_OFF);
 }
 
 /* Credit the slice that ends now to its slot: its runtime's growth (for a
@@ -246,15 +257,15 @@ static __always_inline void credit_late(u32 slot, u64 grown)
     }
 }
 
-/* What the current task, switched in unseen, has run since the fair class
- * picked it, at most a tick's period; 0 for a task of another class (no such
- * mark). `me`: current_task(). */
-static __always_inline u64 unseen_slice(void *me, u64 runtime)
+/* What the current task (`me`), switched in unseen, has run since the fair
+ * class picked it, at most a tick's period; 0 for a task of another class (no
+ * such mark). */
+static __always_inline u64 unseen_slice(void *me, u64 runtime, const int typed)
 {
-    u32 policy = current_u32(me, TASK_POLICY_OFF);
+    u32 policy = task_u32(me, TASK_POLICY_OFF, typed);
     if (policy != 0 && policy != 3 && policy != 5) /* SCHED_NORMAL, SCHED_BATCH, SCHED_IDLE */
         return 0;
-    u64 picked = current_u64(me, TASK_PICKED_RUNTIME_OFF);
+    u64 picked = task_u64(me, TASK_PICKED_RUNTIME_OFF, typed);
     if (runtime <= picked)
         return 0;
     return runtime - picked < TICK_NS ? runtime - picked : TICK_NS;
@@ -263,49 +274,63 @@ static __always_inline u64 unseen_slice(void *me, u64 runtime)
 /* The task switching out (current: `me`) ends a slice whose start was not
  * seen: credit it to its slot (if any), and drop the slice this CPU was
  * counting (its task left unseen). */
-static __always_inline void end_unseen(struct cpu_run *run, void *me)
+static __always_inline void end_unseen(struct cpu_run *run, void *me, const int typed)
 {
     run->slot = 0;
     u8 *slot = slot_of(bpf_get_current_pid_tgid() >> 32);
     if (slot && *slot)
-        credit_late(*slot, unseen_slice(me, current_u64(me, TASK_RUNTIME_OFF)));
+        credit_late(*slot, unseen_slice(me, task_u64(me, TASK_RUNTIME_OFF, typed), typed));
 }
 
-/* args: (bool preempt, struct task_struct *prev, struct task_struct *next, ...) */
-RAW_TRACEPOINT_PROBE(sched_switch)
+/* The switch from `prev` (current) to `next`, as each entry point below reads
+ * its arguments: args[1] and args[2] are (struct task_struct *prev, *next). */
+static __always_inline int switch_tasks(u64 *args, const int typed)
 {
     struct cpu_run *run = this_cpu_run();
     if (!run)
         return 0;
-    void *prev = (void *)ctx->args[1], *next = (void *)ctx->args[2];
+    void *prev = (void *)args[1], *next = (void *)args[2];
     u64 seen = run->task;
     run->task = (u64)next;
-    u32 tgid = 0;
-    bpf_probe_read_kernel(&tgid, sizeof(tgid), next + TASK_TGID_OFF);
-    u8 *slot = slot_of(tgid);
+    u8 *slot = slot_of(task_u32(next, TASK_TGID_OFF, typed));
     u8 next_slot = slot ? *slot : 0;
     u8 unseen = seen && seen != (u64)prev;
     if (!run->slot && !next_slot && !unseen)
         return 0; /* unwatched to unwatched: the common case, no clock read */
     u64 now = bpf_ktime_get_ns();
     run->seq += 1; /* odd: userspace ignores this CPU until it is even again */
-    void *me = current_task(); /* prev */
+    /* prev is current: typed as an argument of tp_btf, or from 5.11 as current_task() */
+    void *me = typed ? prev : current_task();
+    const int me_typed = typed || CURRENT_TYPED;
     if (unseen)
-        end_unseen(run, me);
+        end_unseen(run, me, me_typed);
     if (run->slot) {
-        credit(run, current_u64(me, TASK_RUNTIME_OFF), now);
+        credit(run, task_u64(me, TASK_RUNTIME_OFF, me_typed), now);
 #ifdef TASK_RUN_DELAY_OFF
-        record_wait(me, run->slot);
+        record_wait(me, run->slot, me_typed);
 #endif
     }
     run->slot = next_slot;
     if (next_slot) {
-        run->start = runtime_of(next);
+        run->start = task_u64(next, TASK_RUNTIME_OFF, typed);
         run->since = now;
         run->learnt = 0;
     }
     run->seq += 1;
     return 0;
+}
+
+/* tp_btf/sched_switch: loaded and attached by the loader (bcc cannot load a
+ * function as tp_btf), with the kernel's BTF id of the tracepoint. */
+int on_switch(u64 *ctx)
+{
+    return switch_tasks(ctx, 1);
+}
+
+/* raw_tracepoint/sched_switch, where on_switch cannot load. */
+int on_switch_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    return switch_tasks(ctx->args, 0);
 }
 
 /* The cpu-clock tick: learn the slot of whoever runs now, which may have been
@@ -327,14 +352,14 @@ int on_tick(struct bpf_perf_event_data *ctx)
         return 0;
     u64 now = bpf_ktime_get_ns();
     void *me = current_task(); /* task, read through */
-    u64 runtime = current_u64(me, TASK_RUNTIME_OFF);
+    u64 runtime = task_u64(me, TASK_RUNTIME_OFF, CURRENT_TYPED);
     run->seq += 1;
     if (!unseen)
         credit(run, runtime, now); /* it left its group: what it ran as a member */
     /* Unseen: its slice up to now counts from its pick, as a switch would
      * have counted it; its runtime now is exact from here on (no cap). */
     if (unseen && now_slot)
-        credit_late(now_slot, unseen_slice(me, runtime));
+        credit_late(now_slot, unseen_slice(me, runtime, CURRENT_TYPED));
     run->task = (u64)task;
     run->slot = now_slot;
     run->start = runtime;

@@ -174,10 +174,11 @@ def _child(options: dict[str, Any], sock: socket.socket) -> None:
     from sampler import bpf_sched
 
     try:
-        bpf, pid_max, cpus, tickless, notes = bpf_sched.compile_and_attach(**options)
+        attached = bpf_sched.compile_and_attach(**options)
     except BackendUnavailable as e:
         _send(sock, {"error": str(e)}, [])
         return
+    bpf = attached.bpf
     maps, fds = [], []
     for name in MAPS:
         try:
@@ -188,13 +189,17 @@ def _child(options: dict[str, Any], sock: socket.socket) -> None:
         size = ctypes.sizeof(table.sLeaf if percpu else table.Leaf)
         maps.append({"name": name, "value_size": size, "percpu": percpu})
         fds.append(table.map_fd)
-    programs = {name.decode(): fn.fd for name, fn in bpf.funcs.items()}
+    # bpf.funcs: the programs bcc loaded (a function dumped for loading
+    # elsewhere is not among them); own_programs: those loaded without bcc.
+    programs = {name.decode(): fn.fd for name, fn in bpf.funcs.items()} | attached.own_programs
     fds.extend(programs.values())
     fds.extend(bpf.raw_tracepoint_fds.values())
+    fds.extend(attached.own_attachments)
     for events in bpf.open_perf_events.values():
         fds.extend(events.values())
-    _send(sock, {"maps": maps, "programs": list(programs), "pid_max": pid_max, "cpus": cpus,
-                 "tickless_cpus": tickless, "notes": notes, "peak_kib": _peak_kib()}, fds)  # fmt: skip
+    _send(sock, {"maps": maps, "programs": list(programs), "pid_max": attached.pid_max, "cpus": attached.cpus,
+                 "tickless_cpus": attached.tickless_cpus, "notes": attached.notes, "peak_kib": _peak_kib()},
+          fds)  # fmt: skip
 
 
 def _peak_kib() -> int | None:

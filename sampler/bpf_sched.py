@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from sampler import bpf_handoff, btf, procfs
+from sampler import bpf_handoff, btf, procfs, tp_btf
 from sampler.backend import BackendUnavailable
 from sampler.proc_groups import PAGE_SIZE, GroupReading, within_capacity
 from sampler.selectors import GroupWatch, ProcessTable
@@ -61,8 +61,10 @@ def log2_quantile(counts: np.ndarray, q: float) -> float:
     return lo + (hi - lo) * within
 
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
-PROGRAMS = ("raw_tracepoint__sched_switch", "on_tick", "raw_tracepoint__sched_process_fork",
-            "raw_tracepoint__sched_process_exit")  # fmt: skip
+# The programs as the kernel names them; sched_switch's is on_switch (tp_btf)
+# or, where that cannot load, on_switch_raw (a raw tracepoint).
+PROGRAMS = ("on_switch", "on_tick", "raw_tracepoint__sched_process_fork", "raw_tracepoint__sched_process_exit")
+SWITCH_PROGRAMS = ("on_switch", "on_switch_raw")
 
 
 @dataclass
@@ -234,28 +236,63 @@ def load(
     clock: Callable[[], float] = time.monotonic,
     bpf_stats: bool = False,
     sysfs: Path = Path("/sys"),
+    raw_switch: bool = False,
 ) -> BpfGroupSampler:
     """The programs compiled, loaded and attached (by a child process, so that
     this one never holds the compiler: sampler/bpf_handoff.py). With
     `bpf_stats`, the kernel's BPF statistics are turned on while the sampler
     lives (they time every BPF program on the host, not ours alone) and each
-    window reports the programs' runs and run time."""
+    window reports the programs' runs and run time. `raw_switch`: sched_switch
+    as a raw tracepoint even where tp_btf would load (the fallback, as tests
+    and benchmarks run it)."""
     headers = ["tree", str(kernel_headers)] if isinstance(kernel_headers, Path) else kernel_headers
     options = {"proc": str(proc), "kernel_headers": headers, "source": str(source), "btf_path": str(btf_path),
-               "sysfs": str(sysfs)}  # fmt: skip
+               "sysfs": str(sysfs), "raw_switch": raw_switch}  # fmt: skip
     programs = bpf_handoff.load_programs(options)
     for note in programs.notes:
         log.info("%s", note)
     return BpfGroupSampler(programs, proc, clock, bpf_stats)
 
 
+@dataclass
+class Attached:
+    """What the loader child attached: bcc's BPF object (its maps, and the
+    programs bcc loaded and attached), the programs loaded outside bcc with
+    their attachments, and what was learnt on the way."""
+
+    bpf: Any
+    own_programs: dict[str, int]
+    own_attachments: list[int]
+    pid_max: int
+    cpus: int  # rows of the per-CPU arrays
+    tickless_cpus: list[int]
+    notes: list[str]
+
+
+def attach_switch(bpf: Any, raw: bool) -> tuple[dict[str, int], list[int], str | None]:
+    """sched_switch's program attached: on_switch as tp_btf where it loads
+    (its own program and attachment descriptors returned), else on_switch_raw
+    as a raw tracepoint, through bcc, with a note saying why."""
+    why = "asked for"
+    if not raw:
+        try:
+            prog, link = tp_btf.load_and_attach(bpf.dump_func(b"on_switch"), "on_switch", "sched_switch")
+            return {"on_switch": prog}, [link], None
+        except OSError as e:
+            why = e.strerror or str(e)
+    bpf.attach_raw_tracepoint(tp=b"sched_switch", fn_name=b"on_switch_raw")
+    return {}, [], f"sched_switch attached as a raw tracepoint ({why}): a task switching in is read through a helper"
+
+
 def compile_and_attach(
-    proc: str, kernel_headers: list[str] | str | None, source: str, btf_path: str, sysfs: str
-) -> tuple[Any, int, int, list[int], list[str]]:
-    """What the loader child does (everything bcc is needed for): the bcc
-    BPF object with its programs attached, pid_max, the per-CPU arrays' rows, the CPUs left without the
-    cpu-clock tick, and notes for the agent's log; or BackendUnavailable,
-    checked in the order an operator would fix things."""
+    proc: str, kernel_headers: list[str] | str | None, source: str, btf_path: str, sysfs: str,
+    raw_switch: bool = False,
+) -> Attached:  # fmt: skip
+    """What the loader child does (everything bcc is needed for): the
+    programs compiled, loaded and attached, with pid_max, the per-CPU arrays'
+    rows, the CPUs left without the cpu-clock tick, and notes for the agent's
+    log; or BackendUnavailable, checked in the order an operator would fix
+    things."""
     try:
         from bcc import BPF, PerfSWConfig, PerfType
     except ImportError as e:
@@ -285,6 +322,13 @@ def compile_and_attach(
         bpf.cleanup()
         raise BackendUnavailable(f"cannot tell which CPUs are online: {e}") from None
     try:
+        own_programs, own_attachments, note = attach_switch(bpf, raw_switch)
+    except Exception as e:
+        bpf.cleanup()
+        raise BackendUnavailable(f"attaching to sched_switch failed: {e}") from None
+    if note:
+        notes.append(note)
+    try:
         # The tick only learns the slot of a task that was already running when
         # it was given one (samples count running slices themselves): 100 a
         # second, on every CPU but those kept free of ticks (nohz_full,
@@ -301,11 +345,13 @@ def compile_and_attach(
                 events.update(bpf.open_perf_events[event])
             bpf.open_perf_events[event] = events
     except Exception as e:
+        for fd in [*own_attachments, *own_programs.values()]:
+            os.close(fd)
         bpf.cleanup()
         raise BackendUnavailable(f"attaching the cpu-clock perf event failed: {e}") from None
     if tickless:
         notes.append(f"no cpu-clock tick on CPUs {format_cpu_list(tickless)} (nohz_full or isolated)")
-    return bpf, pid_max, cpus, tickless, notes
+    return Attached(bpf, own_programs, own_attachments, pid_max, cpus, tickless, notes)
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -631,9 +677,8 @@ class BpfGroupSampler:
         out: dict[str, tuple[int, int]] = {}
         if self._stats_fd is None:
             return out
-        for name in PROGRAMS:
-            fd = self.programs.programs.get(name)
-            if fd is not None and (st := _program_stats(fd)) is not None:
+        for name, fd in self.programs.programs.items():
+            if (st := _program_stats(fd)) is not None:
                 out[name] = st
         return out
 

@@ -89,7 +89,7 @@ def test_backend_asked_for_and_unavailable_is_exit_3(tmp_path: Path) -> None:
 def test_print_bpf_shows_the_program_and_its_flags() -> None:
     r = run("sample", "--print-bpf")
     assert r.returncode == 0, r.stderr
-    assert "-DTASK_PID_OFF=" in r.stdout and "RAW_TRACEPOINT_PROBE(sched_switch)" in r.stdout
+    assert "-DTASK_PID_OFF=" in r.stdout and "int on_switch(" in r.stdout
 
 
 def fake_tree(tmp_path: Path) -> FakeProc:

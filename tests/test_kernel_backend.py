@@ -304,6 +304,61 @@ def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups_alone: bpf_sched.Bp
         assert bpf_sched._program_stats(bpf_groups.programs.programs["on_tick"]) == (0, 0)
 
 
+# --- how sched_switch is attached ----------------------------------------------------
+
+
+def test_sched_switch_is_attached_typed_where_the_kernel_names_it(bpf_groups: bpf_sched.BpfGroupSampler) -> None:
+    """Every kernel we run on (5.10 and later, with BTF) names the tracepoint
+    in its BTF: the switch program is tp_btf, whose reads of the tasks are
+    plain loads, and no fallback was noted."""
+    assert "on_switch" in bpf_groups.programs.programs and "on_switch_raw" not in bpf_groups.programs.programs
+    assert not any("raw tracepoint" in note for note in bpf_groups.programs.notes)
+
+
+def test_the_raw_tracepoint_fallback_counts_the_same(
+    group: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch, accuracy: AccuracyLog
+) -> None:
+    """Where tp_btf cannot load, sched_switch is a raw tracepoint (each read of
+    a task through a helper): the same counts, on a group that switches often."""
+    try:
+        groups = bpf_sched.load(PROC, raw_switch=True)
+    except BackendUnavailable as e:
+        if REQUIRE_BPF:
+            pytest.fail(f"NODESAMPLER_REQUIRE_BPF=1 and the kernel backend cannot load: {e}")
+        pytest.skip(f"kernel backend unavailable: {e}")
+    try:
+        assert "on_switch_raw" in groups.programs.programs and "on_switch" not in groups.programs.programs
+        assert any("sched_switch attached as a raw tracepoint (asked for)" in n for n in groups.programs.notes)
+        p = start_group(QUARTER_WORKERS)
+        group.append(p)
+        results = windows_against_truth(groups, p.pid, 2, monkeypatch)
+    finally:
+        groups.close()
+    measured, truth = results[1]
+    accuracy.record("window mean, raw sched_switch, three-quarter-workers", measured, truth, 0.03)
+    assert truth > 0.5
+    assert measured == pytest.approx(truth, rel=0.03), results
+
+
+def test_a_tp_btf_program_the_verifier_refuses_says_why() -> None:
+    """The loader's own tp_btf loading: a refused program is an OSError that
+    carries the verifier's words (the agent then falls back to the raw
+    tracepoint, with them in its log); nothing stays loaded."""
+    need_root()
+    from sampler import tp_btf
+
+    # r0 = *(u64 *)(r1 + 800): the tracepoint has no 101st argument. exit.
+    insns = bytes([0x79, 0x10, 0x20, 0x03, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
+    fds_before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError) as e:
+        tp_btf.load_and_attach(insns, "refused", "sched_switch")
+    assert "loading refused as tp_btf/sched_switch" in str(e.value) and e.value.errno == 13
+    assert "argument" in str(e.value) or "invalid" in str(e.value), str(e.value)
+    assert set(os.listdir("/proc/self/fd")) <= fds_before
+    with pytest.raises(OSError, match="the kernel's BTF has no tracepoint no_such_tracepoint"):
+        tp_btf.load_and_attach(insns, "nowhere", "no_such_tracepoint")
+
+
 # --- falling back -----------------------------------------------------------------
 
 
