@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import platform
+import resource
 from typing import Any
 
 from sampler import bpf_handoff
@@ -86,6 +88,23 @@ def tracepoint_btf_id(tracepoint: str) -> int:
     return int(found)
 
 
+def _load(attr: LoadAttr) -> int:
+    """BPF_PROG_LOAD. Before 5.11 a program's memory counts against
+    RLIMIT_MEMLOCK, checked against all the locked memory of the user (the
+    maps an agent already holds included): EPERM then, as bcc and libbpf do,
+    the limit is lifted and the load tried once more."""
+    try:
+        return bpf(BPF_PROG_LOAD, attr)
+    except OSError as e:
+        if e.errno != errno.EPERM:
+            raise
+        try:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        except (OSError, ValueError):
+            raise e from None
+    return bpf(BPF_PROG_LOAD, attr)
+
+
 def load_and_attach(insns: bytes, name: str, tracepoint: str) -> tuple[int, int]:
     """(program fd, attachment fd) of `insns` as tp_btf/<tracepoint>; closing
     the attachment detaches it. OSError on failure, with the verifier's last
@@ -98,12 +117,12 @@ def load_and_attach(insns: bytes, name: str, tracepoint: str) -> tuple[int, int]
                     license=ctypes.addressof(license), prog_name=name.encode()[:15],
                     expected_attach_type=BPF_TRACE_RAW_TP, attach_btf_id=btf_id)  # fmt: skip
     try:
-        prog = bpf(BPF_PROG_LOAD, attr)
+        prog = _load(attr)
     except OSError as e:
         # Again with the verifier's log, only now: logging slows a load that works.
         attr.log_level, attr.log_size, attr.log_buf = 1, LOG_BYTES, ctypes.addressof(log)
         with contextlib.suppress(OSError):
-            os.close(bpf(BPF_PROG_LOAD, attr))
+            os.close(_load(attr))
         said = [ln for ln in log.value.decode(errors="replace").splitlines()
                 if ln.strip() and not ln.startswith(("processed ", "verification time"))][-2:]  # fmt: skip
         raise OSError(e.errno, f"loading {name} as tp_btf/{tracepoint}: {e.strerror}"
