@@ -13,7 +13,10 @@ fast as the machine can. Measured in the same run:
   for an empty program attached the same way (the clock reads around each
   run are inside run_time_ns), so that the programs' own cost can be told
   apart from the cost of measuring it;
-- the ping-pong's own timing with the programs loaded (noisy: quoted only).
+- the ping-pong's own timing with the programs loaded and the statistics off,
+  as the agent runs: what a switch costs with them, seen from outside
+  (noisier: the machine's drift is of the same order), and the same with
+  only an empty program attached: the cost of attaching anything at all.
 
 With `--against OTHER.bpf.c` it compares two versions of the program
 instead (a change to it against the one before, for example from
@@ -29,6 +32,7 @@ Needs root and a C compiler (gcc). Not a test: no thresholds.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -83,11 +87,11 @@ EMPTY_RAW = b"RAW_TRACEPOINT_PROBE(sched_switch) { return 0; }"
 EMPTY_INSNS = bytes([0xB7, 0, 0, 0, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])  # r0 = 0; exit
 
 
-def empty_program_floor(exe: Path, trips: int, raw: bool) -> float:
-    """ns per run that the BPF statistics report for a program that does
-    nothing, attached as the switch program is (tp_btf, or a raw tracepoint)."""
-    import os
-
+def empty_program(exe: Path, trips: int, raw: bool) -> tuple[float, float]:
+    """A program that does nothing, attached as the switch program is (tp_btf,
+    or a raw tracepoint): the ping-pong's ns per switch with it, timed from
+    outside with the statistics off (the cost of attaching anything at all),
+    then the run time the statistics report for it (their floor)."""
     from bcc import BPF
 
     from sampler import tp_btf
@@ -100,6 +104,11 @@ def empty_program_floor(exe: Path, trips: int, raw: bool) -> float:
         else:
             fd, link = tp_btf.load_and_attach(EMPTY_INSNS, "empty", "sched_switch")
             fds = [link, fd]
+        outside = pingpong(exe, trips)[1]
+        stats = bpf_sched._enable_bpf_stats()
+        if stats is None:
+            raise SystemExit("switch_cost: the kernel's BPF statistics cannot be turned on (BPF_ENABLE_STATS)")
+        fds.append(stats)
         before = bpf_sched._program_stats(fd)
         pingpong(exe, trips)
         after = bpf_sched._program_stats(fd)
@@ -109,7 +118,7 @@ def empty_program_floor(exe: Path, trips: int, raw: bool) -> float:
         if b is not None:
             b.cleanup()
     assert before is not None and after is not None
-    return (after[0] - before[0]) / (after[1] - before[1])
+    return (after[0] - before[0]) / (after[1] - before[1]), outside
 
 
 def compare(exe: Path, trips: int, runs: int, other: Path) -> None:
@@ -142,41 +151,55 @@ def main() -> None:
         if args.against is not None:
             compare(exe, args.round_trips, args.runs, args.against)
             return
-        bare = [pingpong(exe, args.round_trips)[1] for _ in range(args.runs)]
-        switch_ns = statistics.median(bare)
-        # Both ways of attaching sched_switch, each run in turn, so that the
-        # machine's drift falls on both alike.
-        stats = bpf_sched._enable_bpf_stats()  # held for the floors; each load holds its own too
-        if stats is None:
-            raise SystemExit("switch_cost: the kernel's BPF statistics cannot be turned on (BPF_ENABLE_STATS)")
+        # Each run: the bare switch, then both ways of attaching sched_switch
+        # in turn, so that the machine's drift falls on all alike; for each,
+        # the ping-pong timed from outside with the statistics off (as the
+        # agent runs), then the programs' run time with them on.
+        bare: list[float] = []
         floors: dict[bool, list[float]] = {False: [], True: []}
-        costs: dict[tuple[bool, bool], list[tuple[float, float]]] = {}
+        outside: dict[tuple[bool, bool | None], list[float]] = {}  # None: the empty program
+        costs: dict[tuple[bool, bool], list[float]] = {}
         for _ in range(args.runs):
+            bare.append(pingpong(exe, args.round_trips)[1])
             for raw in (False, True):
-                floors[raw].append(empty_program_floor(exe, args.round_trips, raw))
+                groups = bpf_sched.load(PROC, raw_switch=raw)
+                try:
+                    for watched in (False, True):
+                        outside.setdefault((raw, watched), []).append(
+                            pingpong(exe, args.round_trips, groups if watched else None)[1])
+                finally:
+                    groups.close()
+                floor, empty_outside = empty_program(exe, args.round_trips, raw)
+                floors[raw].append(floor)
+                outside.setdefault((raw, None), []).append(empty_outside)
                 groups = bpf_sched.load(PROC, bpf_stats=True, raw_switch=raw)
                 try:
                     for watched in (False, True):
                         costs.setdefault((raw, watched), []).append(program_cost(groups, exe, args.round_trips,
-                                                                                 watched))  # fmt: skip
+                                                                                 watched)[0])  # fmt: skip
                 finally:
                     groups.close()
+    switch_ns = statistics.median(bare)
     print(f"one context switch, programs unloaded: {switch_ns:.0f} ns "
           f"(median of {args.runs}, {min(bare):.0f}..{max(bare):.0f})")  # fmt: skip
     for raw in (False, True):
         kind = "raw tracepoint (fallback)" if raw else "tp_btf (default)"
         floor = statistics.median(floors[raw])
+        empty = outside[raw, None]
+        e = statistics.median(empty)
         print(f"sched_switch as {kind}: an empty program's run time as the BPF statistics report it "
-              f"(their floor) {floor:.0f} ns per run")  # fmt: skip
+              f"(their floor) {floor:.0f} ns per run; from outside, statistics off: {e:.0f} ns per switch "
+              f"({min(empty):.0f}..{max(empty):.0f}), {e - switch_ns:+.0f} ns = "
+              f"{100 * (e - switch_ns) / switch_ns:+.1f}%")  # fmt: skip
         for watched in (False, True):
-            cost = [r[0] for r in costs[raw, watched]]
-            loaded = [r[1] for r in costs[raw, watched]]
+            cost, loaded = costs[raw, watched], outside[raw, watched]
             label = "ping-pong in a watched group" if watched else "ping-pong not watched"
-            c = statistics.median(cost)
+            c, o = statistics.median(cost), statistics.median(loaded)
             print(f"  {label:<30} programs' run time per switch {c:4.0f} ns ({min(cost):.0f}..{max(cost):.0f}) "
                   f"= {100 * c / switch_ns:4.1f}% of a switch; above the floor {c - floor:4.0f} ns "
-                  f"= {100 * (c - floor) / switch_ns:4.1f}%; ping-pong with programs loaded "
-                  f"{statistics.median(loaded):.0f} ns per switch")  # fmt: skip
+                  f"= {100 * (c - floor) / switch_ns:4.1f}%; from outside, statistics off: {o:.0f} ns per switch "
+                  f"({min(loaded):.0f}..{max(loaded):.0f}), {o - switch_ns:+.0f} ns = "
+                  f"{100 * (o - switch_ns) / switch_ns:+.1f}%")  # fmt: skip
 
 if __name__ == "__main__":
     main()
