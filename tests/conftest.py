@@ -70,11 +70,17 @@ def bpf_groups_with_stats() -> Iterator[BpfGroupSampler]:
     yield from _bpf_groups(bpf_stats=True)
 
 
-def _bpf_groups(bpf_stats: bool) -> Iterator[BpfGroupSampler]:
+@pytest.fixture
+def bpf_groups_raw_switch() -> Iterator[BpfGroupSampler]:
+    """With sched_switch attached as a raw tracepoint, the fallback where tp_btf cannot load."""
+    yield from _bpf_groups(bpf_stats=False, raw_switch=True)
+
+
+def _bpf_groups(bpf_stats: bool, raw_switch: bool = False) -> Iterator[BpfGroupSampler]:
     from sampler import bpf_sched
 
     try:
-        sampler = bpf_sched.load(PROC, bpf_stats=bpf_stats)
+        sampler = bpf_sched.load(PROC, bpf_stats=bpf_stats, raw_switch=raw_switch)
     except BackendUnavailable as e:
         if REQUIRE_BPF:
             pytest.fail(f"NODESAMPLER_REQUIRE_BPF=1 and the kernel backend cannot load: {e}")

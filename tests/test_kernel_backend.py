@@ -316,24 +316,19 @@ def test_sched_switch_is_attached_typed_where_the_kernel_names_it(bpf_groups: bp
 
 
 def test_the_raw_tracepoint_fallback_counts_the_same(
-    group: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch, accuracy: AccuracyLog
+    bpf_groups_raw_switch: bpf_sched.BpfGroupSampler,
+    group: list[subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    accuracy: AccuracyLog,
 ) -> None:
     """Where tp_btf cannot load, sched_switch is a raw tracepoint (each read of
     a task through a helper): the same counts, on a group that switches often."""
-    try:
-        groups = bpf_sched.load(PROC, raw_switch=True)
-    except BackendUnavailable as e:
-        if REQUIRE_BPF:
-            pytest.fail(f"NODESAMPLER_REQUIRE_BPF=1 and the kernel backend cannot load: {e}")
-        pytest.skip(f"kernel backend unavailable: {e}")
-    try:
-        assert "on_switch_raw" in groups.programs.programs and "on_switch" not in groups.programs.programs
-        assert any("sched_switch attached as a raw tracepoint (asked for)" in n for n in groups.programs.notes)
-        p = start_group(QUARTER_WORKERS)
-        group.append(p)
-        results = windows_against_truth(groups, p.pid, 2, monkeypatch)
-    finally:
-        groups.close()
+    groups = bpf_groups_raw_switch
+    assert "on_switch_raw" in groups.programs.programs and "on_switch" not in groups.programs.programs
+    assert any("sched_switch attached as a raw tracepoint (asked for)" in n for n in groups.programs.notes)
+    p = start_group(QUARTER_WORKERS)
+    group.append(p)
+    results = windows_against_truth(groups, p.pid, 2, monkeypatch)
     measured, truth = results[1]
     accuracy.record("window mean, raw sched_switch, three-quarter-workers", measured, truth, 0.03)
     assert truth > 0.5
