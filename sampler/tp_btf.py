@@ -80,9 +80,14 @@ def tracepoint_btf_id(tracepoint: str) -> int:
     """The kernel's BTF id of a tracepoint's typed arguments (btf_trace_<name>),
     or OSError where the kernel's BTF has no such tracepoint."""
     lib = bpf_handoff.libbpf()
-    lib.libbpf_find_vmlinux_btf_id.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    lib.libbpf_find_vmlinux_btf_id.restype = ctypes.c_int
-    found = lib.libbpf_find_vmlinux_btf_id(tracepoint.encode(), BPF_TRACE_RAW_TP)
+    try:
+        find = lib.libbpf_find_vmlinux_btf_id
+    except AttributeError:  # a libbpf older than 0.0.6
+        raise OSError(errno.ENOSYS, "this libbpf cannot look up the kernel's BTF (no libbpf_find_vmlinux_btf_id)") \
+            from None
+    find.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    find.restype = ctypes.c_int
+    found = find(tracepoint.encode(), BPF_TRACE_RAW_TP)
     if found <= 0:
         raise OSError(-found, f"the kernel's BTF has no tracepoint {tracepoint} ({os.strerror(-found)})")
     return int(found)

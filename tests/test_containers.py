@@ -301,6 +301,9 @@ def test_two_nodes_each_speaking_for_itself(cluster: Cluster, engine: subprocess
         reg = cluster.node("node-a")["registration"]  # type: ignore[index]
         assert reg["hostname"] == socket.gethostname()
         assert reg["backend"] == "bpf", reg.get("backend_reason")
+        # Its switch program typed (tp_btf), the tracepoint found in the host's BTF through /sys.
+        agent_log = pods.logs(a)
+        assert "kernel backend compiled against" in agent_log and "attached as a raw tracepoint" not in agent_log
         host_disks = MachineGaugeReader(Path("/proc")).read_disks()
         assert host_disks is not None
         assert {d["mount"]: d["bytes"] for d in hb_a["machine"]["disks"]} == {d["mount"]: d["bytes"]

@@ -335,6 +335,10 @@ def test_the_raw_tracepoint_fallback_counts_the_same(
     assert measured == pytest.approx(truth, rel=0.03), results
 
 
+# r0 = *(u64 *)(r1 + 800): sched_switch has no 101st argument. exit.
+REFUSED_INSNS = bytes([0x79, 0x10, 0x20, 0x03, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
+
+
 def test_a_tp_btf_program_the_verifier_refuses_says_why() -> None:
     """The loader's own tp_btf loading: a refused program is an OSError that
     carries the verifier's words (the agent then falls back to the raw
@@ -344,8 +348,7 @@ def test_a_tp_btf_program_the_verifier_refuses_says_why() -> None:
     need_root()
     from sampler import tp_btf
 
-    # r0 = *(u64 *)(r1 + 800): the tracepoint has no 101st argument. exit.
-    insns = bytes([0x79, 0x10, 0x20, 0x03, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
+    insns = REFUSED_INSNS
     fds_before = set(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError) as e:
         tp_btf.load_and_attach(insns, "refused", "sched_switch")
@@ -354,6 +357,34 @@ def test_a_tp_btf_program_the_verifier_refuses_says_why() -> None:
     assert set(os.listdir("/proc/self/fd")) <= fds_before
     with pytest.raises(OSError, match="the kernel's BTF has no tracepoint no_such_tracepoint"):
         tp_btf.load_and_attach(insns, "nowhere", "no_such_tracepoint")
+
+
+class CompiledRefused:
+    """bcc's BPF object, as attach_switch uses it, with an on_switch the verifier refuses."""
+
+    def __init__(self) -> None:
+        self.raw_attached: list[tuple[bytes, bytes]] = []
+
+    def dump_func(self, name: bytes) -> bytes:
+        assert name == b"on_switch"
+        return REFUSED_INSNS
+
+    def attach_raw_tracepoint(self, tp: bytes, fn_name: bytes) -> None:
+        self.raw_attached.append((tp, fn_name))
+
+
+def test_a_switch_program_refused_as_tp_btf_is_attached_raw_with_the_reason() -> None:
+    """The loader's fallback, against this kernel's verifier: on_switch refused
+    as tp_btf, on_switch_raw is attached to the raw tracepoint instead, and the
+    note for the agent's log carries the verifier's reason."""
+    need_root()
+    compiled = CompiledRefused()
+    programs, attachments, note = bpf_sched.attach_switch(compiled, raw=False)
+    assert programs == {} and attachments == []
+    assert compiled.raw_attached == [(b"sched_switch", b"on_switch_raw")]
+    assert note is not None
+    assert note.startswith("sched_switch attached as a raw tracepoint (loading on_switch as tp_btf/sched_switch")
+    assert "invalid bpf_context access" in note or "argument" in note, note
 
 
 # --- falling back -----------------------------------------------------------------
