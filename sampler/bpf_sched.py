@@ -148,13 +148,11 @@ def _enable_bpf_stats() -> int | None:
     """Turn on the kernel's per-program run time and count for as long as the
     returned fd is open (BPF_ENABLE_STATS, Linux 5.8), so that the agent's own
     cost is measured without leaving the kernel.bpf_stats_enabled sysctl on."""
-    nr = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
-    if nr is None:
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
     attr = (ctypes.c_uint32 * 32)()  # union bpf_attr, zeroed; enable_stats.type = BPF_STATS_RUN_TIME (0)
-    fd = libc.syscall(nr, 32, ctypes.byref(attr), ctypes.sizeof(attr))  # BPF_ENABLE_STATS = 32
-    return fd if fd >= 0 else None
+    try:
+        return tp_btf.bpf(32, attr)  # BPF_ENABLE_STATS
+    except OSError:
+        return None
 
 
 def _program_stats(fd: int) -> tuple[int, int] | None:
