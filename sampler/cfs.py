@@ -13,11 +13,20 @@ its processes' path that has a quota (a container's, else its pod's).
 Read once per window, not per sample: the counters are cumulative, and the
 window's share comes from their growth. No quota, or no such files, is
 absent; never 0 for "unknown".
+
+The kernel prints cpu.stat without the lock its period timer holds while it
+adds a period to `nr_periods` and then, for a throttled period, to
+`nr_throttled`: a read between the two sees a throttled period that has not
+yet run, and a window of throttled periods shows more throttled periods than
+periods. So the file is read until two readings agree (a torn reading can
+never be repeated), and a share above 1 that still gets through is logged
+with its readings and left out.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +61,23 @@ def parse_cpu_stat(data: bytes) -> CpuStat:
         return CpuStat(fields[b"nr_periods"], fields[b"nr_throttled"], seconds)
     except KeyError as e:
         raise procfs.ProcParseError(f"cpu.stat without {e.args[0]!r}: {data[:120]!r}") from None
+
+
+CPU_STAT_READS = 4  # readings microseconds apart, periods 100 ms: two agree at the first try but for a rare tear
+
+
+def read_cpu_stat(path: Path, read: Callable[[Path], bytes] | None = None) -> CpuStat:
+    """cpu.stat, read until two readings agree on the period counters (see
+    the module's doc), or the last of CPU_STAT_READS readings."""
+    read = read or procfs.read_bytes
+    stat = parse_cpu_stat(read(path))
+    for _ in range(CPU_STAT_READS - 1):
+        again = parse_cpu_stat(read(path))
+        if (again.periods, again.throttled) == (stat.periods, stat.throttled):
+            return again
+        stat = again
+    log.debug("%s: cpu.stat changed across %d readings", path, CPU_STAT_READS)
+    return stat
 
 
 def parse_cpu_max(data: bytes) -> float | None:
@@ -185,7 +211,7 @@ class CfsBandwidthReader:
     def _read_limit(self, d: Path) -> tuple[float, CpuStat, CpuStat | None]:
         quota = self._quota(d)
         try:
-            now = parse_cpu_stat(procfs.read_bytes(d / "cpu.stat"))
+            now = read_cpu_stat(d / "cpu.stat")
         except (OSError, procfs.ProcParseError) as e:
             log.debug("%s: cpu.stat unreadable: %s", d, e)
             return 0.0, CpuStat(0, 0, 0.0), None
@@ -193,6 +219,7 @@ class CfsBandwidthReader:
 
     @staticmethod
     def _shard_bandwidth(shard: dict[str, Any], limits: list[tuple[float, CpuStat, CpuStat | None]]) -> None:
+        """The shard's quota and throttling, summed over the cgroups that limit it."""
         if not limits:
             return  # no quota: nothing to be throttled by, and nothing to report
         quota = sum(q for q, _, _ in limits)
@@ -207,5 +234,10 @@ class CfsBandwidthReader:
             return  # the first reading, or a counter that went backwards (a recreated cgroup)
         periods = sum(p for p, _, _ in deltas)
         shard["cpu_throttled_seconds"] = round(sum(s for _, _, s in deltas), 6)
-        if periods > 0:  # no period ran (an idle engine): no share to speak of
-            shard["cpu_throttled_ratio"] = round(sum(t for _, t, _ in deltas) / periods, 4)
+        if periods <= 0:
+            return  # no period ran (an idle engine): no share to speak of
+        if any(t > p for p, t, _ in deltas):  # more throttled periods than periods: a reading the kernel tore
+            log.warning("cpu.stat: more throttled periods than periods in a window, share left out: %s",
+                        [(prev, now) for _, now, prev in limits])  # fmt: skip
+            return
+        shard["cpu_throttled_ratio"] = round(sum(t for _, t, _ in deltas) / periods, 4)

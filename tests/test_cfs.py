@@ -3,11 +3,15 @@ cgroups, on this machine and in the VM guests: tests/test_starved_engines.py."""
 
 from __future__ import annotations
 
+import logging
+import random
 from pathlib import Path
 
 import pytest
 
+from sampler import procfs
 from sampler.cfs import (
+    CPU_STAT_READS,
     CfsBandwidthReader,
     CpuStat,
     parse_cfs_quota,
@@ -15,6 +19,7 @@ from sampler.cfs import (
     parse_cpu_max,
     parse_cpu_stat,
     parse_status_threads,
+    read_cpu_stat,
 )
 from sampler.procfs import ProcParseError
 from tests.fakeproc import FakeProc
@@ -90,3 +95,85 @@ def test_a_limit_on_the_pod_applies_to_its_containers(tmp_path: Path) -> None:
     (proc.root / "100" / "cgroup").write_text("4:cpu,cpuacct:/kubepods/pod1/c1\n1:name=systemd:/\n")
     (proc.root / "100" / "status").write_text("Threads:\t4\n")
     assert CfsBandwidthReader(proc.root, root).read({"e": {100}})["e"]["cpu_quota_cores"] == 2.0
+
+
+class PeriodTimer:
+    """A cgroup's cpu.stat as the kernel keeps it: each period adds to
+    `nr_periods` and then, throttled, to `nr_throttled`, while a reader prints
+    them without the timer's lock. `tear_at` holds the readings (by count from
+    0) that the timer's next period lands in the middle of."""
+
+    def __init__(self, periods: int, throttled: int, tear_at: set[int]) -> None:
+        self.periods, self.throttled, self.tear_at, self.reads = periods, throttled, tear_at, 0
+
+    def period(self, throttled: bool = True) -> None:
+        self.periods += 1
+        self.throttled += throttled
+
+    def read(self, path: Path) -> bytes:
+        assert path.name == "cpu.stat"
+        periods = self.periods
+        if self.reads in self.tear_at:
+            self.period()  # between the two counters' loads
+        self.reads += 1
+        return f"usage_usec 0\nnr_periods {periods}\nnr_throttled {self.throttled}\nthrottled_usec 0\n".encode()
+
+
+def test_a_cpu_stat_torn_by_the_period_timer_is_read_again() -> None:
+    timer = PeriodTimer(30, 30, tear_at={0})
+    torn = parse_cpu_stat(timer.read(Path("cpu.stat")))
+    assert torn.throttled > torn.periods  # what the kernel can print: 30 periods, 31 throttled
+    timer = PeriodTimer(30, 30, tear_at={0})
+    assert read_cpu_stat(Path("cpu.stat"), timer.read) == CpuStat(31, 31, 0.0) and timer.reads == 3
+    timer = PeriodTimer(30, 30, tear_at={0, 1, 2, 3, 4})  # a timer in every reading: the last one, after 4
+    assert read_cpu_stat(Path("cpu.stat"), timer.read) == CpuStat(33, 34, 0.0) and timer.reads == CPU_STAT_READS
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_throttled_share_is_never_above_one_whatever_the_timer_tears(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:  # fmt: skip
+    """An engine throttled in every period, its cpu.stat read at each window's
+    edge with the period timer landing inside some readings (at most one in
+    any CPU_STAT_READS readings in a row: they are microseconds apart, the
+    periods 100 ms):
+    every window's share is 1.0, as many periods throttled as ran."""
+    proc, root = FakeProc(tmp_path / "proc"), tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu\n")
+    _cgroup(root, "/pod", "50000 100000", (0, 0, 0))
+    _engine(proc, 100, "/pod", 4)
+    rng = random.Random(seed)
+    torn: set[int] = set()
+    for i in range(400):
+        if not torn.intersection(range(i - CPU_STAT_READS, i)) and rng.random() < 0.4:
+            torn.add(i)
+    timer = PeriodTimer(rng.randrange(0, 5), 0, tear_at=torn)
+    timer.throttled = timer.periods
+    read_bytes = procfs.read_bytes
+    monkeypatch.setattr(procfs, "read_bytes", lambda p: timer.read(Path(p)) if Path(p).name == "cpu.stat"
+                        else read_bytes(p))  # fmt: skip
+    reader = CfsBandwidthReader(proc.root, root)
+    reader.read({"e": {100}})
+    for _ in range(40):
+        for _ in range(rng.randrange(1, 40)):
+            timer.period()
+        assert reader.read({"e": {100}})["e"]["cpu_throttled_ratio"] == 1.0
+
+
+def test_more_throttled_periods_than_periods_is_logged_and_left_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:  # fmt: skip
+    proc, root = FakeProc(tmp_path / "proc"), tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu\n")
+    _cgroup(root, "/pod", "50000 100000", (10, 8, 100))
+    _engine(proc, 100, "/pod", 4)
+    reader = CfsBandwidthReader(proc.root, root)
+    reader.read({"e": {100}})
+    _cgroup(root, "/pod", "50000 100000", (20, 19, 200))  # 10 periods, 11 throttled
+    with caplog.at_level(logging.WARNING, logger="sampler.cfs"):
+        shard = reader.read({"e": {100}})["e"]
+    assert "cpu_throttled_ratio" not in shard and shard["cpu_throttled_seconds"] == 0.0001
+    assert shard["cpu_quota_cores"] == 0.5  # the rest of the reading stands
+    assert "more throttled periods than periods" in caplog.text and "CpuStat(periods=20, throttled=19" in caplog.text
