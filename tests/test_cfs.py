@@ -4,10 +4,13 @@ cgroups, on this machine and in the VM guests: tests/test_starved_engines.py."""
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sampler import procfs
 from sampler.cfs import (
@@ -129,36 +132,44 @@ def test_a_cpu_stat_torn_by_the_period_timer_is_read_again() -> None:
     assert read_cpu_stat(Path("cpu.stat"), timer.read) == CpuStat(33, 34, 0.0) and timer.reads == CPU_STAT_READS
 
 
-@pytest.mark.parametrize("seed", range(20))
+# Per window: the periods that ran, and which of the edge's readings (if any) the next period lands in.
+windows = st.lists(st.tuples(st.integers(1, 40), st.one_of(st.none(), st.integers(0, CPU_STAT_READS - 1))),
+                   min_size=1, max_size=30)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(start=st.integers(0, 5), first_tear=st.one_of(st.none(), st.integers(0, CPU_STAT_READS - 1)), drawn=windows)
 def test_a_throttled_share_is_never_above_one_whatever_the_timer_tears(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+    tmp_path: Path, start: int, first_tear: int | None, drawn: list[tuple[int, int | None]]
 ) -> None:  # fmt: skip
     """An engine throttled in every period, its cpu.stat read at each window's
-    edge with the period timer landing inside some readings (at most one in
-    any CPU_STAT_READS readings in a row: they are microseconds apart, the
-    periods 100 ms):
-    every window's share is 1.0, as many periods throttled as ran."""
+    edge with the period timer landing inside one of the edge's readings (at
+    most one: they are microseconds apart, the periods 100 ms): every
+    window's share is 1.0, as many periods throttled as ran. (The fake tree
+    is only read, so one per test serves every example.)"""
     proc, root = FakeProc(tmp_path / "proc"), tmp_path / "cgroup"
-    root.mkdir()
-    (root / "cgroup.controllers").write_text("cpu\n")
-    _cgroup(root, "/pod", "50000 100000", (0, 0, 0))
-    _engine(proc, 100, "/pod", 4)
-    rng = random.Random(seed)
-    torn: set[int] = set()
-    for i in range(400):
-        if not torn.intersection(range(i - CPU_STAT_READS, i)) and rng.random() < 0.4:
-            torn.add(i)
-    timer = PeriodTimer(rng.randrange(0, 5), 0, tear_at=torn)
-    timer.throttled = timer.periods
+    if not root.exists():
+        root.mkdir()
+        (root / "cgroup.controllers").write_text("cpu\n")
+        _cgroup(root, "/pod", "50000 100000", (0, 0, 0))
+        _engine(proc, 100, "/pod", 4)
+    timer = PeriodTimer(start, start, tear_at=set())
     read_bytes = procfs.read_bytes
-    monkeypatch.setattr(procfs, "read_bytes", lambda p: timer.read(Path(p)) if Path(p).name == "cpu.stat"
-                        else read_bytes(p))  # fmt: skip
+
+    def read(path: str | Path) -> bytes:
+        return timer.read(Path(path)) if Path(path).name == "cpu.stat" else read_bytes(path)
+
+    def edge(tear: int | None) -> dict[str, Any]:
+        timer.tear_at = set() if tear is None else {timer.reads + tear}
+        return reader.read({"e": {100}})["e"]
+
     reader = CfsBandwidthReader(proc.root, root)
-    reader.read({"e": {100}})
-    for _ in range(40):
-        for _ in range(rng.randrange(1, 40)):
-            timer.period()
-        assert reader.read({"e": {100}})["e"]["cpu_throttled_ratio"] == 1.0
+    with mock.patch.object(procfs, "read_bytes", read):
+        edge(first_tear)
+        for periods, tear in drawn:
+            for _ in range(periods):
+                timer.period()
+            assert edge(tear)["cpu_throttled_ratio"] == 1.0
 
 
 def test_more_throttled_periods_than_periods_is_logged_and_left_out(
