@@ -35,6 +35,9 @@ MAX_TEXT = 512
 MAX_K8S_NAME = 253  # a pod's name; namespaces and containers are 63
 MAX_BYTES = 2**62  # an exabyte and more; keeps every count an exact int64
 MAX_CORES = 100_000.0
+# A CFS quota is a setting, not a use: the kernel takes up to 2^44-1 us of quota
+# per period of at least 1 ms, "unlimited" written as a number (17,592,186,044 cores).
+MAX_QUOTA_CORES = 2**44 / 1000
 
 NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,253}")
 
@@ -229,7 +232,7 @@ def _shard(value: Any, field: Field) -> Json:
 
 # A shard's CPU bandwidth (CFS quota and throttling), sizing, share of its GPUs and queue, checked in one loop.
 _SHARD_NUMBERS: tuple[tuple[str, float, float, bool], ...] = (
-    ("cpu_quota_cores", 0, MAX_CORES, False), ("cpu_throttled_ratio", 0, 1, False),
+    ("cpu_quota_cores", 0, MAX_QUOTA_CORES, False), ("cpu_throttled_ratio", 0, 1, False),
     ("cpu_throttled_seconds", 0, 1e9, False), ("cpu_throttled_seconds_total", 0, 1e15, False),
     ("threads", 0, 1 << 31, True), ("cpu_affinity_cores", 0, 1 << 20, True),
     ("threads_per_quota_core", 0, 1e12, False),

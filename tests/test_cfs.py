@@ -3,6 +3,7 @@ cgroups, on this machine and in the VM guests: tests/test_starved_engines.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nodesampler import wire
 from sampler import procfs
 from sampler.cfs import (
     CPU_STAT_READS,
@@ -26,6 +28,7 @@ from sampler.cfs import (
 )
 from sampler.procfs import ProcParseError
 from tests.fakeproc import FakeProc
+from tests.test_controlplane_api import heartbeat
 
 
 def test_parsers() -> None:
@@ -188,3 +191,22 @@ def test_more_throttled_periods_than_periods_is_logged_and_left_out(
     assert "cpu_throttled_ratio" not in shard and shard["cpu_throttled_seconds"] == 0.0001
     assert shard["cpu_quota_cores"] == 0.5  # the rest of the reading stands
     assert "more throttled periods than periods" in caplog.text and "CpuStat(periods=20, throttled=19" in caplog.text
+
+
+def test_the_largest_quota_the_kernel_takes_reaches_the_control_plane(tmp_path: Path) -> None:
+    """`unlimited` written as a number: 2^44-1 us per 1 ms period (the kernel
+    refuses one microsecond more) is a quota like any other, not a shard the
+    control plane refuses."""
+    proc, root = FakeProc(tmp_path / "proc"), tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu\n")
+    _cgroup(root, "/pod", f"{2**44 - 1} 1000", (5, 0, 0))
+    _engine(proc, 100, "/pod", 4)
+    reader = CfsBandwidthReader(proc.root, root)
+    reader.read({"e": {100}})
+    _cgroup(root, "/pod", f"{2**44 - 1} 1000", (15, 0, 0))
+    shard = {"id": "e", **reader.read({"e": {100}})["e"]}
+    hb = heartbeat()
+    hb["shards"] = [shard]
+    [kept] = wire.parse_heartbeat(json.dumps(hb).encode())["shards"]
+    assert kept["cpu_quota_cores"] == round((2**44 - 1) / 1000, 4) and kept["cpu_throttled_ratio"] == 0.0
