@@ -21,7 +21,7 @@ import socket
 import ssl
 import threading
 import tomllib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -337,7 +337,7 @@ class Agent:
         self.stopping = stopping
         self.mailbox = NewestSummary()
         self.sent = 0
-        self.sleep = asyncio.sleep  # the sender's waits: a test may count them
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # the sender's waits: a test may count them
 
     # --- the sampling thread -----------------------------------------------------
 

@@ -132,7 +132,7 @@ def _count_waits(agent: Agent, stop_after: int) -> list[float]:
         if len(waits) >= stop_after:
             raise asyncio.CancelledError
 
-    agent.sleep = recorded  # type: ignore[method-assign]
+    agent.sleep = recorded
     return waits
 
 

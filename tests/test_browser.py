@@ -139,7 +139,7 @@ def test_a_starved_engine_beside_a_healthy_one(fleet: Fleet, cpu_cgroup: CpuCgro
         if "cpu_throttled_ratio" not in shards.get("s0", {}):
             return False  # the engines' first window: no throttled share yet (a rate needs two readings)
         verdicts = {sid: s.get("starved", {}) for sid, s in shards.items()}
-        return verdicts["s0"].get("cpu_starved") == 1 and verdicts.get("s1", {}).get("cpu_starved") == 0
+        return bool(verdicts["s0"].get("cpu_starved") == 1 and verdicts.get("s1", {}).get("cpu_starved") == 0)
 
     fleet.wait_for(judged)
     ARTIFACTS.mkdir(exist_ok=True)

@@ -61,8 +61,8 @@ def wait_closed_by_server(socks: list[socket.socket], timeout: float) -> list[so
     deadline = time.monotonic() + timeout
     while sel.get_map() and (left := deadline - time.monotonic()) > 0:
         for key, _ in sel.select(left):
+            assert isinstance(key.fileobj, socket.socket)
             s = key.fileobj
-            assert isinstance(s, socket.socket)
             try:
                 data = s.recv(65536)
             except ConnectionResetError:

@@ -8,7 +8,7 @@ import asyncio
 import copy
 import json
 import threading
-from typing import Any
+from typing import Any, TypeAlias
 
 import pytest
 from aiohttp import web
@@ -19,10 +19,13 @@ from hypothesis import strategies as st
 from controlplane import agent_api, pages_api
 from controlplane.exposition import FleetExposition
 from controlplane.history import EmbeddedHistory
-from controlplane.registry import NodeRegistry
+from controlplane.keys import METRICS
+from controlplane.registry import NodeRegistry, UnknownNode
 from nodesampler import tokens, wire
 from tests.fakeproc import FakeClock
 from web import pages
+
+Client: TypeAlias = "TestClient[web.Request, web.Application]"
 
 SECRET = b"a cluster secret of some length"
 
@@ -67,17 +70,18 @@ def registry(clock: FakeClock) -> NodeRegistry:
 
 
 @pytest.fixture
-async def agents(aiohttp_client: Any, registry: NodeRegistry) -> TestClient:
-    return await aiohttp_client(agent_api.create_app(registry, SECRET))
+async def agents(aiohttp_client: Any, registry: NodeRegistry) -> Client:
+    client: Client = await aiohttp_client(agent_api.create_app(registry, SECRET))
+    return client
 
 
-async def post(client: TestClient, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+async def post(client: Client, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = await client.post(path, data=data, headers=auth() if headers is None else headers)
     return r.status, await r.json()
 
 
-async def test_register_then_heartbeat(agents: TestClient, registry: NodeRegistry) -> None:
+async def test_register_then_heartbeat(agents: Client, registry: NodeRegistry) -> None:
     assert await post(agents, "/v1/register", registration()) == (200, {"node": "gpu-17", "stale_after": 60})
     status, _ = await post(agents, "/v1/heartbeat", heartbeat())
     assert status == 200
@@ -86,7 +90,7 @@ async def test_register_then_heartbeat(agents: TestClient, registry: NodeRegistr
     assert state.heartbeat is not None and state.heartbeat["shards"][0]["model"] == "llama-70b <b>"  # kept as given
 
 
-async def test_heartbeat_from_an_unknown_node_is_404(agents: TestClient, registry: NodeRegistry) -> None:
+async def test_heartbeat_from_an_unknown_node_is_404(agents: Client, registry: NodeRegistry) -> None:
     status, body = await post(agents, "/v1/heartbeat", heartbeat())
     assert status == 404 and "register" in body["error"]
     assert len(registry) == 0
@@ -103,7 +107,7 @@ async def test_heartbeat_from_an_unknown_node_is_404(agents: TestClient, registr
         ({"Authorization": "Bearer " + tokens.node_token(SECRET, "gpu-18")}, 403),  # speaks for another node
     ],
 )
-async def test_tokens(agents: TestClient, registry: NodeRegistry, headers: dict[str, str], status: int) -> None:
+async def test_tokens(agents: Client, registry: NodeRegistry, headers: dict[str, str], status: int) -> None:
     got, _ = await post(agents, "/v1/register", registration(), headers)
     assert got == status
     assert len(registry) == 0
@@ -149,7 +153,7 @@ def with_field(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("path", "value"), BAD_HEARTBEATS)
 async def test_bad_field_is_400_naming_it_and_changes_nothing(
-    agents: TestClient, registry: NodeRegistry, path: str, value: Any
+    agents: Client, registry: NodeRegistry, path: str, value: Any
 ) -> None:
     await post(agents, "/v1/register", registration())
     before = copy.deepcopy(registry.get("gpu-17"))
@@ -161,7 +165,7 @@ async def test_bad_field_is_400_naming_it_and_changes_nothing(
 
 @pytest.mark.parametrize(("path", "value"), BAD_ITEMS)
 async def test_a_bad_entry_is_left_out_and_the_rest_accepted(
-    agents: TestClient, registry: NodeRegistry, path: str, value: Any
+    agents: Client, registry: NodeRegistry, path: str, value: Any
 ) -> None:
     await post(agents, "/v1/register", registration())
     body = with_field(heartbeat(), path, value)
@@ -177,12 +181,12 @@ async def test_a_bad_entry_is_left_out_and_the_rest_accepted(
     entries = kept["machine"]["disks"] if which == "machine.disks" else kept[which]
     assert len(entries) == len(body["machine"]["disks"] if which == "machine.disks" else body[which]) - 1
     assert [s["id"] for s in kept["shards"]] == (["s1"] if which == "shards" else ["s0", "s1"])
-    metrics = agents.server.app[agent_api.METRICS].items_dropped
-    [sample] = [m for m in metrics.collect()[0].samples if m.name.endswith("_total")]
+    [family] = agents.app[METRICS].items_dropped.collect()
+    [sample] = [m for m in family.samples if m.name.endswith("_total")]
     assert sample.value == 1 and "[" not in sample.labels["reason"]  # the index is not a label value
 
 
-async def test_duplicate_shard_ids_keep_the_first(agents: TestClient, registry: NodeRegistry) -> None:
+async def test_duplicate_shard_ids_keep_the_first(agents: Client, registry: NodeRegistry) -> None:
     await post(agents, "/v1/register", registration())
     body = heartbeat()
     body["shards"].append(dict(body["shards"][0], memory_bytes=99))
@@ -194,7 +198,7 @@ async def test_duplicate_shard_ids_keep_the_first(agents: TestClient, registry: 
 
 
 @pytest.mark.parametrize("data", [b"", b"{", b"[]", b'"x"', b"null", b'{"node": NaN}', b'{"seq": Infinity}'])
-async def test_not_a_json_object_is_400(agents: TestClient, data: bytes) -> None:
+async def test_not_a_json_object_is_400(agents: Client, data: bytes) -> None:
     status, body = await post(agents, "/v1/register", data)
     assert status == 400 and body["field"] in ("body", "node")
 
@@ -208,7 +212,7 @@ async def test_nan_is_refused_naming_its_field() -> None:
     assert (e.value.field, e.value.reason) == ("machine.cpu_percent.mean", "must be finite")
 
 
-async def test_oversized_body_is_413(agents: TestClient, registry: NodeRegistry) -> None:
+async def test_oversized_body_is_413(agents: Client, registry: NodeRegistry) -> None:
     status, body = await post(agents, "/v1/register", b"{" + b" " * (10 * 1024 * 1024) + b"}")
     assert status == 413 and "larger" in body["error"]
     assert len(registry) == 0
@@ -227,7 +231,7 @@ async def test_unexpected_error_is_500_without_a_traceback(aiohttp_client: Any) 
 
 
 async def test_staleness_is_the_control_plane_s_receive_time(
-    aiohttp_client: Any, agents: TestClient, registry: NodeRegistry, clock: FakeClock
+    aiohttp_client: Any, agents: Client, registry: NodeRegistry, clock: FakeClock
 ) -> None:
     pages = await aiohttp_client(pages_api.create_app(registry))
     await post(agents, "/v1/register", registration())
@@ -271,11 +275,16 @@ def test_fuzzed_heartbeats_are_refused_cleanly_or_accepted_whole(field: str, val
         assert e.field and e.reason
         assert registry.get("gpu-17") == before
         return
+    if hb["node"] != "gpu-17":  # a valid name, but no node registered it: refused whole (the API's 404)
+        with pytest.raises(UnknownNode):
+            registry.heartbeat(hb)
+        assert registry.get("gpu-17") == before and registry.get(hb["node"]) is None
+        return
     registry.heartbeat(hb)  # accepted: it must be storable and re-encodable
     wire.dumps(hb)
 
 
-async def test_server_stays_up_through_garbage(agents: TestClient) -> None:
+async def test_server_stays_up_through_garbage(agents: Client) -> None:
     for data in (b"\xff\xfe", b"{" * 100_000, b'{"node": "' + b"a" * 400_000 + b'"}'):
         status, _ = await post(agents, "/v1/register", data)
         assert 400 <= status < 500
@@ -291,7 +300,7 @@ def test_create_app_uses_typed_keys(registry: NodeRegistry) -> None:
     assert app[REGISTRY] is registry
 
 
-async def test_a_slow_client_does_not_hold_up_the_others(agents: TestClient) -> None:
+async def test_a_slow_client_does_not_hold_up_the_others(agents: Client) -> None:
     """A client sends its request headers a byte at a time; the others are
     served while its headers are half sent, and it is answered in the end."""
     assert agents.server.port is not None

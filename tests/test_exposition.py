@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane import agent_api, pages_api
 from controlplane.exposition import FleetExposition
 from controlplane.history import EmbeddedHistory
+from controlplane.keys import METRICS
 from controlplane.registry import NodeRegistry
 from controlplane.series import CHARTED, FAMILIES, FAMILY_NAMES, series_of
 from tests.fakeclock_registry import fleet_registry
@@ -162,7 +163,7 @@ async def test_refused_requests_are_counted_by_reason(aiohttp_client: Any) -> No
     registry = NodeRegistry(clock=FakeClock())
     pages_app = pages_api.create_app(registry)
     agents = await aiohttp_client(agent_api.create_app(registry, b"a cluster secret of some length",
-                                                       pages_app[pages_api.METRICS]))  # fmt: skip
+                                                       pages_app[METRICS]))  # fmt: skip
     pages = await aiohttp_client(pages_app)
     await agents.post("/v1/heartbeat", data=b"{}")  # no token
     await agents.post("/v1/heartbeat", data=b"{}", headers={"Authorization": "Bearer x.y"})

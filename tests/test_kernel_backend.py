@@ -63,7 +63,7 @@ def windows_against_truth(
     ws.prime(0)
     assert at_edge is not None
     edges.append(at_edge)
-    out = []
+    out: list[tuple[float, float]] = []
     for _ in range(n):
         final_slot, at_edge = time.monotonic() + WINDOW_S, None
         [shard] = ws.run_window(WINDOW_S)["shards"]

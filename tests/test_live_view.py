@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +30,7 @@ from sampler.window import RateSeries
 from tests.conftest import unavailable
 from tests.fakeproc import FakeClock
 from tests.test_agent_processes import INTERVAL, Fleet, fresh_with_seq
-from tests.test_controlplane_api import SECRET, auth, heartbeat, post, registration
+from tests.test_controlplane_api import SECRET, Client, auth, heartbeat, post, registration
 from tests.workloads import busy_threads, start_group
 
 
@@ -236,7 +235,7 @@ def test_a_new_viewer_starts_with_the_last_minute_and_memory_is_bounded() -> Non
 
 
 @pytest.fixture
-async def cluster(aiohttp_client: Any) -> tuple[TestClient, TestClient, LiveSamples]:
+async def cluster(aiohttp_client: Any) -> tuple[Client, Client, LiveSamples]:
     registry = NodeRegistry(stale_after=60)
     live = LiveSamples(max_nodes=1, linger_s=0.5)
     agents = await aiohttp_client(agent_api.create_app(registry, SECRET, live=live))
@@ -257,7 +256,7 @@ async def read_event(stream: Any) -> tuple[str, Any]:
             return name, json.loads(data)
 
 
-async def test_a_viewer_gets_the_samples_the_answers_ask_for(cluster: tuple[TestClient, TestClient, LiveSamples]
+async def test_a_viewer_gets_the_samples_the_answers_ask_for(cluster: tuple[Client, Client, LiveSamples]
                                                              ) -> None:  # fmt: skip
     agents, pages, live = cluster
     assert (await post(agents, "/v1/register", registration()))[0] == 200

@@ -66,7 +66,7 @@ async def test_each_claim_wrong_on_its_own_is_401(issuer: TestIssuer, tmp_path: 
                                                  reason: str) -> None:  # fmt: skip
     v = verifier_for(issuer, tmp_path)
     with pytest.raises(Unauthenticated, match=reason):
-        await v.node(issuer.token("gpu-17", **change))  # type: ignore[arg-type]
+        await v.node(issuer.token("gpu-17", **change))
 
 
 async def test_small_clock_skew_is_tolerated(issuer: TestIssuer, tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ async def test_unknown_key_tampered_and_unsigned_tokens_are_401(issuer: TestIssu
     forged = ".".join([head, jwt.utils.base64url_encode(json.dumps(claims).encode()).decode(), sig])
     with pytest.raises(Unauthenticated, match="Signature"):
         await v.node(forged)
-    unsigned = jwt.encode(issuer.claims("gpu-17"), None, algorithm="none", headers={"kid": "k1"})
+    unsigned = jwt.encode(issuer.claims("gpu-17"), "", algorithm="none", headers={"kid": "k1"})
     with pytest.raises(Unauthenticated):
         await v.node(unsigned)
     hs = jwt.encode(issuer.claims("gpu-17"), "k" * 32, algorithm="HS256", headers={"kid": "k1"})

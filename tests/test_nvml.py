@@ -50,6 +50,13 @@ def read(r: GpuReader, members: dict[str, set[int]] | None = None) -> GpuReading
     return reading
 
 
+def read_gpus(r: GpuReader, members: dict[str, set[int]] | None = None) -> list[dict[str, Any]]:
+    """A reading's GPUs, which must have been measured."""
+    gpus = read(r, members).gpus
+    assert gpus is not None
+    return gpus
+
+
 def test_fake_follows_pynvml_signatures() -> None:
     for name, fn in inspect.getmembers(FakeNvml, inspect.isfunction):
         if name.startswith("nvml"):
@@ -73,7 +80,7 @@ def test_eight_h200s_every_field_of_every_card(readers: list[GpuReader]) -> None
                             "driver_version": "550.54.15"}  # fmt: skip
 
     reading = read(r, {"llama": {100, 101}, "mistral": {200}, "idle": {300}})
-    assert len(reading.gpus) == 8
+    assert reading.gpus is not None and len(reading.gpus) == 8
     for gpu in reading.gpus:
         assert set(MEASURED) <= set(gpu)
     g = reading.gpus[0]
@@ -89,12 +96,12 @@ def test_samples_are_taken_once(readers: list[GpuReader]) -> None:
     nvml = h200_node(1)
     nvml.cards[0].samples = [(10, 50), (20, 60)]
     r = open_reader(nvml, readers)
-    assert read(r).gpus[0]["utilization_max_percent"] == 60.0
+    assert read_gpus(r)[0]["utilization_max_percent"] == 60.0
     nvml.cards[0].samples += [(30, 10)]
-    second = read(r).gpus[0]
+    second = read_gpus(r)[0]
     assert second["utilization_max_percent"] == 10.0  # only the new sample
     # No new sample: no p95 or max, and the instant rate stands in for the mean.
-    third = read(r).gpus[0]
+    third = read_gpus(r)[0]
     assert "utilization_max_percent" not in third and "utilization_p95_percent" not in third
     assert third["utilization_percent"] == 97.0
 
@@ -106,7 +113,7 @@ def test_old_driver_leaves_its_missing_fields_absent(
     nvml.cards[1].samples = [(5, 40)]
     r = open_reader(nvml, readers)
     with caplog.at_level(logging.INFO, logger="sampler.nvml"):
-        old, new = read(r).gpus
+        old, new = read_gpus(r)
         read(r)
     for key in ("utilization_percent", "utilization_p95_percent", "utilization_max_percent",
                 "memory_bandwidth_percent", "energy_joules"):  # fmt: skip
@@ -122,13 +129,13 @@ def test_old_driver_leaves_its_missing_fields_absent(
 def test_lost_gpu_is_absent_the_rest_go_on_and_it_comes_back(readers: list[GpuReader]) -> None:
     nvml = h200_node(4)
     r = open_reader(nvml, readers)
-    assert all("temperature_celsius" in g for g in read(r).gpus)
+    assert all("temperature_celsius" in g for g in read_gpus(r))
     nvml.cards[2].lost = True
-    gpus = read(r).gpus
+    gpus = read_gpus(r)
     assert gpus[2] == {"index": 2, "uuid": nvml.cards[2].uuid, "lost": True}
     assert all("temperature_celsius" in g for i, g in enumerate(gpus) if i != 2)
     # The next reading re-initialises NVML, and the card answers again.
-    gpus = read(r).gpus
+    gpus = read_gpus(r)
     assert nvml.inits == 2
     assert "lost" not in gpus[2] and gpus[2]["temperature_celsius"] == 61
 
@@ -190,7 +197,8 @@ class GpuTime:
     test is holding NVML wedged."""
 
     def __init__(self, clock: FakeClock) -> None:
-        self.clock, self.gpus, self.wedged = clock, None, False
+        self.clock, self.wedged = clock, False
+        self.gpus: GpuReader | None = None
 
     def sleep(self, seconds: float) -> None:
         self.clock.advance(seconds)

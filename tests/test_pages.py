@@ -197,16 +197,20 @@ def test_fleet_charts_combine_nodes_on_a_step_grid() -> None:
 
     total, mean, top = chart("sum"), chart("avg"), chart("max")
     assert total.t[-1] == 1199 and np.diff(total.t).tolist() == [7.0] * (len(total.t) - 1)
-    at = {t: i for i, t in enumerate(total.t.tolist())}
+    step = {t: i for i, t in enumerate(total.t.tolist())}
+
+    def value_at(s: Series, t: int) -> float:
+        return float(s.v[step[t]])
+
     # 1038: a's heartbeat of 1035 (7, 10), b's of 1036.7 (93), c's of 1038.2 is later: its 1033.2 (50).
-    assert (total.v[at[1038]], mean.v[at[1038]], top.v[at[1038]]) == (160.0, 40.0, 93.0)
+    assert (value_at(total, 1038), value_at(mean, 1038), value_at(top, 1038)) == (160.0, 40.0, 93.0)
     # 1101: a's of 1100 (20, 10), b's of 1096.7 (81); c's last (1098.2: 50) is 2.8 s old: still carried.
-    assert total.v[at[1101]] == 20 + 10 + 81 + 50
+    assert value_at(total, 1101) == 20 + 10 + 81 + 50
     # 1115: a's of 1115 (23, 10), b's of 1111.7 (78); c's last is 16.8 s old, past the stale period.
-    assert total.v[at[1115]] == 23 + 10 + 78
+    assert value_at(total, 1115) == 23 + 10 + 78
     # 1066: a's of 1065 (13, 10), b's of 1061.7 (88); c's of 1063.2 came without its card: absent
     # then, not carried from its heartbeat before.
-    assert total.v[at[1066]] == 13 + 10 + 88
+    assert value_at(total, 1066) == 13 + 10 + 88
     # Before any heartbeat (1000 - 199 % 7 = 1003 is the first step): a's first only.
     assert total.t[0] == 1003 and total.v[0] == 0 + 10 + 100  # b's 1001.7 is there too
 

@@ -9,6 +9,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -116,7 +117,7 @@ def test_bad_pod_selectors_are_refused(text: str, error: str) -> None:
         PodSelector.parse(text)
 
 
-def podlist(*pods: dict) -> bytes:
+def podlist(*pods: dict[str, Any]) -> bytes:
     return json.dumps({"kind": "PodList", "items": list(pods)}).encode()
 
 

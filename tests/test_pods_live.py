@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,7 +113,9 @@ def run_pod(cgroups: PodCgroups, uid: str, duty: float, started: list[subprocess
     return cid, p.pid
 
 
-def window_with_truth(sampler: WindowSampler, pids: dict[str, int]) -> tuple[dict[str, dict], dict[str, float]]:
+def window_with_truth(
+    sampler: WindowSampler, pids: dict[str, int]
+) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:  # fmt: skip
     """One window's shards by id, and each pod's CPU by the kernel's account
     over the window (read at the window's edges, as the kernel tests do)."""
     t0, s0 = time.monotonic(), {k: process_cpu_seconds(p) for k, p in pids.items()}

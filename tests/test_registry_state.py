@@ -10,6 +10,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from controlplane import agent_api, pages_api
@@ -26,7 +27,8 @@ def register(registry: NodeRegistry, node: str) -> None:
 async def metrics(client: Any) -> str:
     r = await client.get("/metrics")
     assert r.status == 200
-    return await r.text()
+    text: str = await r.text()
+    return text
 
 
 async def test_a_restart_keeps_every_node_known_and_stale_until_it_speaks(aiohttp_client: Any, tmp_path: Path) -> None:
@@ -102,7 +104,7 @@ async def test_an_operator_forgets_a_node_from_this_machine_only(aiohttp_client:
     transport.get_extra_info.return_value = ("10.1.2.3", 40000)
     remote = make_mocked_request("DELETE", "/api/nodes/gone-1", match_info={"node": "gone-1"}, app=app,
                                  transport=transport)  # fmt: skip
-    with pytest.raises(pages_api.web.HTTPForbidden):
+    with pytest.raises(web.HTTPForbidden):
         await pages_api.forget_node(remote)
     assert registry.get("gone-1") is not None
 
