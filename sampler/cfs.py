@@ -63,7 +63,7 @@ def parse_cpu_stat(data: bytes) -> CpuStat:
         raise procfs.ProcParseError(f"cpu.stat without {e.args[0]!r}: {data[:120]!r}") from None
 
 
-CPU_STAT_READS = 4  # readings microseconds apart, periods 100 ms: two agree at the first try but for a rare tear
+CPU_STAT_READS = 4  # readings microseconds apart, periods 1 ms at the least: two agree at once but for a rare tear
 
 
 def read_cpu_stat(path: Path, read: Callable[[Path], bytes] | None = None) -> CpuStat:
