@@ -33,7 +33,7 @@ from sampler.machine import MachineGaugeReader
 from tests import podman_pods as pods
 from tests.certs import TestCA
 from tests.issuer import TestIssuer
-from tests.workloads import QUARTER_WORKERS, group_cpu_seconds, start_group
+from tests.workloads import QUARTER_WORKERS, group_cpu_at, group_members, start_group
 
 pytestmark = pytest.mark.container
 
@@ -114,8 +114,9 @@ class CpuTruth:
         self._thread.start()
 
     def _run(self) -> None:
+        members = group_members(self.pgid)
         while not self._stop.wait(0.05):
-            self.points.append((time.time(), group_cpu_seconds(self.pgid)))
+            self.points.append(group_cpu_at(self.pgid, members, clock=time.time))
 
     def at(self, t: float) -> float | None:
         for (t0, s0), (t1, s1) in zip(self.points, self.points[1:], strict=False):

@@ -22,7 +22,16 @@ from sampler.backend import BackendChoice
 from sampler.proc_groups import ProcGroupSampler
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window_sampler import WindowSampler
-from tests.workloads import BURN_ONE_CORE, FORKER, PROC, QUARTER_WORKERS, GroupTruth, group_cpu_seconds, start_group
+from tests.workloads import (
+    BURN_ONE_CORE,
+    FORKER,
+    PROC,
+    QUARTER_WORKERS,
+    GroupTruth,
+    group_cpu_at,
+    group_members,
+    start_group,
+)
 
 pytestmark = pytest.mark.live
 
@@ -93,6 +102,7 @@ def window_with_a_stall(groups: Any, backend: str, pgid: int) -> tuple[dict[str,
     edges: list[tuple[float, float]] = []
     final_slot, calls = 0.0, 0
     sample = groups.sample
+    members = group_members(pgid)
 
     def stalling() -> Any:
         nonlocal calls
@@ -100,8 +110,8 @@ def window_with_a_stall(groups: Any, backend: str, pgid: int) -> tuple[dict[str,
         if calls == 12:
             time.sleep(0.3)
         readings = sample()
-        if (now := time.monotonic()) >= final_slot:
-            edges.append((now, group_cpu_seconds(pgid)))
+        if time.monotonic() >= final_slot:
+            edges.append(group_cpu_at(pgid, members))
         return readings
 
     groups.sample = stalling

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -105,31 +106,60 @@ def start_group(code: str, tag: str = "workload") -> subprocess.Popen[str]:
     return p
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """The kernel's account of a group's CPU, read with the test's own parser:
-    each live thread's on-CPU nanoseconds (schedstat, exact), plus the cutime
-    and cstime of children the group's processes reaped (clock ticks). utime
-    and stime alone come in 10 ms ticks per process: over a 2 s window of four
-    processes that quantisation alone is up to 2.7% of three quarters of a core."""
-    total = 0.0
+def group_members(pgid: int) -> list[int]:
+    """The pids of a process group's live processes: a walk of all of /proc."""
+    pids = []
     for name in os.listdir(PROC):
         if not name.isdigit():
             continue
         try:
             data = (PROC / name / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(data[data.rindex(")") + 2 :].split(" ")[2]) == pgid:
+            pids.append(int(name))
+    return pids
+
+
+def members_cpu_seconds(pgid: int, pids: list[int]) -> float:
+    """The kernel's account of these processes' CPU (those still in the group:
+    a pid reused since is another's), read with the test's own
+    parser: each live thread's on-CPU nanoseconds (schedstat, exact), plus the
+    cutime and cstime of children they reaped (clock ticks). utime and stime
+    alone come in 10 ms ticks per process: over a 2 s window of four processes
+    that quantisation alone is up to 2.7% of three quarters of a core."""
+    total = 0.0
+    for pid in pids:
+        try:
+            data = (PROC / str(pid) / "stat").read_text()
             fields = data[data.rindex(")") + 2 :].split(" ")
             if int(fields[2]) != pgid:
                 continue
             total += (int(fields[13]) + int(fields[14])) / HZ  # cutime cstime
-            threads = os.listdir(PROC / name / "task")
+            threads = os.listdir(PROC / str(pid) / "task")
         except (FileNotFoundError, ProcessLookupError):
             continue
         for tid in threads:
             try:
-                total += int((PROC / name / "task" / tid / "schedstat").read_text().split()[0]) / 1e9
+                total += int((PROC / str(pid) / "task" / tid / "schedstat").read_text().split()[0]) / 1e9
             except (FileNotFoundError, ProcessLookupError):
                 continue
     return total
+
+
+def group_cpu_at(
+    pgid: int, pids: list[int] | None = None, clock: Callable[[], float] = time.monotonic
+) -> tuple[float, float]:
+    """(when, the group's CPU seconds): the members found first (or given),
+    then the clock and their counters read together, in a handful of reads.
+    Stamped before a walk of /proc, the counters were read 140-280 ms after
+    their stamp under emulation, a different delay at each edge: up to 3% of
+    a 0.75-core group over 5 s. Members given are those of an earlier walk:
+    one forked since is missed until a member reaps it (a slice, at most)."""
+    members = group_members(pgid) if pids is None else pids
+    before = clock()
+    seconds = members_cpu_seconds(pgid, members)
+    return (before + clock()) / 2, seconds
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -149,14 +179,16 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 class GroupTruth:
-    """The kernel's account of a group's cores between two calls of `cores()`."""
+    """The kernel's account of a group's cores between two calls of `cores()`,
+    over the members it found when made (children they fork and reap are
+    counted when reaped)."""
 
     def __init__(self, pgid: int) -> None:
-        self.pgid = pgid
-        self.at, self.seconds = time.monotonic(), group_cpu_seconds(pgid)
+        self.pgid, self.pids = pgid, group_members(pgid)
+        self.at, self.seconds = group_cpu_at(pgid, self.pids)
 
     def cores(self) -> float:
-        at, seconds = time.monotonic(), group_cpu_seconds(self.pgid)
+        at, seconds = group_cpu_at(self.pgid, self.pids)
         cores = (seconds - self.seconds) / (at - self.at)
         self.at, self.seconds = at, seconds
         return cores
