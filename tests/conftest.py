@@ -37,24 +37,24 @@ def group() -> Iterator[list[subprocess.Popen[str]]]:
         p.wait()
 
 
-@pytest.fixture(scope="module")
-def module_bpf_groups() -> Iterator[BpfGroupSampler]:
-    """One kernel backend for a test module: a load is a compile (12-16 s in
+@pytest.fixture(scope="session")
+def shared_bpf_groups() -> Iterator[BpfGroupSampler]:
+    """One kernel backend for the whole run: a load is a compile (12-20 s in
     an emulated guest of `make vm-test`, over half its time when each test
-    loaded its own), and the agent itself keeps one loaded while its watches
-    change from window to window."""
+    loaded its own, a minute a line when each module did), and the agent
+    itself keeps one loaded while its watches change from window to window."""
     yield from _bpf_groups(bpf_stats=False)
 
 
 @pytest.fixture
-def bpf_groups(module_bpf_groups: BpfGroupSampler) -> Iterator[BpfGroupSampler]:
-    """The kernel backend loaded into this kernel, shared by the module's
-    tests: each starts watching nothing and leaves nothing watched."""
+def bpf_groups(shared_bpf_groups: BpfGroupSampler) -> Iterator[BpfGroupSampler]:
+    """The kernel backend loaded into this kernel, shared by every test that
+    asks for it: each starts watching nothing and leaves nothing watched."""
     from sampler.selectors import ProcessTable
 
-    module_bpf_groups.discover([], ProcessTable.walk(PROC))
-    yield module_bpf_groups
-    module_bpf_groups.discover([], ProcessTable.walk(PROC))
+    shared_bpf_groups.discover([], ProcessTable.walk(PROC))
+    yield shared_bpf_groups
+    shared_bpf_groups.discover([], ProcessTable.walk(PROC))
 
 
 @pytest.fixture
