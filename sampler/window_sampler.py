@@ -93,11 +93,13 @@ class WindowSampler:
         if self.kubelet is not None and any(w.selector.kind == "k8s" for w in self.watches or ()):
             self.kubelet.wait_for_poll(0, self.kubelet.deadline_s + 1)  # the first window knows the pods
         self._discover()
+        # Stamped where the machine's counters are read, as in run_window: the
+        # first window's first sample covers the readings that follow too.
+        self._last_sample_at = self._clock()
         self.cpu.sample()
         self.groups.sample()
         self._waits()  # a first reading, for the first window to compare with
         self.cfs.read(self._members)  # likewise the cgroups' throttling counters
-        self._last_sample_at = self._clock()
         if self.watches is None and seconds > 0:
             self._sleep(seconds)
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sampler.backend import BackendChoice
-from sampler.proc_groups import PAGE_SIZE, USER_HZ, ProcGroupSampler
+from sampler.proc_groups import PAGE_SIZE, USER_HZ, GroupReading, ProcGroupSampler
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window import RateSeries
 from sampler.window_sampler import WindowSampler
@@ -206,3 +206,39 @@ def test_a_300_ms_stall_keeps_every_figure(tmp_path: Path) -> None:
     assert stalled["window"]["end"] - stalled["window"]["start"] == pytest.approx(1.0)
     assert stalled["machine"]["cpu_percent"] == {"mean": 50.0, "p95": 50.0, "max": 50.0}
     assert stalled["shards"][0]["cpu_cores"] == {"mean": 1.0, "p95": 1.0, "max": 1.0}
+
+
+def test_the_first_sample_is_weighted_from_the_machines_first_reading(tmp_path: Path) -> None:
+    """Priming reads the machine's counters, then the groups' (slow on a
+    crowded machine): the first window's first sample covers both, so its
+    weight runs from the machine's reading. Here the machine is all busy for
+    the 100 ms those reads take, then half busy: over the window 1.2 of 2.2
+    CPU-seconds, 54.5%, not the 52.5% of a weight stamped after them."""
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(100, rss=1)
+    clock = FakeClock()
+    ticks = {"user": 0, "idle": 0}
+
+    def run(seconds: float, busy: float) -> None:  # two CPUs, `busy` of them in use
+        clock.advance(seconds)
+        ticks["user"] += round(seconds * USER_HZ * busy)
+        ticks["idle"] += round(seconds * USER_HZ * (2 - busy))
+        proc.set_cpu(**ticks)
+
+    proc.set_cpu(**ticks)
+    groups = ProcGroupSampler(proc.root, clock)
+    read_groups = groups.sample
+
+    def slow_read() -> dict[str, GroupReading]:
+        run(0.1, busy=2.0)
+        return read_groups()
+
+    groups.sample = slow_read  # type: ignore[method-assign]
+    w = WindowSampler(proc.root, BackendChoice("proc", None), groups,
+                      [GroupWatch("s0", GroupSelector.parse("pgid:100"))], hz=10, node="n1", clock=clock,
+                      wall_clock=clock, sleep=lambda s: run(s, busy=1.0))  # fmt: skip
+    w.prime(0)
+    groups.sample = read_groups  # type: ignore[method-assign]
+    first = w.run_window(1.0)
+    assert first["machine"]["cpu_percent"]["mean"] == pytest.approx(100 * 1.2 / 2.2, abs=1e-3)
+    assert first["machine"]["cpu_percent"]["max"] == pytest.approx(75.0)  # 30 busy ticks of 40 in its 200 ms
