@@ -31,7 +31,7 @@ from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window_sampler import WindowSampler
 from tests.conftest import CGROUP, AccuracyLog, unavailable
 from tests.fakekubelet import FakeKubelet, pod_doc
-from tests.workloads import PROC, busy_threads, process_cpu_seconds, start_group
+from tests.workloads import PROC, busy_threads, process_cpu_at, start_group
 
 pytestmark = pytest.mark.kernel
 
@@ -123,12 +123,12 @@ class EdgeTruth:
 
     def __init__(self, groups: GroupSampler, monkeypatch: pytest.MonkeyPatch) -> None:
         self.pids: dict[str, int] = {}
-        self.last: tuple[float, dict[str, float]] | None = None  # at the latest group reading
+        self.last: dict[str, tuple[float, float]] | None = None  # each pod's (when, seconds) at the latest reading
         sample = groups.sample
 
         def sample_then_truth() -> Any:
             readings = sample()
-            self.last = (time.monotonic(), {k: process_cpu_seconds(p) for k, p in self.pids.items()})
+            self.last = {k: process_cpu_at(p) for k, p in self.pids.items()}  # each stamped as it is read
             return readings
 
         monkeypatch.setattr(groups, "sample", sample_then_truth)
@@ -136,10 +136,11 @@ class EdgeTruth:
     def window(self, sampler: WindowSampler) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
         """One window's shards by id, and each pod's cores over the same interval."""
         assert self.last is not None, "the sampler has not read the groups yet"
-        t0, s0 = self.last
+        before = self.last
         summary = sampler.run_window(WINDOW_S)
-        t1, s1 = self.last
-        return {s["id"]: s for s in summary["shards"]}, {k: (s1[k] - s0[k]) / (t1 - t0) for k in self.pids}
+        after = self.last
+        cores = {k: (after[k][1] - before[k][1]) / (after[k][0] - before[k][0]) for k in self.pids}
+        return {s["id"]: s for s in summary["shards"]}, cores
 
 
 def test_pods_of_a_deployment_on_both_backends(backend: tuple[str, GroupSampler], pod_cgroups: PodCgroups,

@@ -192,3 +192,10 @@ class GroupTruth:
         cores = (seconds - self.seconds) / (at - self.at)
         self.at, self.seconds = at, seconds
         return cores
+
+
+def process_cpu_at(pid: int) -> tuple[float, float]:
+    """(when, `process_cpu_seconds(pid)`), stamped with the middle of its reads."""
+    before = time.monotonic()
+    seconds = process_cpu_seconds(pid)
+    return (before + time.monotonic()) / 2, seconds
