@@ -19,6 +19,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window_sampler import WindowSampler
 from tests.conftest import CGROUP, AccuracyLog, unavailable
 from tests.fakekubelet import FakeKubelet, pod_doc
-from tests.workloads import PROC, busy_threads, process_cpu_at, start_group
+from tests.workloads import PROC, busy_threads, process_cpu_seconds, stamped, start_group
 
 pytestmark = pytest.mark.kernel
 
@@ -123,12 +124,12 @@ class EdgeTruth:
 
     def __init__(self, groups: GroupSampler, monkeypatch: pytest.MonkeyPatch) -> None:
         self.pids: dict[str, int] = {}
-        self.last: dict[str, tuple[float, float]] | None = None  # each pod's (when, seconds) at the latest reading
+        self.last: dict[str, tuple[float, float]] | None = None  # each pod (when, seconds), stamped as read
         sample = groups.sample
 
         def sample_then_truth() -> Any:
             readings = sample()
-            self.last = {k: process_cpu_at(p) for k, p in self.pids.items()}  # each stamped as it is read
+            self.last = {k: stamped(partial(process_cpu_seconds, p)) for k, p in self.pids.items()}
             return readings
 
         monkeypatch.setattr(groups, "sample", sample_then_truth)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -123,11 +124,11 @@ def group_members(pgid: int) -> list[int]:
 
 def members_cpu_seconds(pgid: int, pids: list[int]) -> float:
     """The kernel's account of these processes' CPU (those still in the group:
-    a pid reused since is another's), read with the test's own
-    parser: each live thread's on-CPU nanoseconds (schedstat, exact), plus the
-    cutime and cstime of children they reaped (clock ticks). utime and stime
-    alone come in 10 ms ticks per process: over a 2 s window of four processes
-    that quantisation alone is up to 2.7% of three quarters of a core."""
+    a pid reused since is another's), read with the test's own parser: each
+    live thread's on-CPU nanoseconds (`process_cpu_seconds`), plus the cutime
+    and cstime of children they reaped (clock ticks). utime and stime alone
+    come in 10 ms ticks per process: over a 2 s window of four processes that
+    quantisation alone is up to 2.7% of three quarters of a core."""
     total = 0.0
     for pid in pids:
         try:
@@ -136,30 +137,27 @@ def members_cpu_seconds(pgid: int, pids: list[int]) -> float:
             if int(fields[2]) != pgid:
                 continue
             total += (int(fields[13]) + int(fields[14])) / HZ  # cutime cstime
-            threads = os.listdir(PROC / str(pid) / "task")
+            total += process_cpu_seconds(pid)
         except (FileNotFoundError, ProcessLookupError):
             continue
-        for tid in threads:
-            try:
-                total += int((PROC / str(pid) / "task" / tid / "schedstat").read_text().split()[0]) / 1e9
-            except (FileNotFoundError, ProcessLookupError):
-                continue
     return total
 
 
-def group_cpu_at(
-    pgid: int, pids: list[int] | None = None, clock: Callable[[], float] = time.monotonic
-) -> tuple[float, float]:
-    """(when, the group's CPU seconds): the members found first (or given),
-    then the clock and their counters read together, in a handful of reads.
-    Stamped before a walk of /proc, the counters were read 140-280 ms after
-    their stamp under emulation, a different delay at each edge: up to 3% of
-    a 0.75-core group over 5 s. Members given are those of an earlier walk:
-    one forked since is missed until a member reaps it (a slice, at most)."""
-    members = group_members(pgid) if pids is None else pids
+def stamped(read: Callable[[], float], clock: Callable[[], float] = time.monotonic) -> tuple[float, float]:
+    """(when, what `read` returned), stamped with the middle of its reads."""
     before = clock()
-    seconds = members_cpu_seconds(pgid, members)
-    return (before + clock()) / 2, seconds
+    value = read()
+    return (before + clock()) / 2, value
+
+
+def group_cpu_at(pgid: int, pids: list[int], clock: Callable[[], float] = time.monotonic) -> tuple[float, float]:
+    """(when, the group's CPU seconds) over members found by an earlier walk
+    (`group_members`): the clock and their counters read together, in a
+    handful of reads. Stamped before a walk of /proc, the counters were read
+    140-280 ms after their stamp under emulation, a different delay at each
+    edge: up to 3% of a 0.75-core group over 5 s. A member forked since the
+    walk is missed until a member reaps it (a slice, at most)."""
+    return stamped(partial(members_cpu_seconds, pgid, pids), clock)
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -193,9 +191,3 @@ class GroupTruth:
         self.at, self.seconds = at, seconds
         return cores
 
-
-def process_cpu_at(pid: int) -> tuple[float, float]:
-    """(when, `process_cpu_seconds(pid)`), stamped with the middle of its reads."""
-    before = time.monotonic()
-    seconds = process_cpu_seconds(pid)
-    return (before + time.monotonic()) / 2, seconds
