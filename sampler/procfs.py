@@ -29,30 +29,34 @@ class ProcParseError(ValueError):
 # --- reading -----------------------------------------------------------------
 
 
-def read_bytes(path: str | Path) -> bytes:
-    """The whole file, to its end. A seq_file (mountinfo, a long cmdline)
-    hands out a page or so per read, so a short read is not the end: only an
-    empty one is (as psutil reads). os.open/os.read on a str path: no
-    buffered file object and no Path joining, which together cost more than
-    the read itself (8 us against 2.3 us a /proc/<pid>/stat here)."""
+def read_bytes(path: str | Path, limit: int | None = None) -> bytes:
+    """The whole file, to its end, or its first `limit` bytes. A seq_file
+    (mountinfo, a long cmdline) hands out a page or so per read, so a short
+    read is not the end: only an empty one is (as psutil reads). os.open/os.read
+    on a str path: no buffered file object and no Path joining, which together
+    cost more than the read itself (8 us against 2.3 us a /proc/<pid>/stat here)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        data = os.read(fd, 8192)
+        data = os.read(fd, 8192 if limit is None else min(8192, limit))
         if not data:
             return data
-        chunks = [data]
-        while chunk := os.read(fd, 65536):
+        chunks, size = [data], len(data)
+        while limit is None or size < limit:
+            chunk = os.read(fd, 65536 if limit is None else min(65536, limit - size))
+            if not chunk:
+                break
             chunks.append(chunk)
+            size += len(chunk)
         return data if len(chunks) == 1 else b"".join(chunks)
     finally:
         os.close(fd)
 
 
-def read_pid_file(proc: Path, pid: int, name: str) -> bytes:
-    """Read /proc/<pid>/<name>, turning every way a process can vanish into
-    `ProcessGone` (ENOENT; ESRCH from a read racing the exit)."""
+def read_pid_file(proc: Path, pid: int, name: str, limit: int | None = None) -> bytes:
+    """Read /proc/<pid>/<name> (its first `limit` bytes), turning every way a
+    process can vanish into `ProcessGone` (ENOENT; ESRCH from a read racing the exit)."""
     try:
-        return read_bytes(f"{proc}/{pid}/{name}")
+        return read_bytes(f"{proc}/{pid}/{name}", limit)
     except (FileNotFoundError, ProcessLookupError) as e:
         raise ProcessGone(pid) from e
 

@@ -74,6 +74,7 @@ class WindowSampler:
         # agent's endless loop; a one-shot `sample` can afford to wait.
         self.gpu_grace = gpu_grace
         self._members: dict[str, set[int]] = {}  # watch id -> its pids at the last walk, for GPU memory
+        self._table: ProcessTable | None = None
         self._group_ticks: dict[int, int] | None = None
         self._last_sample_at: float | None = None
         self._program_stats: dict[str, tuple[int, int]] = {}
@@ -104,7 +105,8 @@ class WindowSampler:
             self._sleep(seconds)
 
     def _discover(self) -> None:
-        table = ProcessTable.walk(self.proc)
+        # The walk before lends its `cmdline:` verdicts: a leader is matched once.
+        table = self._table = ProcessTable.walk(self.proc, self._table)
         watches = self.watches
         if watches is None:
             ticks = table.group_ticks()

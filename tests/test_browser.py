@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.agent_fleet import Fleet, fresh_with_seq
 from tests.conftest import CpuCgroup
-from tests.test_agent_processes import Fleet, fresh_with_seq
 from tests.workloads import busy_threads, start_group
 
 pytestmark = pytest.mark.live

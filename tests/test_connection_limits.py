@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_agent_processes import Fleet, fresh_with_seq
+from tests.agent_fleet import Fleet, fresh_with_seq
 
 pytestmark = pytest.mark.live
 

@@ -27,9 +27,9 @@ from controlplane.live import MAX_BYTES_PER_NODE, LiveRefused, LiveSamples
 from controlplane.registry import NodeRegistry
 from nodesampler import raw_samples, wire
 from sampler.window import RateSeries
+from tests.agent_fleet import INTERVAL, Fleet, fresh_with_seq
 from tests.conftest import unavailable
 from tests.fakeproc import FakeClock
-from tests.test_agent_processes import INTERVAL, Fleet, fresh_with_seq
 from tests.test_controlplane_api import SECRET, Client, auth, heartbeat, post, registration
 from tests.workloads import busy_threads, start_group
 

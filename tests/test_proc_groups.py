@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
+from sampler.agent import ConfigError, parse_config
 from sampler.proc_groups import PAGE_SIZE, USER_HZ, GroupReading, ProcGroupSampler
-from sampler.selectors import GroupSelector, GroupWatch, ProcessTable, busiest_groups
+from sampler.selectors import CMDLINE_PREFIX_BYTES, GroupSelector, GroupWatch, ProcessTable, busiest_groups
 from tests.fakeproc import FakeClock, FakeProc
 
 
@@ -190,6 +191,56 @@ def test_selectors_resolve(proc: FakeProc) -> None:
 def test_bad_selectors(text: str) -> None:
     with pytest.raises(ValueError, match="selector"):
         GroupSelector.parse(text)
+
+
+def test_a_command_line_is_judged_on_its_first_32_kib(proc: FakeProc) -> None:
+    """A tenant's 2 MB command line costs what 32 KiB does: the part past
+    the prefix is never read, so a name written only there does not match."""
+    padding = "x" * (CMDLINE_PREFIX_BYTES - len("vllm serve "))
+    proc.add(100, cmdline=f"vllm serve {padding[:-20]} llama-70b")  # ends inside the prefix
+    proc.add(200, cmdline=f"vllm serve {padding} llama-70b " + "y" * 2_000_000)  # starts past it
+    t = ProcessTable.walk(proc.root)
+    assert sorted(t.resolve(GroupSelector.parse("cmdline:vllm serve .*llama-70b"))) == [100]
+    line = t.cmdline(200)
+    assert line is not None and len(line) == CMDLINE_PREFIX_BYTES
+
+
+def test_a_leader_is_matched_once_while_its_command_line_stays(proc: FakeProc) -> None:
+    """The walk before lends its verdicts: an unchanged leader is not searched
+    again; a new command line, or a new process on the same pid, is."""
+    searched: list[str] = []
+    real = GroupSelector.parse("cmdline:llama")
+    assert real.pattern is not None
+    pattern = real.pattern
+
+    class Counting:
+        def search(self, text: str) -> object | None:
+            searched.append(text)
+            return pattern.search(text)
+
+    sel = GroupSelector("cmdline", "llama", Counting())
+    proc.add(100, cmdline="vllm serve llama")
+    proc.add(200, cmdline="sshd -D")
+    first = ProcessTable.walk(proc.root)
+    assert first.resolve(sel) == [100]
+    assert sorted(searched) == ["sshd -D", "vllm serve llama"]
+    second = ProcessTable.walk(proc.root, first)
+    assert second.resolve(sel) == [100] and len(searched) == 2  # nothing searched again
+    proc.add(200, cmdline="llama too")  # the same process, a new command line
+    proc.add(100, cmdline="vllm serve llama", start=999)  # the pid reused by a new process
+    third = ProcessTable.walk(proc.root, second)
+    assert sorted(third.resolve(sel)) == [100, 200]
+    assert sorted(searched[2:]) == ["llama too", "vllm serve llama"]
+
+
+@pytest.mark.parametrize("pattern", [r"(vllm)\\1", r"vllm(?=serve)", r"(?<!x)vllm"])
+def test_a_pattern_re2_cannot_run_is_refused_at_config_load(pattern: str) -> None:
+    config = f'[[shard]]\nid = "s0"\nselect = "cmdline:{pattern}"\n'.encode()
+    with pytest.raises(ConfigError) as e:
+        parse_config(config, "agent.toml")
+    message = str(e.value)
+    assert message.startswith("agent.toml: shard 1: selector") and "RE2" in message
+    assert "\n" not in message  # one line
 
 
 def test_busiest_groups() -> None:
