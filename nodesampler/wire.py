@@ -213,6 +213,7 @@ def _shard(value: Any, field: Field) -> Json:
         optional(s, key, field, lambda v, f: name(v, f, MAX_K8S_NAME), out)
     optional(s, "selector", field, _text, out)
     optional(s, "command", field, _text, out)
+    optional(s, "metrics_error", field, _text, out)  # why the engine's own metrics gave no figures
     optional(s, "pgid", field, lambda v, f: integer(v, f, 1, 1 << 31), out)
     if s.get("pgids") is not None:
         out["pgids"] = [integer(p, (field, "pgids", i), 1, 1 << 31)
@@ -435,7 +436,7 @@ def fit_heartbeat(summary: Json) -> Json:
             s["id"] = sid
             _fit_text(s, ("model", "replica"), MAX_NAME)
             _fit_text(s, ("namespace", "pod", "container"), MAX_K8S_NAME)
-            _fit_text(s, ("selector", "command"), MAX_TEXT)
+            _fit_text(s, ("selector", "command", "metrics_error"), MAX_TEXT)
             if isinstance(s.get("pgids"), list) and len(s["pgids"]) > MAX_PGIDS:
                 s["pgids"] = s["pgids"][:MAX_PGIDS]
     if isinstance(summary.get("gpus"), list):

@@ -159,8 +159,8 @@ def test_a_throttled_share_is_never_above_one_whatever_the_timer_tears(
     timer = PeriodTimer(start, start, tear_at=set())
     read_bytes = procfs.read_bytes
 
-    def read(path: str | Path) -> bytes:
-        return timer.read(Path(path)) if Path(path).name == "cpu.stat" else read_bytes(path)
+    def read(path: str | Path, limit: int | None = None) -> bytes:
+        return timer.read(Path(path)) if Path(path).name == "cpu.stat" else read_bytes(path, limit)
 
     def edge(tear: int | None) -> dict[str, Any]:
         timer.tear_at = set() if tear is None else {timer.reads + tear}

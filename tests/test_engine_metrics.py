@@ -8,16 +8,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import socket
 import threading
-from collections.abc import Iterator
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from sampler.agent import ConfigError, parse_config
 from sampler.backend import BackendChoice
-from sampler.engine_metrics import EngineMetricsError, EngineMetricsReader, parse
+from sampler.engine_metrics import FAMILIES, EngineMetricsError, EngineMetricsReader, parse, read_text
+from sampler.http_fetch import FetchError, fetch
 from sampler.proc_groups import ProcGroupSampler
 from sampler.window_sampler import WindowSampler
 from tests.conftest import free_port
@@ -96,7 +104,10 @@ def test_each_engines_families() -> None:
     assert parse(b"# an engine we do not know\nfoo_bar 1\n") == {}
     # A value that is no count or ratio is left out, not shown wrong.
     assert parse(b"vllm:num_requests_waiting NaN\nvllm:kv_cache_usage_perc 3.5\nvllm:num_requests_running -1\n") == {}
-    for bad in (b"vllm:num_requests_waiting{ 1\n", b"\xff\xfe", b"vllm:num_requests_waiting one\n"):
+    # Only the wanted families' lines are parsed: text elsewhere is not read at all.
+    assert parse(b"\xff\xfe garbage {{\nvllm:num_requests_waiting 2\n") == {"requests_waiting": 2.0}
+    for bad in (b"vllm:num_requests_waiting{ 1\n", b'vllm:num_requests_waiting{a="\xff"} 1\n',
+                b"vllm:num_requests_waiting one\n"):
         with pytest.raises(EngineMetricsError):
             parse(bad)
 
@@ -167,7 +178,7 @@ def test_each_engine_read_and_each_failure_costs_its_own_figures(
     engines: FakeEngines, caplog: pytest.LogCaptureFixture
 ) -> None:
     engines.bodies.update(vllm=VLLM.encode(), sglang=SGLANG.encode(), tgi=TGI.encode(),
-                          huge=b"vllm:num_requests_waiting 1\n" + b"# padding\n" * (1 << 20),
+                          huge=b"vllm:num_requests_waiting 1\n" + (b"# " + b"p" * 60_000 + b"\n") * 80,
                           malformed=b"vllm:num_requests_waiting{model=\n")
     urls = {name: engines.url(name) for name in ("vllm", "sglang", "tgi", "huge", "malformed", "error", "slow",
                                                  "drip")}  # fmt: skip
@@ -177,13 +188,17 @@ def test_each_engine_read_and_each_failure_costs_its_own_figures(
         first = read_window(reader, urls)
         second = read_window(reader, urls)
     for got in (first, second):
-        assert got == {"vllm": parse(VLLM.encode()), "sglang": parse(SGLANG.encode()), "tgi": parse(TGI.encode())}
+        figures = {sid: got.pop(sid) for sid in ("vllm", "sglang", "tgi")}
+        assert figures == {"vllm": parse(VLLM.encode()), "sglang": parse(SGLANG.encode()), "tgi": parse(TGI.encode())}
+        # Each failed shard carries its reason, and no figures.
+        assert set(got) == {"huge", "malformed", "error", "slow", "drip", "down"}
+        assert all(list(v) == ["metrics_error"] for v in got.values()), got
     records = [r for r in caplog.records if r.name == "sampler.engine_metrics"]
     said = {r.getMessage().split(":", 1)[0]: r.getMessage() for r in records}
     assert set(said) == {f"engine {n}" for n in ("huge", "malformed", "error", "slow", "drip", "down")}
     assert "more than 4 MiB" in said["engine huge"] and "not Prometheus text" in said["engine malformed"]
     assert "HTTP 500" in said["engine error"] and "ConnectionRefusedError" in said["engine down"]
-    assert "timed out" in said["engine slow"] or "no answer" in said["engine slow"]
+    assert "not whole within 1 s" in said["engine slow"] or "no answer" in said["engine slow"]
     assert "not whole within 1 s" in said["engine drip"] or "no answer" in said["engine drip"]
     # One line for each, though both windows failed alike.
     assert len(records) == 6, [r.getMessage() for r in records]
@@ -211,3 +226,156 @@ def test_the_window_carries_the_queue(tmp_path: Path, engines: FakeEngines) -> N
     assert {k: s0[k] for k in ("requests_waiting", "requests_running", "kv_cache_usage_ratio")} == \
         {"requests_waiting": 15.0, "requests_running": 12.0, "kv_cache_usage_ratio": 0.82}  # fmt: skip
     assert not {"requests_waiting", "requests_running", "kv_cache_usage_ratio"} & set(s1)
+
+
+# --- what a hostile engine can send ---------------------------------------------
+
+
+def library_parse(body: bytes) -> dict[str, float]:
+    """The reference: prometheus-client's parser over the whole text, every family
+    built (what the agent did before it scanned for the wanted lines alone)."""
+    by_name: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        by_name.setdefault(family.name, []).extend(float(s.value) for s in family.samples if s.name == family.name)
+    found: dict[str, float] = {}
+    for field, names in FAMILIES.items():
+        for n in names:
+            values = [v for v in by_name.get(n, []) if math.isfinite(v)]
+            if values:
+                found[field] = sum(values) if field in ("requests_waiting", "requests_running") else max(values)
+                break
+    return {f: v for f, v in found.items() if v >= 0 and (f != "kv_cache_usage_ratio" or v <= 1)}
+
+
+_FAMILY = st.sampled_from([n for names in FAMILIES.values() for n in names] + ["vllm:num_requests_waiting_x",
+                                                                               "other_total", "tgi_queue"])
+
+
+@given(st.lists(st.tuples(_FAMILY, st.lists(st.tuples(st.sampled_from(["0", "1", "a b", 'q"x']),
+                                                       st.floats(0, 1, allow_nan=False)), min_size=1, max_size=3),
+                          st.booleans()), max_size=8, unique_by=lambda f: f[0]),
+       st.lists(st.integers(1, 64), max_size=20))  # fmt: skip
+def test_the_scan_gives_what_the_librarys_whole_parse_gives(families: list[tuple[str, list[tuple[str, float]], bool]],
+                                                            cuts: list[int]) -> None:  # fmt: skip
+    """Any text of gauges (typed or not, labelled or not, names that share a
+    prefix), arriving in any chunks: the same figures as the library's parse."""
+    lines = []
+    for family, samples, typed in families:
+        if typed:
+            lines += [f"# HELP {family} some help", f"# TYPE {family} gauge"]
+        for engine, value in samples:
+            label = engine.replace('"', '\\"')
+            lines.append(f'{family}{{engine="{label}"}} {value!r}')
+    body = ("\n".join(lines) + "\n").encode()
+    chunks, at = [], 0
+    for n in cuts:
+        chunks.append(body[at : at + n])
+        at += n
+    chunks.append(body[at:])
+    assert read_text(iter(chunks)) == library_parse(body)
+
+
+def serve_once(answer: Callable[[socket.socket], None]) -> tuple[str, threading.Thread]:
+    """A raw TCP server of one connection, for what no HTTP framework sends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        listener.close()
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)
+            answer(conn)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{port}/metrics", thread
+
+
+def drip(conn: socket.socket, prefix: bytes, then: bytes) -> None:
+    conn.sendall(prefix)
+    for byte in then:
+        conn.sendall(bytes([byte]))
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("where", ["status line", "headers", "chunk size"])
+def test_one_deadline_covers_the_whole_exchange(where: str) -> None:
+    """A byte every 0.3 s meets every read's timeout, wherever it drips: the
+    fetch still ends at its deadline (urllib checked it between body reads
+    alone: a status line dripped held the thread for as long as the server liked)."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+    prefix, then = {"status line": (b"", head + b"\r\n"),
+                    "headers": (b"HTTP/1.1 200 OK\r\n", b"X-Pad: " + b"p" * 200 + b"\r\n\r\n"),
+                    "chunk size": (head + b"\r\n", b"00000000000000000000000005\r\n")}[where]  # fmt: skip
+    url, server = serve_once(lambda conn: drip(conn, prefix, then * 20))
+    started = time.monotonic()
+    with pytest.raises(FetchError, match="not whole within 1 s"):
+        fetch(url, 1.0, 1 << 20)
+    took = time.monotonic() - started
+    print(f"\n{where} dripped: the fetch gave up after {took:.2f} s (deadline 1 s)")
+    server.join(30)
+    assert not server.is_alive()
+
+
+def test_a_redirect_is_refused_not_followed() -> None:
+    """A 302 is the engine's answer, never a request to where it points."""
+    asked = threading.Event()
+    elsewhere, target = serve_once(lambda conn: (asked.set(), conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n")))
+    url, _ = serve_once(lambda conn: conn.sendall(
+        f"HTTP/1.1 302 Found\r\nLocation: {elsewhere}\r\nContent-Length: 0\r\n\r\n".encode()))
+    with pytest.raises(FetchError, match="HTTP 302: redirects are not followed"):
+        fetch(url, 2.0, 1 << 20)
+    assert not asked.is_set()
+    fetch(elsewhere, 2.0, 1 << 20)  # the target was there to be asked
+    assert asked.is_set()
+    target.join(10)
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://127.0.0.1/metrics", "gopher://x/", "http:///metrics"])
+def test_only_http_and_https_are_fetched(url: str) -> None:
+    with pytest.raises(FetchError, match="only http:// and https://|scheme"):
+        fetch(url, 1.0, 1 << 20)
+
+
+def eight_mib_of_one_sample() -> bytes:
+    return b"a 1\n" * (2 << 20)
+
+
+def one_line_of_eight_mib() -> bytes:
+    return b'vllm:num_requests_waiting{pad="' + b"p" * (8 << 20) + b'"} 1\n'
+
+
+def families_100k() -> bytes:
+    return b"".join(b"# TYPE f%d gauge\nf%d 1\n" % (i, i) for i in range(100_000))
+
+
+def wanted_samples_5k() -> bytes:
+    return b"".join(b'vllm:num_requests_waiting{engine="%d"} 1\n' % i for i in range(5000))
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    (eight_mib_of_one_sample, "more than 100000 lines"),
+    (one_line_of_eight_mib, "a line longer than 64 KiB"),
+    (families_100k, "more than 100000 lines"),
+    (wanted_samples_5k, "more than 1024 samples of the queue's families"),
+])  # fmt: skip
+def test_the_first_cap_reached_ends_the_read_with_its_reason(
+    engines: FakeEngines, body: Callable[[], bytes], reason: str
+) -> None:
+    """Each of the issue's bodies, served for real: the shard alone gets no
+    figures and says which cap ended its read, and the reader's memory
+    stays a chunk's, not the text's (what the library made of 1 MiB of
+    `a 1\\n` was 262k samples, ~100 MiB)."""
+    engines.bodies["hostile"] = body()
+    engines.bodies["vllm"] = VLLM.encode()
+    reader = EngineMetricsReader(deadline_s=10.0)
+    tracemalloc.start()
+    try:
+        got = read_window(reader, {"hostile": engines.url("hostile"), "vllm": engines.url("vllm")})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got == {"hostile": {"metrics_error": reason}, "vllm": parse(VLLM.encode())}
+    print(f"\n{body.__name__}: {len(engines.bodies['hostile']) >> 10} KiB served; "
+          f"peak traced memory {peak >> 10} KiB (server included)")

@@ -7,6 +7,7 @@ for the closing notes (figures, not thresholds)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -97,3 +98,93 @@ def test_command_lines_written_to_freeze_the_agent_leave_the_node_fresh(fleet: F
             p.kill()
         for p in hostile:
             p.wait()
+
+
+# An engine's metrics endpoint as a tenant could write it, in a process of its own.
+HOSTILE_ENGINE = r'''
+import sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+BODIES = {
+    "/one-sample": b"a 1\n" * (2 << 20),                                           # 8 MiB, 2M samples
+    "/families": b"".join(b"# TYPE f%d gauge\nf%d 1\n" % (i, i) for i in range(100_000)),
+    "/one-line": b'vllm:num_requests_waiting{pad="' + b"p" * (8 << 20) + b'"} 1\n',
+}
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/drip":  # the status line, a byte every 1.5 s
+            for byte in b"HTTP/1.1 200 OK\r\n\r\n" * 1000:
+                self.wfile.write(bytes([byte])); self.wfile.flush(); time.sleep(1.5)
+        elif self.path == "/redirect":
+            self.send_response(302); self.send_header("Location", "http://127.0.0.1:%d/target" % PORT)
+            self.send_header("Content-Length", "0"); self.end_headers()
+        elif self.path == "/target":
+            print("target asked", flush=True)
+            self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+        else:
+            body = BODIES[self.path]
+            self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+            self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+server.daemon_threads = True
+PORT = server.server_address[1]
+print(PORT, flush=True)
+server.serve_forever()
+'''
+
+ENDPOINTS = {"one-sample": "more than 100000 lines", "families": "more than 100000 lines",
+             "one-line": "a line longer than 64 KiB", "drip": "not whole within 2 s|no answer within the window",
+             "redirect": "HTTP 302: redirects are not followed"}  # fmt: skip
+
+
+def test_engines_written_to_exhaust_the_agent_cost_their_own_figures(fleet: Fleet, tmp_path: Path) -> None:
+    """Each hostile metrics endpoint of the issue behind a shard of its own:
+    heartbeats keep going, each such shard says why it has no queue
+    figures, the redirect's target is never asked, and the agent's peak RSS
+    stays within its DaemonSet request (96 MiB)."""
+
+
+    server = subprocess.Popen([sys.executable, "-c", HOSTILE_ENGINE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True)
+    sleepers = [subprocess.Popen(["sleep", "600"], process_group=0) for _ in ENDPOINTS]
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        config = tmp_path / "agent.toml"
+        config.write_text("".join(
+            f'[[shard]]\nid = "{name}"\nselect = "pgid:{p.pid}"\nmetrics_url = "http://127.0.0.1:{port}/{name}"\n'
+            for name, p in zip(ENDPOINTS, sleepers, strict=True)))  # fmt: skip
+        fleet.start_control_plane()
+        fleet.start_agent("--config", str(config))
+
+        def all_say_why(nodes: list[dict[str, Any]]) -> bool:
+            if not fresh_with_seq(nodes, above=3):
+                return False
+            shards = {s["id"]: s for s in nodes[0]["heartbeat"]["shards"]}
+            return all(re.fullmatch(why, shards.get(n, {}).get("metrics_error", "")) for n, why in ENDPOINTS.items())
+
+        fleet.wait_for(all_say_why)
+        node, gap = watch_heartbeats(fleet, 5)
+        assert node["heartbeats"] == node["heartbeat"]["seq"]  # not one refused
+        for s in node["heartbeat"]["shards"]:
+            assert "requests_waiting" not in s and "metrics_error" in s, s
+        assert fleet.agent is not None
+        peak = peak_rss_kib(fleet.agent.pid)
+        print(f"\nengine metrics: agent peak RSS {peak} KiB; longest gap between heartbeats {gap:.2f} s "
+              f"at --interval 1; endpoints {', '.join(ENDPOINTS)}")
+        assert peak < 96 * 1024, peak  # the DaemonSet's memory request
+        fleet.agent.send_signal(signal.SIGTERM)
+        assert fleet.agent.wait(timeout=30) == 0
+        assert "Traceback" not in fleet.agent_log()
+    finally:
+        server.kill()
+        out, _ = server.communicate()
+        for p in sleepers:
+            p.kill()
+            p.wait()
+    assert "target asked" not in out
