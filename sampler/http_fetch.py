@@ -103,7 +103,7 @@ def fetch_chunks(url: str, deadline_s: float, max_bytes: int, headers: dict[str,
             if expired.is_set():  # a body cut short by the timer reads as its end
                 raise FetchError(f"not whole within {deadline_s:g} s")
         except (OSError, http.client.HTTPException, ValueError) as e:
-            if expired.is_set() or isinstance(e, TimeoutError | socket.timeout):
+            if expired.is_set() or isinstance(e, TimeoutError):
                 raise FetchError(f"not whole within {deadline_s:g} s") from None
             raise FetchError(f"{type(e).__name__}: {e}") from None
     finally:
