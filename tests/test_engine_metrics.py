@@ -321,7 +321,12 @@ def test_one_deadline_covers_the_whole_exchange(where: str) -> None:
 def test_a_redirect_is_refused_not_followed() -> None:
     """A 302 is the engine's answer, never a request to where it points."""
     asked = threading.Event()
-    elsewhere, target = serve_once(lambda conn: (asked.set(), conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n")))
+
+    def answer(conn: socket.socket) -> None:
+        asked.set()
+        conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
+
+    elsewhere, target = serve_once(answer)
     url, _ = serve_once(lambda conn: conn.sendall(
         f"HTTP/1.1 302 Found\r\nLocation: {elsewhere}\r\nContent-Length: 0\r\n\r\n".encode()))
     with pytest.raises(FetchError, match="HTTP 302: redirects are not followed"):
