@@ -26,8 +26,13 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
+
+# What a verified TLS peer's certificate is checked against beyond its chain
+# and name: `ssl.SSLSocket.getpeercert()`'s dict in, a reason to refuse (or None) out.
+PeerCheck = Callable[[dict[str, Any]], str | None]
 
 
 class FetchError(Exception):
@@ -46,10 +51,12 @@ class _Connected(http.client.HTTPConnection):
 
 
 def fetch_chunks(url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | None = None,
-                 context: ssl.SSLContext | None = None) -> Iterator[bytes]:  # fmt: skip
+                 context: ssl.SSLContext | None = None,
+                 peer_check: PeerCheck | None = None) -> Iterator[bytes]:  # fmt: skip
     """The body at `url`, chunk by chunk as it arrives, all within the
     deadline and the size cap. Closing the iterator early (a reader that has
-    seen enough) closes the connection."""
+    seen enough) closes the connection. `peer_check` judges a verified TLS
+    peer's certificate before the request (and its headers) are sent."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise FetchError(f"{parts.scheme or 'no'} scheme: only http:// and https:// URLs are read")
@@ -80,6 +87,11 @@ def fetch_chunks(url: str, deadline_s: float, max_bytes: int, headers: dict[str,
             if parts.scheme == "https":
                 ctx = context if context is not None else ssl.create_default_context()
                 sock = ctx.wrap_socket(sock, server_hostname=parts.hostname)
+                if peer_check is not None and ctx.verify_mode != ssl.CERT_NONE:
+                    assert isinstance(sock, ssl.SSLSocket)
+                    refused = peer_check(sock.getpeercert() or {})
+                    if refused is not None:
+                        raise FetchError(refused)
             conn = _Connected(parts.hostname, sock)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             conn.request("GET", path, headers={"Host": parts.netloc.rpartition("@")[2], **(headers or {})})
@@ -115,6 +127,6 @@ def fetch_chunks(url: str, deadline_s: float, max_bytes: int, headers: dict[str,
 
 
 def fetch(url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | None = None,
-          context: ssl.SSLContext | None = None) -> bytes:  # fmt: skip
+          context: ssl.SSLContext | None = None, peer_check: PeerCheck | None = None) -> bytes:  # fmt: skip
     """The body at `url`, whole within the deadline and the size cap."""
-    return b"".join(fetch_chunks(url, deadline_s, max_bytes, headers, context))
+    return b"".join(fetch_chunks(url, deadline_s, max_bytes, headers, context, peer_check))

@@ -10,7 +10,16 @@ one log line per change of reason.
 
 The request carries the service account's token (re-read each time: the
 kubelet rotates it); the kubelet checks it with the API server and
-authorises `get` on `nodes/proxy` (the shipped ClusterRole).
+authorises `get` on `nodes/pods` (the shipped ClusterRole; `nodes/proxy`
+before Kubernetes 1.36's fine-grained kubelet authorization).
+
+The token goes only to a kubelet that proves it is this node's: its
+certificate must chain to the CA given (the cluster's, when kubelets serve
+certificates it signed: `serverTLSBootstrap`), name the address asked, and,
+when it is a kubelet-serving certificate (organisation `system:nodes`),
+name this node (`system:node:NODE`): another node's kubelet at a reused
+address is refused. Self-signed kubelets can only be read unverified, by
+an explicit opt-out that the agent's log says at start.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from sampler.http_fetch import FetchError, fetch
 from sampler.pods import Pod, parse_pod_list
@@ -36,29 +46,45 @@ MAX_BYTES = 64 << 20  # 110 pods of large specs are a few MiB
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
-def tls_context(ca_file: Path | None) -> ssl.SSLContext:
-    """Verified against `ca_file`; without one, the kubelet's certificate is
-    not verified: kubelets serve self-signed certificates unless the cluster
-    turned on serverTLSBootstrap (Prometheus' kubelet jobs and Kepler read it
-    the same way)."""
-    if ca_file is not None:
-        return ssl.create_default_context(cafile=str(ca_file))
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    return context
+def tls_context(ca_file: Path | None, verify: bool = True) -> ssl.SSLContext:
+    """Verified against `ca_file` (the system's trust store without one);
+    `verify=False` is the opt-out for kubelets with self-signed certificates."""
+    if not verify:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    return ssl.create_default_context(cafile=None if ca_file is None else str(ca_file))
+
+
+def node_check(node: str) -> Callable[[dict[str, Any]], str | None]:
+    """Refuses a kubelet-serving certificate (organisation `system:nodes`,
+    the only kind the cluster's kubelet-serving signer issues) for any node
+    but `node`."""
+
+    def check(cert: dict[str, Any]) -> str | None:
+        subject = {k: v for rdn in cert.get("subject", ()) for k, v in rdn}
+        if subject.get("organizationName") != "system:nodes":
+            return None  # not the cluster's kubelet-serving kind: its chain and address vouch for it
+        if subject.get("commonName") != f"system:node:{node}":
+            return f"the kubelet's certificate is {subject.get('commonName')!r}'s, not system:node:{node}'s"
+        return None
+
+    return check
 
 
 class KubeletPods:
     def __init__(self, url: str, token_file: Path | None, ca_file: Path | None = None,
                  poll_s: float = POLL_S, refresh_s: float = REFRESH_S, deadline_s: float = DEADLINE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic, node: str | None = None,
+                 verify: bool = True) -> None:  # fmt: skip
         if not url.startswith(("https://", "http://")):
             raise ValueError(f"kubelet URL {url!r}: expected https://HOST:PORT")
         self.url = url.rstrip("/") + "/pods"
         self.token_file = token_file
         self.poll_s, self.refresh_s, self.deadline_s = poll_s, refresh_s, deadline_s
-        self._context = tls_context(ca_file) if url.startswith("https://") else None
+        self._context = tls_context(ca_file, verify) if url.startswith("https://") else None
+        self._peer_check = node_check(node) if node is not None else None
         self._clock = clock
         self._pods: list[Pod] | None = None
         self._error: str | None = None
@@ -73,6 +99,9 @@ class KubeletPods:
 
     def start(self) -> None:
         if self._thread is None:
+            if self._context is not None and self._context.verify_mode == ssl.CERT_NONE:
+                log.warning("kubelet %s: its certificate is NOT verified (--kubelet-insecure-skip-tls-verify): "
+                            "the pod's token goes to whatever answers there", self.url)  # fmt: skip
             self._thread = threading.Thread(target=self._run, name="kubelet-pods", daemon=True)
             self._thread.start()
 
@@ -133,7 +162,7 @@ class KubeletPods:
             headers = {"Accept": "application/json"}
             if self.token_file is not None:
                 headers["Authorization"] = "Bearer " + self.token_file.read_text().strip()
-            pods = parse_pod_list(fetch(self.url, self.deadline_s, MAX_BYTES, headers, self._context),
+            pods = parse_pod_list(fetch(self.url, self.deadline_s, MAX_BYTES, headers, self._context, self._peer_check),
                                   lambda why: log.debug("kubelet: %s", why))  # fmt: skip
         except (FetchError, ValueError, OSError) as e:
             error = f"kubelet {self.url}: {e}"

@@ -17,6 +17,12 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
+def kubelet_serving_name(node: str) -> x509.Name:
+    """The subject the cluster's kubelet-serving signer issues to a node's kubelet."""
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{node}")])  # fmt: skip
+
+
 class TestCA:
     __test__ = False
 
@@ -40,8 +46,9 @@ class TestCA:
         path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
         return path
 
-    def issue(self, cert_path: Path, key_path: Path, names: list[str]) -> int:
-        """A server certificate for these DNS names / IP addresses; its serial number."""
+    def issue(self, cert_path: Path, key_path: Path, names: list[str], subject: x509.Name | None = None) -> int:
+        """A server certificate for these DNS names / IP addresses (its subject
+        the first, unless given); its serial number."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         sans: list[x509.GeneralName] = []
@@ -51,7 +58,7 @@ class TestCA:
             except ValueError:
                 sans.append(x509.DNSName(n))
         cert = (
-            x509.CertificateBuilder().subject_name(_name(names[0])).issuer_name(self.cert.subject)
+            x509.CertificateBuilder().subject_name(subject or _name(names[0])).issuer_name(self.cert.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)

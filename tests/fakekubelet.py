@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from cryptography import x509
 
 from tests.certs import TestCA
 from tests.conftest import free_port
@@ -40,13 +41,18 @@ def pod_doc(namespace: str, name: str, containers: dict[str, str], labels: dict[
 
 
 class FakeKubelet:
-    def __init__(self, tmp: Path) -> None:
-        self.port = free_port()
-        self.ca = TestCA("kubelet test CA")
+    def __init__(self, tmp: Path, subject: x509.Name | None = None, ca: TestCA | None = None,
+                 port: int | None = None, token: str = TOKEN) -> None:  # fmt: skip
+        """`subject`: its certificate's (the cluster's kubelet-serving kind:
+        `certs.kubelet_serving_name`); default, named after its address.
+        `ca`: who signs it (the cluster's); default, a CA of its own."""
+        self.port = port or free_port()
+        self.ca = ca or TestCA("kubelet test CA")
         self.ca_file = self.ca.write_ca(tmp / "kubelet-ca.crt")
-        self.ca.issue(tmp / "kubelet.crt", tmp / "kubelet.key", ["127.0.0.1"])
+        self.ca.issue(tmp / "kubelet.crt", tmp / "kubelet.key", ["127.0.0.1"], subject)
+        self.token = token
         self.token_file = tmp / "token"
-        self.token_file.write_text(TOKEN + "\n")
+        self.token_file.write_text(token + "\n")
         self.pods: list[dict[str, Any]] = []
         self.mode = "ok"  # "ok", "error" (500), "slow" (never answers in time), "garbage"
         self.requests = 0
@@ -66,7 +72,7 @@ class FakeKubelet:
 
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
-        if request.headers.get("Authorization") != f"Bearer {TOKEN}":
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
             self.refused += 1
             return web.Response(status=401, text="Unauthorized")
         if self.mode == "error":

@@ -18,7 +18,7 @@ from sampler.agent import ConfigError, parse_config
 from sampler.kubelet import KubeletPods
 from sampler.pods import PodSelector, parse_label_selector, parse_pod_list
 from sampler.selectors import GroupSelector, GroupWatch, pod_watches
-from tests.certs import TestCA
+from tests.certs import TestCA, kubelet_serving_name
 from tests.fakekubelet import FakeKubelet, pod_doc
 
 A = "a" * 64
@@ -261,6 +261,44 @@ def test_a_kubelet_with_an_untrusted_certificate_or_a_wrong_token_gives_no_pods(
     finally:
         untrusted.close()
         refused.close()
+
+
+def test_the_token_goes_only_to_this_nodes_kubelet(tmp_path: Path) -> None:
+    """A kubelet-serving certificate (the cluster's signer: system:nodes) must
+    name this node: another node's kubelet at a reused address gets no token."""
+    kubelet = FakeKubelet(tmp_path, subject=kubelet_serving_name("node-7"))
+    kubelet.pods = [pod_doc("llm", "engine-0", {"vllm": A})]
+    ours = KubeletPods(kubelet.url, kubelet.token_file, kubelet.ca_file, node="node-7")
+    other = KubeletPods(kubelet.url, kubelet.token_file, kubelet.ca_file, node="node-8")
+    try:
+        ours.wait_for_poll(0, 10)
+        assert [p.key for p in ours.pods() or []] == ["llm/engine-0"] and kubelet.requests == 1
+        other.wait_for_poll(0, 10)
+        assert other.pods() is None and kubelet.requests == 1  # refused before the request: no token sent
+        assert other.error is not None and "'system:node:node-7''s, not system:node:node-8's" in other.error
+    finally:
+        ours.close()
+        other.close()
+        kubelet.stop()
+
+
+def test_a_self_signed_kubelet_is_read_only_by_the_loud_opt_out(
+    kubelet: FakeKubelet, caplog: pytest.LogCaptureFixture
+) -> None:
+    kubelet.pods = [pod_doc("llm", "engine-0", {"vllm": A})]
+    verified = KubeletPods(kubelet.url, kubelet.token_file, node="n1")  # the system's trust store: not the kubelet's CA
+    with caplog.at_level(logging.WARNING, logger="sampler.kubelet"):
+        unverified = KubeletPods(kubelet.url, kubelet.token_file, node="n1", verify=False)
+        try:
+            verified.wait_for_poll(0, 10)
+            unverified.wait_for_poll(0, 10)
+            assert verified.pods() is None and "CERTIFICATE_VERIFY_FAILED" in (verified.error or "")
+            assert [p.key for p in unverified.pods() or []] == ["llm/engine-0"]
+        finally:
+            verified.close()
+            unverified.close()
+    [said] = [r.getMessage() for r in caplog.records if "NOT verified" in r.getMessage()]
+    assert "--kubelet-insecure-skip-tls-verify" in said and "token goes to whatever answers" in said
 
 
 def test_an_unknown_container_asks_the_kubelet_once_not_at_every_walk(kubelet: FakeKubelet) -> None:
