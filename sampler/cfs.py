@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sampler import procfs
+from sampler import cgroup_view, procfs
+from sampler.cgroup_view import CGROUP_ROOT
 
 log = logging.getLogger(__name__)
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CPU_DIRS = ("cpu", "cpu,cpuacct", "cpuacct,cpu")  # how distributions mount v1's cpu controller
 
 
@@ -141,9 +141,10 @@ class CfsBandwidthReader:
             data = procfs.read_pid_file(self._proc, pid, "cgroup")
         except procfs.ProcessGone:
             return None
-        for line in data.split(b"\n"):
-            hierarchy, controllers, path = (line.split(b":", 2) + [b"", b""])[:3]
-            rel = path.decode("utf-8", "surrogateescape").lstrip("/")
+        for hierarchy, controllers, path in cgroup_view.lines(data):
+            if path.startswith("/.."):
+                continue  # outside the agent's cgroup namespace, its root unknown: not a directory to read
+            rel = path.lstrip("/")
             if hierarchy == b"0" and controllers == b"" and self._v2:
                 return self._root / rel
             if b"cpu" in controllers.split(b","):

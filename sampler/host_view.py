@@ -11,7 +11,8 @@ are the host's:
 - the host's name is read inside pid 1's UTS namespace, on a thread of its own
   (setns changes only the calling thread);
 - the agent joins pid 1's cgroup namespace before it starts any thread, so
-  every thread reads host cgroup paths;
+  every thread reads host cgroup paths; unprivileged, it cannot, and puts
+  the paths it reads under its namespace's root instead (`cgroup_view`);
 - disks come from pid 1's mount table, and statvfs reaches each mount point
   through `/proc/1/root` (see `machine.MachineGaugeReader`).
 
@@ -29,6 +30,8 @@ import os
 import socket
 import threading
 from pathlib import Path
+
+from sampler import cgroup_view
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +79,19 @@ def _setns(path: Path, nstype: int) -> None:
         os.close(fd)
 
 
-def host_name(proc: Path) -> str:
-    """The host's name: from the host's UTS namespace, else the agent's own."""
+def host_name(proc: Path, host_root: Path | None = None) -> str:
+    """The host's name: from the host's UTS namespace; where that cannot be
+    inspected (the unprivileged pod: pid 1's namespaces need CAP_SYS_PTRACE,
+    entering one CAP_SYS_ADMIN), the host's `/etc/hostname` through
+    `host_root`; else the agent's own."""
     same, path = _same_namespace(proc, "uts")
+    if same is None and host_root is not None and host_root != Path("/"):
+        try:
+            configured = (host_root / "etc" / "hostname").read_text().strip()
+        except OSError:
+            configured = ""
+        if configured:
+            return configured
     if same is not False or path is None:
         return socket.gethostname()
     result: list[str] = []
@@ -96,21 +109,24 @@ def host_name(proc: Path) -> str:
     return result[0] if result else socket.gethostname()
 
 
-def join_host_cgroup_namespace(proc: Path) -> bool:
+def join_host_cgroup_namespace(proc: Path, host_root: Path | None = None) -> bool:
     """Enter the host's cgroup namespace; call before any thread starts (threads
-    made later inherit it). True if the agent now sees host cgroup paths."""
+    made later inherit it). Where it cannot be entered (no CAP_SYS_ADMIN, or
+    pid 1's namespace cannot be inspected), the paths seen from the agent's
+    own are put under its root as the host names it (`cgroup_view`). True if
+    the agent now sees host cgroup paths."""
     same, path = _same_namespace(proc, "cgroup")
-    if same is None or path is None:
-        return False
     if same:
         return True
-    if threading.active_count() > 1:
-        log.warning("not joining the host's cgroup namespace: threads are already running")
-        return False
-    try:
-        _setns(path, CLONE_NEWCGROUP)
-    except OSError as e:
-        log.warning("cgroup paths are the container's, not the host's: cannot join %s: %s", path, e)
-        return False
-    log.info("joined the host's cgroup namespace: cgroup paths are the host's")
-    return True
+    if same is not None and path is not None:
+        if threading.active_count() > 1:
+            log.warning("not joining the host's cgroup namespace: threads are already running")
+            return False
+        try:
+            _setns(path, CLONE_NEWCGROUP)
+        except OSError as e:
+            log.info("cannot join the host's cgroup namespace (%s): %s", path, e)
+        else:
+            log.info("joined the host's cgroup namespace: cgroup paths are the host's")
+            return True
+    return cgroup_view.learn_namespace_roots(proc, cgroup_view.host_cgroup_root(host_root))

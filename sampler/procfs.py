@@ -275,11 +275,17 @@ def parse_cmdline(data: bytes) -> str:
     return data.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
 
 
-def parse_cgroup_paths(data: bytes) -> list[str]:
-    """The path of each hierarchy in /proc/<pid>/cgroup (v2's `0::` line and any v1 lines)."""
+def parse_cgroup_lines(data: bytes) -> list[tuple[bytes, bytes, str]]:
+    """Each line of /proc/<pid>/cgroup: hierarchy id, controllers (empty for
+    v2's `0::` line) and path, as the reader's cgroup namespace names it."""
     out = []
     for line in data.split(b"\n"):
         parts = line.split(b":", 2)
         if len(parts) == 3:
-            out.append(parts[2].decode("utf-8", "replace"))
+            out.append((parts[0], parts[1], parts[2].decode("utf-8", "replace")))
     return out
+
+
+def parse_cgroup_paths(data: bytes) -> list[str]:
+    """The path of each hierarchy in /proc/<pid>/cgroup (v2's `0::` line and any v1 lines)."""
+    return [path for _, _, path in parse_cgroup_lines(data)]

@@ -37,7 +37,7 @@ from typing import Protocol, TypeVar
 
 import re2
 
-from sampler import container_ids, procfs
+from sampler import cgroup_view, container_ids, procfs
 from sampler.pods import Pod, PodSelector
 
 KINDS = ("pgid", "pid", "cmdline", "comm", "cgroup", "k8s")
@@ -195,7 +195,7 @@ class ProcessTable:
         return verdict
 
     def cgroups(self, pid: int) -> list[str] | None:
-        return self._read_once(self._cgroups, pid, "cgroup", procfs.parse_cgroup_paths)
+        return self._read_once(self._cgroups, pid, "cgroup", cgroup_view.host_paths)
 
     def container_id(self, pid: int) -> str | None:
         paths = self.cgroups(pid)

@@ -19,7 +19,8 @@ import numpy as np
 
 from nodesampler import raw_samples, wire
 from sampler.backend import BackendChoice, GroupSampler
-from sampler.cfs import CGROUP_ROOT, CfsBandwidthReader
+from sampler.cfs import CfsBandwidthReader
+from sampler.cgroup_view import host_cgroup_root
 from sampler.engine_metrics import EngineMetricsReader
 from sampler.kubelet import KubeletPods
 from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
@@ -49,7 +50,7 @@ class WindowSampler:
         gpus: GpuReader | None = None,
         gpu_grace: float = 0.0,
         host_root: Path | None = None,
-        cgroup_root: Path = CGROUP_ROOT,
+        cgroup_root: Path | None = None,
         kubelet: KubeletPods | None = None,
     ) -> None:
         if hz <= 0:
@@ -64,7 +65,7 @@ class WindowSampler:
         self.gauges = MachineGaugeReader(proc, host_root)
         self.pressure = PressureReader(proc)
         self.runqueue = RunQueueWaitSampler(proc)
-        self.cfs = CfsBandwidthReader(proc, cgroup_root)
+        self.cfs = CfsBandwidthReader(proc, cgroup_root or host_cgroup_root(host_root))
         self.engine_metrics = EngineMetricsReader()
         self.groups = groups
         self.gpus = gpus
