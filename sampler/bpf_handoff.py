@@ -24,10 +24,9 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from sampler.backend import BackendUnavailable
 
@@ -106,6 +105,12 @@ class LoadedPrograms:
         self.attachments, self.programs, self.maps = [], {}, {}
 
 
+def scratch_file(name: str) -> BinaryIO:
+    """A file in memory (memfd): the agent's root filesystem is read-only
+    and the pod has no /tmp."""
+    return os.fdopen(os.memfd_create(name, os.MFD_CLOEXEC), "w+b")
+
+
 def load_programs(options: dict[str, Any]) -> LoadedPrograms:
     """Runs the child with `options` (bpf_sched.compile_and_attach's
     arguments, as JSON) and receives the programs, or BackendUnavailable with
@@ -116,7 +121,7 @@ def load_programs(options: dict[str, Any]) -> LoadedPrograms:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     # The child's stderr goes to a file, not a pipe: read only on failure, a
     # pipe it filled would stall the hand-off.
-    with parent, tempfile.TemporaryFile() as err:
+    with parent, scratch_file("loader-stderr") as err:
         try:
             proc = subprocess.Popen([sys.executable, "-m", "sampler.bpf_handoff", json.dumps(options),
                                      str(child.fileno())], pass_fds=(child.fileno(),), env=env,

@@ -21,7 +21,6 @@ import logging
 import mmap
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -206,7 +205,7 @@ def _compile(bpf_class: Any, source: Path, cflags: list[str], env: dict[str, str
         else:
             os.environ[k] = v
     saved_fd = os.dup(2)
-    with tempfile.TemporaryFile() as err:
+    with bpf_handoff.scratch_file("clang-stderr") as err:
         os.dup2(err.fileno(), 2)
         try:
             return bpf_class(src_file=str(source).encode(), cflags=cflags)
