@@ -107,8 +107,11 @@ def _kubelet_flags(p: argparse.ArgumentParser) -> None:
                    help=f"bearer token for the kubelet, re-read at each poll (default: {SERVICE_ACCOUNT_TOKEN} "
                         "where it exists)")  # fmt: skip
     p.add_argument("--kubelet-ca-file", type=Path, default=None, metavar="PATH",
-                   help="CA bundle (PEM) the kubelet's certificate must chain to (default: not verified; "
-                        "kubelets serve self-signed certificates)")  # fmt: skip
+                   help="CA bundle (PEM) the kubelet's certificate must chain to: the cluster's CA where kubelets "
+                        "serve certificates it signs (serverTLSBootstrap) (default: the system's trust store)")
+    p.add_argument("--kubelet-insecure-skip-tls-verify", action="store_true",
+                   help="do not verify the kubelet's certificate (kubelets with self-signed certificates): its "
+                        "token then goes to whatever answers at --kubelet-url; said in the log at start")  # fmt: skip
 
 
 def _bpf_stats_flag(p: argparse.ArgumentParser) -> None:
@@ -117,7 +120,7 @@ def _bpf_stats_flag(p: argparse.ArgumentParser) -> None:
                         "which time every BPF program on the host, while the sampler runs)")  # fmt: skip
 
 
-def _kubelet(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _kubelet(args: argparse.Namespace, node: str):  # type: ignore[no-untyped-def]
     from sampler.kubelet import KubeletPods
 
     url = args.kubelet_url or f"https://{os.environ.get('NODE_IP') or '127.0.0.1'}:10250"
@@ -127,8 +130,11 @@ def _kubelet(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     for flag, path in (("--kubelet-token-file", args.kubelet_token_file), ("--kubelet-ca-file", args.kubelet_ca_file)):
         if path is not None and not path.is_file():
             _fail(EXIT_USAGE, f"{flag} {path}: not a file")
+    if args.kubelet_insecure_skip_tls_verify and args.kubelet_ca_file is not None:
+        _fail(EXIT_USAGE, "--kubelet-ca-file and --kubelet-insecure-skip-tls-verify: give one")
     try:
-        return KubeletPods(url, token, args.kubelet_ca_file)
+        return KubeletPods(url, token, args.kubelet_ca_file, node=node,
+                           verify=not args.kubelet_insecure_skip_tls_verify)  # fmt: skip
     except (ValueError, OSError) as e:  # a bad URL; a CA file that does not load
         _fail(EXIT_USAGE, f"--kubelet-url/--kubelet-ca-file: {e}")
 
@@ -168,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--proc-root", type=Path, default=Path("/proc"), help="the procfs to read (default /proc)")
     a.add_argument("--host-root", type=Path, default=None, metavar="DIR",
                    help="the host's / mounted in this container: disks are measured through it")
+    a.add_argument("--alive-file", type=Path, default=None, metavar="PATH",
+                   help="touched each time a window reaches the sender, for a liveness probe to read "
+                        "(default: none)")  # fmt: skip
     _kernel_headers_flag(a)
     _kubelet_flags(a)
     _bpf_stats_flag(a)
@@ -311,14 +320,16 @@ def _stop_on_sigterm() -> None:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     from sampler import host_view
+    from sampler.agent import default_node
     from sampler.summary_text import render
 
     if args.print_bpf:
         return _print_bpf(args.proc_root)
-    host_view.join_host_cgroup_namespace(args.proc_root)  # as the agent: the host's cgroup paths
+    host_view.join_host_cgroup_namespace(args.proc_root, args.host_root)  # as the agent: the host's cgroup paths
     # One window: it may wait for NVML to start (seconds per GPU) and to answer.
     sampler = _make_sampler(args.backend, args.group, args.hz, args.proc_root, args.kernel_headers, gpu_grace=5.0,
-                            host_root=args.host_root, kubelet=_kubelet(args), bpf_stats=args.bpf_stats)  # fmt: skip
+                            host_root=args.host_root, kubelet=_kubelet(args, default_node()),
+                            bpf_stats=args.bpf_stats)  # fmt: skip
     try:
         sampler.gpus.wait_ready(30.0)
         sampler.prime(min(1.0, args.duration))
@@ -395,7 +406,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     logging.getLogger().setLevel(logging.INFO)
     # First, while this is the only thread: later threads inherit the host's cgroup paths.
-    host_view.join_host_cgroup_namespace(args.proc_root)
+    host_view.join_host_cgroup_namespace(args.proc_root, args.host_root)
 
     node = args.node or default_node()
     try:
@@ -428,13 +439,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
         stopping.wait(seconds)
 
     sampler = _make_sampler(args.backend, [], args.hz, args.proc_root, args.kernel_headers, sleep=sleep, node=node,
-                            host_root=args.host_root, kubelet=_kubelet(args), bpf_stats=args.bpf_stats)  # fmt: skip
+                            host_root=args.host_root, kubelet=_kubelet(args, node),
+                            bpf_stats=args.bpf_stats)  # fmt: skip
     if config is not None:
         sampler.watches = config.watches
     logging.getLogger().setLevel(logging.INFO)
     try:
         agent = Agent(sampler, args.control_plane, token, node, args.interval, stopping, config, context,
-                      host_view.host_name(args.proc_root))  # fmt: skip
+                      host_view.host_name(args.proc_root, args.host_root), args.alive_file)  # fmt: skip
         asyncio.run(agent.run())
     except AgentFailed as e:
         # The traceback is in the log already: one line more, and the supervisor restarts us.

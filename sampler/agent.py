@@ -326,10 +326,15 @@ def registration_body(sampler: WindowSampler, node: str, hostname: str | None = 
 class Agent:
     def __init__(self, sampler: WindowSampler, client_url: str, token: str | TokenFile, node: str, interval: float,
                  stopping: threading.Event, config: ConfigFile | None = None,
-                 ssl_context: ssl.SSLContext | None = None, hostname: str | None = None) -> None:  # fmt: skip
+                 ssl_context: ssl.SSLContext | None = None, hostname: str | None = None,
+                 alive_file: Path | None = None) -> None:  # fmt: skip
         """`stopping` must also end the sampler's sleeps, so that SIGTERM
         does not wait for the window in progress. `ssl_context` verifies an
-        https control plane (default: the system's CAs)."""
+        https control plane (default: the system's CAs). `alive_file` is
+        touched on the event loop as each window reaches the sender: a
+        liveness probe that finds it old knows that sampling or the loop
+        that sends has stopped (the sends themselves are bounded by the
+        session's timeout, so a control plane that is down never stops it)."""
         self.sampler, self.url, self.node = sampler, client_url, node
         self.token = token.value if isinstance(token, TokenFile) else token
         self.interval, self.config, self.ssl_context = interval, config, ssl_context
@@ -338,6 +343,8 @@ class Agent:
         self.mailbox = NewestSummary()
         self.sent = 0
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # the sender's waits: a test may count them
+        self.alive_file = alive_file
+        self._alive_error: str | None = None
 
     # --- the sampling thread -----------------------------------------------------
 
@@ -371,7 +378,22 @@ class Agent:
                 self.stopping.wait(self.interval)
                 continue
             if not self.stopping.is_set():
-                loop.call_soon_threadsafe(self.mailbox.put, summary)
+                loop.call_soon_threadsafe(self._window_done, summary)
+
+    def _window_done(self, summary: dict[str, Any]) -> None:
+        """On the event loop: the window goes to the sender, and the alive file says so."""
+        self.mailbox.put(summary)
+        if self.alive_file is None:
+            return
+        try:
+            self.alive_file.touch()
+            error = None
+        except OSError as e:
+            error = f"alive file {self.alive_file}: {e}"
+        if error != self._alive_error:
+            if error is not None:
+                log.warning("%s: a liveness probe reading it will fail", error)
+            self._alive_error = error
 
     # --- delivery -------------------------------------------------------------
 

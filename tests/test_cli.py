@@ -43,6 +43,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (["sample", "--proc-root", "/nonexistent/proc"], "not a directory"),
         (["sample", "--bogus"], "unrecognized"),
         (["sample", "--host-root", "/nonexistent/host"], "not a directory"),
+        (["sample", "--kubelet-ca-file", "/etc/hostname", "--kubelet-insecure-skip-tls-verify"], "give one"),
         (CP, "--secret-file or --k8s-jwks"),
         ([*CP, "--k8s-jwks", "/etc/hostname"], "--k8s-issuer"),
         ([*CP, "--k8s-jwks", "/nonexistent/jwks.json", "--k8s-issuer", "https://x"], "no such file"),
