@@ -37,16 +37,58 @@ ULIMITS = ["--ulimit", "nofile=16384:16384", "--ulimit", "nproc=16384:16384"]
 KNOWN_POD = {"serviceAccountName", "automountServiceAccountToken", "hostPID", "priorityClassName",
              "terminationGracePeriodSeconds", "tolerations", "containers", "volumes", "securityContext"}  # fmt: skip
 KNOWN_CONTAINER = {"name", "image", "command", "args", "env", "securityContext", "resources", "volumeMounts",
-                   "ports", "readinessProbe", "livenessProbe"}  # fmt: skip
+                   "ports", "readinessProbe", "livenessProbe", "startupProbe"}  # fmt: skip
+KNOWN_SECURITY = {"privileged", "runAsUser", "runAsGroup", "runAsNonRoot", "readOnlyRootFilesystem",
+                  "allowPrivilegeEscalation", "capabilities", "seccompProfile"}  # fmt: skip
+SECCOMP = Path(__file__).resolve().parent.parent / "deploy" / "seccomp"
+# containerd's RuntimeDefault, which the shipped manifests are written for:
+# containers-common's profile (podman's own default) with the two rules
+# containerd adds, bpf() with CAP_BPF and perf_event_open() with CAP_PERFMON.
+# The shipped Localhost profile is exactly that, so it stands for both.
+RUNTIME_DEFAULT = SECCOMP / "nodesampler-agent.json"
 
 
-def manifests() -> list[dict[str, Any]]:
-    """Every object `kubectl apply -k deploy/kubernetes` would apply."""
-    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+OVERLAYS = KUBERNETES.parent / "overlays"
+
+
+def manifests(directory: Path = KUBERNETES) -> list[dict[str, Any]]:
+    """Every object `kubectl apply -k DIRECTORY` would apply: the kustomize
+    subset the shipped files use (resources, files or directories, and JSON
+    patches by kind and name); tests/test_deploy.py checks it against
+    `kubectl kustomize` where kubectl is installed."""
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(kustomization) - {"apiVersion", "kind", "resources", "patches"}
+    assert not unknown, f"kustomization fields not mapped: {unknown}"
     docs: list[dict[str, Any]] = []
     for name in kustomization["resources"]:
-        docs.extend(d for d in yaml.safe_load_all((KUBERNETES / name).read_text()) if d)
+        path = (directory / name).resolve()
+        if path.is_dir():
+            docs.extend(manifests(path))
+        else:
+            docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    for patch in kustomization.get("patches", []):
+        target = patch["target"]
+        [doc] = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
+        for op in yaml.safe_load(patch["patch"]):
+            _json_patch(doc, op)
     return docs
+
+
+def _json_patch(doc: Any, op: dict[str, Any]) -> None:
+    """One RFC 6902 operation: add, replace or remove."""
+    *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+    for part in parents:
+        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
+    if op["op"] == "remove":
+        del doc[int(last) if isinstance(doc, list) else last]
+    elif op["op"] == "add" and isinstance(doc, list):
+        doc.insert(len(doc) if last == "-" else int(last), op["value"])
+    elif op["op"] in ("add", "replace"):
+        if op["op"] == "replace":
+            assert (int(last) < len(doc)) if isinstance(doc, list) else last in doc, f"nothing to replace at {op}"
+        doc[int(last) if isinstance(doc, list) else last] = op["value"]
+    else:
+        raise AssertionError(f"patch op {op['op']} not mapped")
 
 
 def find(kind: str, name: str) -> dict[str, Any]:
@@ -132,6 +174,10 @@ class PlayedPod:
             files: dict[str, bytes] = {}
             for source in spec["projected"]["sources"]:
                 [(kind, src)] = source.items()
+                if kind == "configMap":
+                    assert src["name"] == "kube-root-ca.crt", f"projected ConfigMap {src['name']} not mapped"
+                    files.update(_items({"ca.crt": self.cluster_ca}, src.get("items")))
+                    continue
                 assert kind == "serviceAccountToken", f"projected source {kind} not mapped"
                 assert 600 <= src["expirationSeconds"] <= 86400  # what the API server grants
                 files[src["path"]] = self.sa_tokens[src.get("audience", "")].encode()
@@ -160,26 +206,38 @@ def podman_run(pod: dict[str, Any], played: PlayedPod, name: str, work: Path, im
     assert not unknown, f"container fields not mapped: {unknown}"
     assert c["image"] == image, f"the manifest runs {c['image']}, the build made {image}"
     # A private cgroup namespace, as containerd gives every container on a
-    # cgroup v2 node (the harder case: the agent must join the host's).
+    # cgroup v2 node (the harder case: the agent must see the host's paths),
+    # and a UTS namespace of its own named after the pod, as every pod without
+    # hostNetwork has.
     argv = ["podman", "run", "-d", "--name", name, "--runtime", "runc", *ULIMITS, "--network", "host",
-            "--cgroupns", "private"]  # fmt: skip
+            "--cgroupns", "private", "--uts", "private", "--hostname", name]  # fmt: skip
     for host, address in played.hosts.items():
         argv += ["--add-host", f"{host}:{address}"]
     if pod.get("hostPID"):
         argv += ["--pid", "host"]
     pod_sc = pod.get("securityContext", {})
     sc = c.get("securityContext", {})
+    unknown = (set(pod_sc) | set(sc)) - KNOWN_SECURITY
+    assert not unknown, f"securityContext fields not mapped: {unknown}"
     if sc.get("privileged"):
         argv.append("--privileged")
+    seccomp = sc.get("seccompProfile", pod_sc.get("seccompProfile"))
+    if seccomp is not None and not sc.get("privileged"):
+        kind = seccomp["type"]
+        assert kind in ("RuntimeDefault", "Localhost"), f"seccomp profile {kind} not mapped"
+        profile = RUNTIME_DEFAULT if kind == "RuntimeDefault" else SECCOMP / seccomp["localhostProfile"]
+        argv += ["--security-opt", f"seccomp={profile}"]
     user = sc.get("runAsUser", pod_sc.get("runAsUser"))
     if user is not None:
         argv += ["--user", f"{user}:{sc.get('runAsGroup', pod_sc.get('runAsGroup', user))}"]
     if sc.get("readOnlyRootFilesystem"):
-        argv.append("--read-only")
+        argv += ["--read-only", "--read-only-tmpfs=false"]  # the kubelet mounts no /tmp: only the pod's volumes
     if sc.get("allowPrivilegeEscalation") is False:
         argv += ["--security-opt", "no-new-privileges"]
     for cap in sc.get("capabilities", {}).get("drop", []):
         argv += ["--cap-drop", cap]
+    for cap in sc.get("capabilities", {}).get("add", []):
+        argv += ["--cap-add", cap]
     limits = c.get("resources", {}).get("limits", {})
     if "memory" in limits:
         argv += ["--memory", str(quantity_bytes(limits["memory"]))]
@@ -204,6 +262,7 @@ def podman_run(pod: dict[str, Any], played: PlayedPod, name: str, work: Path, im
             options.append("rslave")
         if "hostPath" in spec:
             source = Path(spec["hostPath"]["path"])
+            assert spec["hostPath"].get("type", "Directory") == "Directory" and source.is_dir(), spec
         elif "emptyDir" in spec:
             source = work / name / m["name"]  # the kubelet's: empty, writable by the pod's user
             source.mkdir(parents=True, exist_ok=True)

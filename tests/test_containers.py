@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -31,7 +32,8 @@ import pytest
 from nodesampler import __version__
 from sampler.machine import MachineGaugeReader
 from tests import podman_pods as pods
-from tests.certs import TestCA
+from tests.certs import TestCA, kubelet_serving_name
+from tests.fakekubelet import FakeKubelet, pod_doc
 from tests.issuer import TestIssuer
 from tests.workloads import QUARTER_WORKERS, group_cpu_at, group_members, start_group
 
@@ -184,7 +186,7 @@ class Cluster:
         played = pods.PlayedPod(node=node, secrets={"nodesampler-controlplane-tls": tls},
                                 config_maps={} if config is None else {"nodesampler-agent": {"agent.toml": config}},
                                 sa_tokens={"nodesampler": token, "": f"api-token-of-{node}"},
-                                hosts=self.hosts())  # fmt: skip
+                                cluster_ca=self.cluster_ca.cert.public_bytes(_pem()), hosts=self.hosts())  # fmt: skip
         name = f"nodesampler-test-agent-{node}"
         self._run(ds["spec"]["template"]["spec"], played, name)
         return name
@@ -281,6 +283,8 @@ def test_the_manifests_image_is_this_version(image: str) -> None:
 
 
 def test_two_nodes_each_speaking_for_itself(cluster: Cluster, engine: subprocess.Popen[str]) -> None:
+    container_caps = pods.find("DaemonSet", "nodesampler-agent")["spec"]["template"]["spec"]["containers"][0][
+        "securityContext"]["capabilities"]  # fmt: skip
     t0 = time.time()
     # node-a's first token expires within the test; the "kubelet" rotates it.
     short = cluster.issuer.token("node-a", ttl=15, now=t0)
@@ -298,10 +302,15 @@ def test_two_nodes_each_speaking_for_itself(cluster: Cluster, engine: subprocess
         # The control plane fetched the issuer's keys with its own token.
         assert cluster.api.seen and set(cluster.api.seen) == {f"Bearer {cluster.cp_token}"}
 
-        # Each agent saw the host, through the container: its name, its disks, the kernel backend.
+        # Each agent saw the host, through the container: its name, its disks, the kernel backend,
+        # with no more capabilities than the manifest adds (drop ALL; BPF, PERFMON, SYS_RESOURCE).
         reg = cluster.node("node-a")["registration"]  # type: ignore[index]
         assert reg["hostname"] == socket.gethostname()
         assert reg["backend"] == "bpf", reg.get("backend_reason")
+        # (This machine's root has no CAP_SYS_RESOURCE to give: a container gets what the host's bounding set allows.)
+        added = {f"cap_{c.lower()}" for c in container_caps["add"]}
+        assert container_caps["drop"] == ["ALL"] and added == {"cap_bpf", "cap_perfmon", "cap_sys_resource"}
+        assert _effective_capabilities(a) == added & _capabilities("self", "CapBnd")
         # Its switch program typed (tp_btf), the tracepoint found in the host's BTF through /sys.
         agent_log = pods.logs(a)
         assert "kernel backend compiled against" in agent_log and "attached as a raw tracepoint" not in agent_log
@@ -341,6 +350,93 @@ def test_two_nodes_each_speaking_for_itself(cluster: Cluster, engine: subprocess
               <= {n["registration"]["node"] for n in json.loads(state.read_text())["nodes"]}, timeout=90)  # fmt: skip
     finally:
         truth.stop()
+
+
+CAPABILITIES = {21: "cap_sys_admin", 19: "cap_sys_ptrace", 24: "cap_sys_resource", 38: "cap_perfmon", 39: "cap_bpf",
+                0: "cap_chown", 1: "cap_dac_override", 2: "cap_dac_read_search", 12: "cap_net_admin", 13: "cap_net_raw"}
+
+
+def _agent_pid(name: str) -> int:
+    r = subprocess.run(["podman", "inspect", "-f", "{{.State.Pid}}", name], capture_output=True, text=True)
+    return int(r.stdout.strip())
+
+
+def _capabilities(pid: int | str, which: str = "CapEff") -> set[str]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(re.search(rf"^{which}:\s*([0-9a-f]+)", status, re.M).group(1), 16)  # type: ignore[union-attr]
+    return {CAPABILITIES.get(bit, f"cap_{bit}") for bit in range(64) if mask >> bit & 1}
+
+
+def _effective_capabilities(name: str) -> set[str]:
+    """The agent process's effective capabilities, read from the host."""
+    return _capabilities(_agent_pid(name))
+
+
+def _probe(name: str, probe: dict[str, Any]) -> int:
+    """The exit status of an exec probe, run in the container as the kubelet runs it."""
+    return subprocess.run(["podman", "exec", name, *probe["exec"]["command"]], capture_output=True).returncode
+
+
+def test_the_liveness_probe_fails_when_sampling_stops(cluster: Cluster) -> None:
+    container = pods.find("DaemonSet", "nodesampler-agent")["spec"]["template"]["spec"]["containers"][0]
+    name = cluster.start_agent("node-live", cluster.issuer.token("node-live"))
+    alive = cluster.work / name / "run" / "alive"  # the emptyDir, as the host sees it
+    until("the agent's first window", alive.exists)
+    for kind in ("startupProbe", "livenessProbe"):
+        assert _probe(name, container[kind]) == 0, kind
+    pid = _agent_pid(name)
+    os.kill(pid, signal.SIGSTOP)  # a sampler that no longer runs (a GIL held for minutes looks the same)
+    try:
+        past = time.time() - 120
+        os.utime(alive, (past, past))
+        assert _probe(name, container["livenessProbe"]) != 0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    until("the probe passing again once the agent runs", lambda: _probe(name, container["livenessProbe"]) == 0)
+
+
+POD_UID = "5e1f0c7a-2b7d-4c1e-9f3a-0d6b8e4a1c22"
+POD_CONTAINER = "ab" * 32
+
+
+def test_a_pod_found_through_this_nodes_kubelet(cluster: Cluster, tmp_path: Path) -> None:
+    """A `k8s:` shard in the unprivileged pod: the kubelet (on NODE_IP:10250,
+    its serving certificate the cluster CA's for this node) names the pod and
+    its container; the agent finds the container's processes by their cgroup,
+    the host's path, seen from its own cgroup namespace."""
+    cg = _cgroup_dir().parent / "kubepods" / "burstable" / f"pod{POD_UID}" / POD_CONTAINER
+    kubelet = FakeKubelet(tmp_path, kubelet_serving_name("node-k"), cluster.cluster_ca, port=10250,
+                          token="api-token-of-node-k")  # fmt: skip
+    kubelet.pods = [pod_doc("inference", "llama-0", {"vllm": POD_CONTAINER}, {"app": "vllm"}, uid=POD_UID)]
+    pod = start_group(QUARTER_WORKERS, "nodesampler-test-pod")
+    try:
+        cg.mkdir(parents=True)
+        for pid in group_members(pod.pid):
+            (cg / "cgroup.procs").write_text(str(pid))
+        config = b'[[shard]]\nselect = "k8s:inference/app=vllm#vllm"\n'
+        name = cluster.start_agent("node-k", cluster.issuer.token("node-k"), config=config)
+        truth = CpuTruth(pod.pid)
+
+        def judged() -> dict[str, Any] | None:
+            hb = cluster.heartbeat("node-k")
+            if not hb or truth.cores(hb["window"]["start"], hb["window"]["end"]) is None:
+                return None
+            return next((s | {"window": hb["window"]} for s in hb["shards"] if s["id"] == "inference/llama-0/vllm"),
+                        None)  # fmt: skip
+
+        shard = until("node-k's pod shard, the truth on both edges of its window", judged)
+        truth.stop()
+        assert shard["namespace"] == "inference" and shard["pod"] == "llama-0" and shard["container"] == "vllm"
+        cores = truth.cores(shard["window"]["start"], shard["window"]["end"])
+        assert cores is not None and abs(shard["cpu_cores"]["mean"] - cores) <= 0.05 + 0.02 * cores, (shard, cores)
+        assert kubelet.refused == 0 and "NOT verified" not in pods.logs(name)
+    finally:
+        kubelet.stop()
+        os.killpg(pod.pid, 9)
+        pod.wait()
+        until("the pod's cgroup to empty", lambda: not (cg / "cgroup.procs").read_text().strip(), timeout=10)
+        for d in (cg, cg.parent, cg.parent.parent, cg.parent.parent.parent):
+            d.rmdir()
 
 
 def _judged(cluster: Cluster, truth: CpuTruth) -> dict[str, Any] | None:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import configparser
+import json
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
+import pytest
 import yaml
 
-from tests.podman_pods import find, manifests
+from tests.podman_pods import KUBERNETES, OVERLAYS, find, manifests
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -25,6 +29,7 @@ def test_kustomization_applies_every_manifest_once() -> None:
                      ("ClusterRoleBinding", "nodesampler-controlplane-issuer-discovery"),
                      ("Deployment", "nodesampler-controlplane"), ("Service", "nodesampler-controlplane"),
                      ("Service", "nodesampler-pages"), ("NetworkPolicy", "nodesampler-controlplane"),
+                     ("NetworkPolicy", "nodesampler-agent"),
                      ("ServiceMonitor", "nodesampler")}  # fmt: skip
     for d in manifests():
         if d["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
@@ -35,7 +40,6 @@ def test_daemonset() -> None:
     pod = find("DaemonSet", "nodesampler-agent")["spec"]["template"]["spec"]
     assert pod["hostPID"] is True and pod["serviceAccountName"] == "nodesampler-agent"
     [agent] = pod["containers"]
-    assert agent["securityContext"]["privileged"] is True
     assert agent["command"] == ["nodesampler", "agent"]
     mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -51,7 +55,7 @@ def test_daemonset() -> None:
     # The token is the pod's own, projected for our audience: no per-node Secret.
     token = next(m for m in agent["volumeMounts"] if args["token-file"].startswith(m["mountPath"] + "/"))
     sources = {s["serviceAccountToken"]["path"]: s["serviceAccountToken"]
-               for s in volumes[token["name"]]["projected"]["sources"]}  # fmt: skip
+               for s in volumes[token["name"]]["projected"]["sources"] if "serviceAccountToken" in s}  # fmt: skip
     assert sources[args["token-file"].rsplit("/", 1)[1]]["audience"] == "nodesampler"
     # The kubelet's token is the API server's audience (the kubelet checks it there), on this node's kubelet.
     assert "audience" not in sources[args["kubelet-token-file"].rsplit("/", 1)[1]]
@@ -61,11 +65,84 @@ def test_daemonset() -> None:
     assert volumes[ca["name"]]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # never the key
     config = next(m for m in agent["volumeMounts"] if args["config"].startswith(m["mountPath"] + "/"))
     assert volumes[config["name"]]["configMap"]["optional"] is True
+    # The kubelet's certificate is verified against the cluster's CA, projected from kube-root-ca.crt.
+    assert "kubelet-insecure-skip-tls-verify" not in args
+    ca_source = next(m for m in agent["volumeMounts"] if args["kubelet-ca-file"].startswith(m["mountPath"] + "/"))
+    [root_ca] = [s["configMap"] for s in volumes[ca_source["name"]]["projected"]["sources"] if "configMap" in s]
+    assert root_ca == {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "cluster-ca.crt"}]}
+
+
+def test_the_agent_holds_only_the_privileges_its_features_use() -> None:
+    pod = find("DaemonSet", "nodesampler-agent")["spec"]["template"]["spec"]
+    [agent] = pod["containers"]
+    sc = agent["securityContext"]
+    assert "privileged" not in sc and sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "PERFMON", "SYS_RESOURCE"]}
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "tolerations" not in pod  # an operator opts into tainted nodes (docs/deployment.md)
+    assert not {"hostNetwork", "hostIPC"} & set(pod)
+    # Every host path read-only, and only / and /sys.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    host = {m["mountPath"]: volumes[m["name"]]["hostPath"]["path"] for m in agent["volumeMounts"]
+            if "hostPath" in volumes[m["name"]]}  # fmt: skip
+    assert host == {"/sys": "/sys", "/host": "/"}
+    assert all(m.get("readOnly") for m in agent["volumeMounts"] if m["mountPath"] in host)
+    # The probes read the file the agent touches each window, in a volume of its own.
+    args = dict(a.removeprefix("--").split("=", 1) for a in agent["args"])
+    [run] = [m for m in agent["volumeMounts"] if args["alive-file"].startswith(m["mountPath"] + "/")]
+    assert volumes[run["name"]]["emptyDir"]["medium"] == "Memory"
+    for kind in ("startupProbe", "livenessProbe"):
+        assert args["alive-file"] in " ".join(agent[kind]["exec"]["command"]), kind
+
+
+def test_the_shipped_seccomp_profile_gates_bpf_on_its_capabilities() -> None:
+    profile = json.loads((DEPLOY / "seccomp" / "nodesampler-agent.json").read_text())
+    assert profile["defaultAction"] == "SCMP_ACT_ERRNO"
+    rules = {(name, r["action"], tuple(r.get("includes", {}).get("caps", ())),
+              tuple(r.get("excludes", {}).get("caps", ())))
+             for r in profile["syscalls"] for name in r["names"]}  # fmt: skip
+    for name, cap in (("bpf", "CAP_BPF"), ("perf_event_open", "CAP_PERFMON")):
+        allowed = {rule for rule in rules if rule[0] == name and rule[1] == "SCMP_ACT_ALLOW"}
+        assert allowed == {(name, "SCMP_ACT_ALLOW", ("CAP_SYS_ADMIN",), ()), (name, "SCMP_ACT_ALLOW", (cap,), ())}
+    # Neither is open to a container without its capability, nor is a module load.
+    unconditional = {r[0] for r in rules if r[1] == "SCMP_ACT_ALLOW" and not r[2]}
+    assert not {"init_module", "bpf", "perf_event_open"} & unconditional
+
+
+def test_the_overlays_change_only_what_they_say() -> None:
+    base = {(d["kind"], d["metadata"]["name"]): d for d in manifests()}
+
+    def changed(overlay: str) -> dict[tuple[str, str], Any]:
+        docs = {(d["kind"], d["metadata"]["name"]): d for d in manifests(OVERLAYS / overlay)}
+        assert docs.keys() == base.keys()
+        return {k: d for k, d in docs.items() if d != base[k]}
+
+    ds = ("DaemonSet", "nodesampler-agent")
+    privileged = changed("privileged")
+    assert privileged.keys() == {ds}
+    assert privileged[ds]["spec"]["template"]["spec"]["containers"][0]["securityContext"] == {
+        "privileged": True, "readOnlyRootFilesystem": True}  # fmt: skip
+    old = changed("before-1.36")
+    assert old.keys() == {("ClusterRole", "nodesampler-agent")}
+    assert [r["resources"] for r in old[("ClusterRole", "nodesampler-agent")]["rules"]] == [["nodes/pods"],
+                                                                                            ["nodes/proxy"]]
+    localhost = changed("seccomp-localhost")
+    assert localhost.keys() == {ds}
+    profile = localhost[ds]["spec"]["template"]["spec"]["securityContext"]["seccompProfile"]
+    assert profile["type"] == "Localhost" and (DEPLOY / "seccomp" / profile["localhostProfile"]).is_file()
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl: the renderer is checked where it is")
+@pytest.mark.parametrize("directory", [KUBERNETES, *sorted(OVERLAYS.iterdir())], ids=lambda d: d.name)
+def test_the_tests_kustomize_renders_as_kubectl_does(directory: Path) -> None:
+    out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, check=True).stdout
+    canonical = sorted(json.dumps(d, sort_keys=True) for d in yaml.safe_load_all(out) if d)
+    assert canonical == sorted(json.dumps(d, sort_keys=True) for d in manifests(directory))
 
 
 def test_the_agent_may_read_its_kubelets_pods_and_nothing_else() -> None:
     role = find("ClusterRole", "nodesampler-agent")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes/proxy"], "verbs": ["get"]}]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes/pods"], "verbs": ["get"]}]
     binding = find("ClusterRoleBinding", "nodesampler-agent")
     assert binding["roleRef"]["name"] == "nodesampler-agent"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "nodesampler-agent", "namespace": "nodesampler"}]
@@ -90,6 +167,13 @@ def test_controlplane_verifies_the_agents_account() -> None:
     agent_port = int(args["listen"].rsplit(":", 1)[1])
     [agents_rule] = [r for r in policy["ingress"] if r["ports"][0]["port"] == agent_port]
     assert agents_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nodesampler-agent"}}}]
+    # The agent's own: nothing in; out to the control plane's agent port, kubelets, DNS and engines' metrics.
+    agent = find("NetworkPolicy", "nodesampler-agent")["spec"]
+    assert agent["policyTypes"] == ["Ingress", "Egress"] and agent["ingress"] == []
+    [to_cp] = [r for r in agent["egress"] if r["ports"] == [{"protocol": "TCP", "port": agent_port}]]
+    assert to_cp["to"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nodesampler-controlplane"}}}]
+    ports = {(p["protocol"], p["port"]) for r in agent["egress"] for p in r["ports"]}
+    assert ports == {("TCP", agent_port), ("TCP", 10250), ("UDP", 53), ("TCP", 53), ("TCP", 8000)}
 
 
 def test_dockerfile() -> None:
