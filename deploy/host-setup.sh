@@ -62,3 +62,16 @@ if [ ! -e "$stamp" ] && [ ! -e ".venv/.installed[test]-${stamp##*-}" ]; then
     rm -f .venv/.installed*
     touch "$stamp"
 fi
+
+# The cluster's audit tools, for the manifests' test (tests/test_audit.py):
+# checkov and kubernetes-validate, pinned, in a virtualenv of their own
+# (checkov pins dozens of libraries of its own, some against the tests').
+if [ "$mode" = test ]; then
+    audit_stamp=".venv-audit/.installed-$(sha256sum < deploy/audit-requirements.txt | cut -c1-16)"
+    if [ ! -e "$audit_stamp" ]; then
+        /usr/bin/python3 -m venv .venv-audit
+        .venv-audit/bin/pip install -q --disable-pip-version-check -r deploy/audit-requirements.txt
+        rm -f .venv-audit/.installed*
+        touch "$audit_stamp"
+    fi
+fi
