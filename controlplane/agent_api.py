@@ -68,26 +68,40 @@ async def counted(request: web.Request, handler: Handler) -> web.StreamResponse:
     return response
 
 
-class _RefusalLog:
-    """Why a token was refused, in the log: once a minute per reason, so that a
-    misconfigured fleet (or a scanner) is seen without flooding the log."""
+_SENDERS_TEXT = re.compile(r"'[^']*'|\"[^\"]*\"|\d+(\.\d+)?")
+
+
+def category(reason: str) -> str:
+    """A reason with what the sender chose taken out (quoted text, numbers):
+    what a log line or a label is keyed by, from a set the code's own
+    messages bound, however many distinct reasons a client makes up."""
+    return _SENDERS_TEXT.sub("_", reason)[:200]
+
+
+class _RateLimitedLog:
+    """A warning once a minute per category of its reason, so that a
+    misconfigured fleet (or a scanner, or a node that sends nonsense) is seen
+    without flooding the log: a JWT's key id or a list's lengths, which the
+    sender chooses, make no new line."""
 
     EVERY_S = 60.0
 
-    def __init__(self) -> None:
+    def __init__(self, what: str) -> None:
+        self.what = what
         self._last: dict[str, float] = {}
 
-    def log(self, status: int, reason: str, remote: str | None) -> None:
-        now = time.monotonic()
-        if now - self._last.get(reason, -self.EVERY_S) < self.EVERY_S:
+    def log(self, reason: str, *context: object) -> None:
+        key, now = category(reason), time.monotonic()
+        if now - self._last.get(key, -self.EVERY_S) < self.EVERY_S:
             return
         if len(self._last) > 1000:
             self._last.clear()
-        self._last[reason] = now
-        log.warning("token refused (%d) from %s: %s", status, remote, reason)
+        self._last[key] = now
+        log.warning("%s %s: %s", self.what, " ".join(map(str, context)), reason[:500])
 
 
-_refusals = _RefusalLog()
+_refusals = _RateLimitedLog("token refused")
+_left_out = _RateLimitedLog("heartbeat entry left out")
 
 
 async def _checked_body(request: web.Request, parse: Callable[[bytes], wire.Json]) -> wire.Json | web.Response:
@@ -97,13 +111,16 @@ async def _checked_body(request: web.Request, parse: Callable[[bytes], wire.Json
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
         return _error(401, "missing bearer token")
+    if not (token.isascii() and token.strip().isprintable()):  # aiohttp keeps other bytes as surrogates
+        _refusals.log("not printable ASCII", 401, "from", request.remote)
+        return _error(401, "malformed bearer token")
     try:
         token_node = await request.app[AUTHENTICATOR].node(token.strip())
     except Unauthenticated as e:
-        _refusals.log(401, str(e), request.remote)
+        _refusals.log(str(e), 401, "from", request.remote)
         return _error(401, "invalid token")
     except Forbidden as e:
-        _refusals.log(403, str(e), request.remote)
+        _refusals.log(str(e), 403, "from", request.remote)
         return _error(403, str(e))
     try:
         body = parse(await request.read())
@@ -114,7 +131,15 @@ async def _checked_body(request: web.Request, parse: Callable[[bytes], wire.Json
     return body
 
 
-_INDEX_ON = re.compile(r"\[\d+\].*")
+_INDEX = re.compile(r"\[\d+\]")
+_FIELD = re.compile(r"[a-z0-9_]+(\[\])?(\.[a-z0-9_]+(\[\])?)*")
+
+
+def field_category(field: str) -> str:
+    """A field's path with its indices taken out ("shards[7].command" ->
+    "shards[].command"): the schema's names alone, so a bounded label."""
+    path = _INDEX.sub("[]", field)
+    return path if len(path) <= 80 and _FIELD.fullmatch(path) else "other"
 
 
 def _parse_keeping(parse: Callable[[bytes, wire.Dropped], wire.Json],
@@ -122,13 +147,16 @@ def _parse_keeping(parse: Callable[[bytes, wire.Dropped], wire.Json],
     return lambda data: parse(data, dropped)
 
 
-def _answer(request: web.Request, body: dict[str, object], dropped: wire.Dropped) -> web.Response:
+def _answer(request: web.Request, node: str, body: dict[str, object], dropped: wire.Dropped) -> web.Response:
     """200, naming the entries left out; each counted by its list and reason."""
     if dropped:
         counter = request.app[METRICS].items_dropped
         for d in dropped:
-            which = _INDEX_ON.sub("", d["field"])  # "shards[7].command" -> "shards": a bounded label
-            counter.labels(f"{which}: {d['reason']}").inc()
+            # The field's path alone labels the count: the reason carries the
+            # sender's numbers ("2 lengths but 3 values"), a new series each.
+            field = field_category(d["field"])
+            counter.labels(field).inc()
+            _left_out.log(f"{d['field']}: {d['reason']}", "from", node, f"({field})")
         body["dropped"] = dropped[:100]
     return web.json_response(body)
 
@@ -143,7 +171,8 @@ async def register(request: web.Request) -> web.Response:
     registry.register(registration)
     if not known:
         log.info("node %s registered", registration["node"])
-    return _answer(request, {"node": registration["node"], "stale_after": registry.stale_after}, dropped)
+    return _answer(request, registration["node"], {"node": registration["node"], "stale_after": registry.stale_after},
+                   dropped)
 
 
 async def heartbeat(request: web.Request) -> web.Response:
@@ -171,7 +200,7 @@ async def heartbeat(request: web.Request) -> web.Response:
         if raw is not None:
             live.record(hb["node"], hb, raw)
         answer["raw"] = True
-    return _answer(request, answer, dropped)
+    return _answer(request, hb["node"], answer, dropped)
 
 
 def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics: ControlPlaneMetrics | None = None,

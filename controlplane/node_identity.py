@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 LEEWAY_S = 30  # clock skew between the kubelet that minted a token and us
 REFETCH_EVERY_S = 60.0  # an unknown key id fetches the JWKS again, at most this often
+REREAD_EVERY_S = 300.0  # and the keys are read again this often: a key the issuer withdrew stops verifying
 CACHE_MAX = 65536  # verified tokens kept; a fleet rotates each about hourly
 # Where Kubernetes mounts a pod's own service-account credentials.
 POD_SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -69,9 +70,11 @@ def parse_service_account(text: str) -> tuple[str, str]:
 
 
 class JwksSource:
-    """The issuer's public keys, from a file or a URL, fetched at start and
+    """The issuer's public keys, from a file or a URL, fetched at start,
     again when a token names a key id we do not have (rate-limited), so a
-    rotated issuer key is picked up without a restart.
+    rotated issuer key is picked up without a restart, and every
+    `REREAD_EVERY_S` as tokens come, so a key the cluster withdrew stops
+    verifying (and the tokens it signed are forgotten) within minutes.
 
     A URL is fetched with this pod's own service-account token and the
     cluster's CA when they are mounted (the API server's
@@ -85,6 +88,8 @@ class JwksSource:
         self._fetch = fetch or (self._fetch_url if location.startswith(("http://", "https://")) else self._read_file)
         self._keys: dict[str, jwt.PyJWK] = {}
         self._last_try: float | None = None
+        self._read_at: float | None = None  # the last fetch that gave keys
+        self._rereading: asyncio.Task[bool] | None = None
         self._lock = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None  # one for the process's life, made on first use
 
@@ -151,7 +156,18 @@ class JwksSource:
             if keys.keys() != self._keys.keys():
                 log.info("service-account issuer keys from %s: %s", self.location, ", ".join(sorted(keys)))
             self._keys = keys
+            self._read_at = now
             return True
+
+    def reread_if_due(self) -> None:
+        """Start a re-read in the background when one is due: no request
+        waits for the issuer (a slow API server would hold every heartbeat)."""
+        due = self._read_at is not None and self._clock() - self._read_at >= REREAD_EVERY_S
+        if due and (self._rereading is None or self._rereading.done()):
+            self._rereading = asyncio.get_running_loop().create_task(self.refresh())
+
+    def has(self, kid: str) -> bool:
+        return kid in self._keys
 
     async def key(self, kid: str) -> jwt.PyJWK | None:
         if kid not in self._keys:
@@ -176,22 +192,23 @@ class ServiceAccountVerifier:
 
     def __init__(self, keys: JwksSource, rules: ServiceAccountRules, clock: Callable[[], float] = time.time) -> None:
         self.keys, self.rules, self._clock = keys, rules, clock
-        self._verified: dict[str, tuple[str, float]] = {}  # token -> (node, exp)
+        self._verified: dict[str, tuple[str, float, str]] = {}  # token -> (node, exp, key id)
 
-    def _remember(self, token: str, node: str, exp: float) -> None:
+    def _remember(self, token: str, node: str, exp: float, kid: str) -> None:
         if len(self._verified) >= CACHE_MAX:
             now = self._clock()
             self._verified = {t: v for t, v in self._verified.items() if v[1] + LEEWAY_S > now}
             if len(self._verified) >= CACHE_MAX:
                 self._verified.clear()
-        self._verified[token] = (node, exp)
+        self._verified[token] = (node, exp, kid)
 
     async def node(self, token: str) -> str:
+        self.keys.reread_if_due()
         cached = self._verified.get(token)
         if cached is not None:
-            if cached[1] + LEEWAY_S > self._clock():
+            if cached[1] + LEEWAY_S > self._clock() and self.keys.has(cached[2]):
                 return cached[0]
-            del self._verified[token]
+            del self._verified[token]  # expired, or its key withdrawn: verified again (and refused)
         try:
             header = jwt.get_unverified_header(token)
         except jwt.PyJWTError as e:
@@ -204,7 +221,7 @@ class ServiceAccountVerifier:
             raise Unauthenticated(f"token signed by an unknown key {kid[:64]!r}")
         claims = self._decode(token, key)
         node = self._node_claim(claims)
-        self._remember(token, node, float(claims["exp"]))
+        self._remember(token, node, float(claims["exp"]), kid)
         return node
 
     def _decode(self, token: str, key: jwt.PyJWK) -> dict[str, Any]:

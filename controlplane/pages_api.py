@@ -124,8 +124,7 @@ def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
                live: LiveSamples | None = None) -> web.Application:  # fmt: skip
     app = web.Application(middlewares=[no_tracebacks])
     if state_file is not None:
-        app[STATE_FILE] = state_file
-        app.cleanup_ctx.append(registry_state.kept_on_disk)
+        registry_state.keep_state(app, state_file)
     app[REGISTRY] = registry
     if history is not None:
         app[RECORDER] = history

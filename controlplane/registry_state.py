@@ -104,15 +104,29 @@ def load(registry: NodeRegistry, path: Path) -> int:
 
 
 STATE_FILE = web.AppKey("state_file", Path)
+STATE_WRITER = web.AppKey("state_writer", asyncio.Lock)  # one save at a time: see `save`
+
+
+def keep_state(app: web.Application, path: Path) -> None:
+    """The registry kept in `path`: loaded at start, saved on a period and at the end."""
+    app[STATE_FILE] = path
+    app[STATE_WRITER] = asyncio.Lock()
+    app.cleanup_ctx.append(kept_on_disk)
 
 
 async def save(app: web.Application) -> None:
-    """The registry as it is now, written off the event loop; a failure is logged."""
+    """The registry as it is when this save's turn comes, written off the
+    event loop; a failure is logged. Saves (the period's, a DELETE's, the
+    last at exit) take turns: two threads writing `PATH.tmp` at once could
+    rename a file that holds parts of both, and an older snapshot written
+    last would bring a forgotten node back."""
     path = app[STATE_FILE]
-    try:
-        await asyncio.to_thread(write, path, encoded(app[REGISTRY]))
-    except OSError as e:  # a full or read-only volume: said, and tried again at the next save
-        log.error("registry state %s cannot be written: %s", path, e)
+    async with app[STATE_WRITER]:
+        body = encoded(app[REGISTRY])
+        try:
+            await asyncio.to_thread(write, path, body)
+        except OSError as e:  # a full or read-only volume: said, and tried again at the next save
+            log.error("registry state %s cannot be written: %s", path, e)
 
 
 async def kept_on_disk(app: web.Application) -> AsyncIterator[None]:

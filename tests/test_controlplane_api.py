@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
+import re
 import threading
 from typing import Any, TypeAlias
 
@@ -20,9 +22,12 @@ from controlplane import agent_api, pages_api
 from controlplane.exposition import FleetExposition
 from controlplane.history import EmbeddedHistory
 from controlplane.keys import METRICS
+from controlplane.live import LiveSamples
+from controlplane.node_identity import JwksSource, NodeAuthenticator, ServiceAccountRules, ServiceAccountVerifier
 from controlplane.registry import NodeRegistry, UnknownNode
 from nodesampler import tokens, wire
 from tests.fakeproc import FakeClock
+from tests.issuer import ISSUER, TestIssuer
 from web import pages
 
 Client: TypeAlias = "TestClient[web.Request, web.Application]"
@@ -183,7 +188,34 @@ async def test_a_bad_entry_is_left_out_and_the_rest_accepted(
     assert [s["id"] for s in kept["shards"]] == (["s1"] if which == "shards" else ["s0", "s1"])
     [family] = agents.app[METRICS].items_dropped.collect()
     [sample] = [m for m in family.samples if m.name.endswith("_total")]
-    assert sample.value == 1 and "[" not in sample.labels["reason"]  # the index is not a label value
+    assert sample.value == 1 and not re.search(r"\d", sample.labels["reason"])  # the index is not a label value
+
+
+async def test_a_node_cannot_grow_the_control_planes_own_series(
+    aiohttp_client: Any, registry: NodeRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A valid token, watched live (anyone may start that), sends raw blocks
+    whose every reason carries new numbers: the counts stay on one label
+    value, the answers say each reason whole, the log says it once."""
+    live = LiveSamples()
+    client = await aiohttp_client(agent_api.create_app(registry, SECRET, live=live))
+    live.watch("gpu-17")
+    await post(client, "/v1/register", registration())
+    reasons = set()
+    with caplog.at_level(logging.WARNING, logger="controlplane.agent_api"):
+        for n in range(1, 301):
+            body = heartbeat(seq=n)
+            series = {"start": 0, "us": [10000] * n, "v": [0.5] * (n + 1)}
+            body["raw"] = {"shards": [{"id": "s0", "cpu_cores": series}]}
+            status, answer = await post(client, "/v1/heartbeat", body)
+            assert status == 200
+            [dropped] = answer["dropped"]
+            reasons.add(dropped["reason"])
+    assert len(reasons) == 300 and f"{300} lengths but {301} values" in reasons  # each answer says its own
+    [family] = client.app[METRICS].items_dropped.collect()
+    labels = {m.labels["reason"] for m in family.samples if m.name.endswith("_total")}
+    assert labels == {"raw.shards[].cpu_cores"}
+    assert sum("left out" in r.getMessage() for r in caplog.records) == 1
 
 
 async def test_duplicate_shard_ids_keep_the_first(agents: Client, registry: NodeRegistry) -> None:
@@ -384,3 +416,25 @@ async def test_a_node_keeps_its_busiest_engines_up_to_the_cap(aiohttp_client: An
     assert 'llmgw_node_shards_left_out{node="gpu-17"} 12\n' in text
     assert {line.split('shard="')[1].split('"')[0] for line in text.splitlines()
             if line.startswith("llmgw_shard_cpu_cores{")} == {"s9", "s8", "s7"}  # fmt: skip
+
+
+@pytest.mark.parametrize("token", [b"eyJ\xff\xfe.\xc3(.x", b"eyJhbGciOiJSUzI1NiJ9.\xe2\x82\xac.x", b"gpu-\xe9.ab"])
+async def test_a_token_of_other_bytes_is_401_never_a_500(aiohttp_client: Any, registry: NodeRegistry,
+                                                         tmp_path: Any, token: bytes) -> None:  # fmt: skip
+    """Bytes that are not printable ASCII, sent raw as a client can, against
+    both kinds of token verification: one 401 with a reason, no traceback."""
+    issuer = TestIssuer()
+    jwks = tmp_path / "jwks.json"
+    jwks.write_text(json.dumps(issuer.jwks()))
+    verifier = ServiceAccountVerifier(JwksSource(str(jwks)), ServiceAccountRules(ISSUER))
+    client = await aiohttp_client(agent_api.create_app(registry, NodeAuthenticator(SECRET, verifier)))
+    body = json.dumps(registration()).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+    writer.write(b"POST /v1/register HTTP/1.1\r\nHost: cp\r\nAuthorization: Bearer " + token +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+                 + body)  # fmt: skip
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 401 ") and b'"malformed bearer token"' in answer, answer[:200]
+    assert len(registry) == 0

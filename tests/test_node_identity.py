@@ -3,6 +3,7 @@ own; the token cache; key rotation; HMAC tokens beside JWTs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from aiohttp import web
 
 from controlplane.node_identity import (
     REFETCH_EVERY_S,
+    REREAD_EVERY_S,
     Forbidden,
     JwksSource,
     NodeAuthenticator,
@@ -134,13 +136,18 @@ async def test_a_verified_token_is_cached_until_it_expires(issuer: TestIssuer, t
     v._clock = clock
     token = issuer.token("gpu-17", ttl=600, now=clock.t)
     assert await v.node(token) == "gpu-17"
-    v.keys._keys.clear()  # a cache hit needs no key
-    v.keys._last_try = 1e18  # and may not fetch one
-    assert await v.node(token) == "gpu-17"
-    clock.t += 600 + 31  # past exp and the leeway: verified afresh, and now refused
-    with pytest.raises(Unauthenticated):
-        await v.node(token)
-    assert token not in v._verified
+    verified_again: list[str] = []
+    decode = v._decode
+
+    def counting(t: str, k: Any) -> dict[str, Any]:
+        verified_again.append(t)
+        return decode(t, k)
+
+    v._decode = counting  # type: ignore[method-assign,assignment]
+    v.keys._last_try = 1e18  # and a cache hit fetches nothing
+    assert await v.node(token) == "gpu-17" and verified_again == []  # no signature checked again
+    clock.t += 600 + 31  # past exp and the leeway: verified afresh (here the signature still holds)
+    assert await v.node(token) == "gpu-17" and verified_again == [token]
 
 
 async def test_a_rotated_key_is_fetched_again_at_most_once_a_minute(tmp_path: Path) -> None:
@@ -165,6 +172,39 @@ async def test_a_rotated_key_is_fetched_again_at_most_once_a_minute(tmp_path: Pa
         with pytest.raises(Unauthenticated, match="unknown key"):
             await v.node(TestIssuer(kid="k-stranger").token("n1"))
     assert len(fetches) == 2
+
+
+async def test_a_withdrawn_key_stops_verifying_within_the_reread_period(tmp_path: Path) -> None:
+    """The cluster withdraws a key (it leaked): tokens it signed, even ones
+    verified and cached before, are refused once the keys are read again,
+    which happens in the background: no request waits for the issuer."""
+    leaked, kept = TestIssuer(kid="leaked"), TestIssuer(kid="kept")
+    doc = {"keys": leaked.jwks()["keys"] + kept.jwks()["keys"]}
+    issuer_slow = asyncio.Event()
+    issuer_slow.set()
+
+    async def fetch() -> bytes:
+        await issuer_slow.wait()
+        return json.dumps(doc).encode()
+
+    clock = Clock()
+    v = ServiceAccountVerifier(JwksSource("https://issuer.example/jwks", clock=clock, fetch=fetch),
+                               ServiceAccountRules(ISSUER))  # fmt: skip
+    token = leaked.token("n1")
+    assert await v.node(token) == "n1" and await v.node(kept.token("n2")) == "n2"
+    doc["keys"] = kept.jwks()["keys"]  # withdrawn at the issuer
+    clock.t += REREAD_EVERY_S - 1
+    assert await v.node(token) == "n1"  # not yet read again
+    clock.t += 1
+    issuer_slow.clear()  # the issuer is slow to answer the re-read ...
+    assert await asyncio.wait_for(v.node(token), 1) == "n1"  # ... and the request does not wait for it
+    issuer_slow.set()
+    await asyncio.sleep(0)
+    while v.keys._rereading is not None and not v.keys._rereading.done():
+        await asyncio.sleep(0.01)
+    with pytest.raises(Unauthenticated, match="unknown key 'leaked'"):
+        await v.node(token)
+    assert await v.node(kept.token("n2")) == "n2"
 
 
 async def test_keys_that_cannot_be_read_keep_the_last_good_ones(issuer: TestIssuer, tmp_path: Path) -> None:

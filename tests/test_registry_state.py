@@ -3,6 +3,7 @@ when an operator says so or after a long silence."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -136,3 +137,37 @@ def test_a_silent_node_stays_known_for_a_week_by_default() -> None:
     assert registry.forget_gone() == [] and registry.get("n1") is not None
     clock.return_value = 1000.0 + 7 * 86400 + 1
     assert registry.forget_gone() == ["n1"]
+
+
+async def test_saves_take_turns_and_the_last_state_is_what_stays(aiohttp_client: Any, tmp_path: Path) -> None:
+    """The period's save, DELETEs' and the exit's, all at once: never two
+    writers of `PATH.tmp`, and the file ends as the registry ends (a node
+    forgotten meanwhile does not come back)."""
+    from controlplane import registry_state
+
+    path = tmp_path / "registry.json"
+    registry = NodeRegistry(stale_after=60)
+    for i in range(200):
+        register(registry, f"n-{i}")
+    app = pages_api.create_app(registry, state_file=path)
+    pages = await aiohttp_client(app)
+    writing, overlaps = [0], [0]
+    real_write = registry_state.write
+
+    def write(p: Path, body: bytes) -> None:
+        writing[0] += 1
+        overlaps[0] += writing[0] > 1
+        try:
+            real_write(p, body)
+        finally:
+            writing[0] -= 1
+
+    with mock.patch.object(registry_state, "write", write):
+        for i in range(0, 200, 10):
+            registry.forget(f"n-{i}")
+            deletes = [pages.delete(f"/api/nodes/n-{j}") for j in range(i + 1, i + 4)]
+            await asyncio.gather(registry_state.save(app), *deletes, registry_state.save(app))
+        await pages.close()  # the exit's save
+    assert overlaps[0] == 0
+    kept = {n["registration"]["node"] for n in json.loads(path.read_text())["nodes"]}
+    assert kept == {n.registration["node"] for n in registry.nodes()} and len(kept) == 120
