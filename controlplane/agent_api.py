@@ -4,7 +4,9 @@ Every request is authenticated (a bearer token naming the node it may speak
 for), bounded in size, and validated field by field before anything in the
 registry changes. Answers: 200; 400 with the field and the reason; 401 no
 or bad token; 403 a token for another node; 404 a heartbeat for a node the
-control plane does not know (register again); 413 a body over the limit.
+control plane does not know (register again); 409 a heartbeat whose `seq`
+is not after the last one accepted since the node registered (a replay); 413
+a body over the limit; 429 a node sending faster than `HEARTBEAT_RATE`.
 """
 
 from __future__ import annotations
@@ -50,8 +52,34 @@ async def no_tracebacks(request: web.Request, handler: Handler) -> web.StreamRes
         return _error(500, "internal error")
 
 
-REASONS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "unknown_node", 413: "too_large",
-           500: "internal_error"}  # fmt: skip
+REASONS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "unknown_node", 409: "replay",
+           413: "too_large", 429: "rate_limited", 500: "internal_error"}  # fmt: skip
+HEARTBEAT_RATE = 2.0  # a node's heartbeats a second, sustained: an agent sends one per --interval (5 s)
+HEARTBEAT_BURST = 10.0  # and at once: a backlog after a pause, a re-registration's resend
+
+
+class HeartbeatRate:
+    """A token bucket per node: a valid token used to flood costs its node
+    429s, not the control plane's time. One entry per node that has spoken
+    (a token speaks for one node), pruned to the fleet's size."""
+
+    MAX_NODES = 100_000
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # node -> (tokens, when)
+
+    def allow(self, node: str) -> bool:
+        now = self._clock()
+        tokens, then = self._buckets.get(node, (HEARTBEAT_BURST, now))
+        tokens = min(HEARTBEAT_BURST, tokens + (now - then) * HEARTBEAT_RATE)
+        if len(self._buckets) >= self.MAX_NODES and node not in self._buckets:
+            self._buckets.clear()  # a bucket forgotten is a full one: generous, never wrong
+        self._buckets[node] = (tokens - 1, now) if tokens >= 1 else (tokens, now)
+        return tokens >= 1
+
+
+HEARTBEAT_RATES = web.AppKey("heartbeat_rates", HeartbeatRate)
 
 
 @web.middleware
@@ -185,12 +213,21 @@ async def heartbeat(request: web.Request) -> web.Response:
                                                                         live.wanted if live is not None else None))
     if isinstance(hb, web.Response):
         return hb
+    if not request.app[HEARTBEAT_RATES].allow(hb["node"]):
+        return _error(429, f"more than {HEARTBEAT_RATE:g} heartbeats a second from this node")
+    registry: NodeRegistry = request.app[REGISTRY]
+    state = registry.get(hb["node"])
+    if state is not None and state.last_seq is not None and hb["seq"] <= state.last_seq:
+        # The agent's resend of one whose answer it lost is the same refusal: it has it already.
+        return _error(409, f"seq {hb['seq']} is not after {state.last_seq}, the last since it registered: a replay",
+                      "seq")  # fmt: skip
     came_raw = "raw" in hb
     raw = hb.pop("raw", None)
     try:
-        request.app[REGISTRY].heartbeat(hb)
+        state = registry.heartbeat(hb)
     except UnknownNode:
         return _error(404, "unknown node: register again")
+    state.last_seq = hb["seq"]
     if (history := request.app.get(RECORDER)) is not None:
         history.record(hb["node"], hb)
     answer: dict[str, object] = {"ok": True}
@@ -210,6 +247,7 @@ def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics:
     app[REGISTRY] = registry
     app[AUTHENTICATOR] = auth if isinstance(auth, NodeAuthenticator) else NodeAuthenticator(secret=auth)
     app[METRICS] = metrics or ControlPlaneMetrics(registry)
+    app[HEARTBEAT_RATES] = HeartbeatRate(registry.clock)
     if history is not None:
         app[RECORDER] = history
     if live is not None:

@@ -14,7 +14,8 @@ from prometheus_client.registry import Collector
 from controlplane.connection_limits import CLOSE_REASONS
 from controlplane.registry import NodeRegistry
 
-REJECT_REASONS = ("bad_request", "unauthorized", "forbidden", "unknown_node", "too_large", "internal_error")
+REJECT_REASONS = ("bad_request", "unauthorized", "forbidden", "unknown_node", "replay", "too_large", "rate_limited",
+                  "internal_error")  # fmt: skip
 
 
 class ControlPlaneMetrics:

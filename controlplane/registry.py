@@ -42,6 +42,7 @@ class NodeState:
     heartbeat: Json | None = None
     received_at: float | None = None  # monotonic
     heartbeats: int = 0
+    last_seq: int | None = None  # the last heartbeat's since this registration: a replay is refused
 
     def age(self, now: float) -> float | None:
         """Seconds since the last measurement arrived; None before the first."""

@@ -229,11 +229,16 @@ WINDOW_FAILURES_BEFORE_EXIT = 3  # one failed window is retried; three in a row 
 
 
 class Refused(DeliveryError):
-    """The control plane answered, and refused (400, 401, 403, 413): not "unreachable"."""
+    """The control plane answered, and refused (400, 401, 403, 413, 429): not "unreachable"."""
 
 
 class UnknownToControlPlane(DeliveryError):
     """404: the control plane does not know this node (it restarted)."""
+
+
+class AlreadyDelivered(DeliveryError):
+    """409: the control plane has this window's heartbeat already (the answer
+    to the first send was lost), or a later one."""
 
 
 class HeartbeatClient:
@@ -262,6 +267,8 @@ class HeartbeatClient:
             raise DeliveryError(f"{type(e).__name__}: {e}") from None
         if r.status == 404 and path == "/v1/heartbeat":
             raise UnknownToControlPlane(text)
+        if r.status == 409 and path == "/v1/heartbeat":
+            raise AlreadyDelivered(text)
         if 400 <= r.status < 500:
             raise Refused(f"{path} refused, HTTP {r.status}: {text}")
         raise DeliveryError(f"HTTP {r.status}: {text}")
@@ -422,6 +429,8 @@ class Agent:
                              "someone watches this node live" if raw_wanted else "nobody watches any more")  # fmt: skip
                     self.sampler.raw_wanted = raw_wanted  # read by the sampling thread at its window's end
                 unknown_again = False
+            except AlreadyDelivered:
+                log.debug("the control plane has this window already")
             except UnknownToControlPlane:
                 if not unknown_again:
                     log.warning("control plane does not know this node (it restarted): registering again")

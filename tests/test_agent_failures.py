@@ -194,3 +194,51 @@ async def test_a_refusal_is_said_as_a_refusal_not_unreachable(tmp_path: Path, ca
         await server.close()
     said = [r.message for r in caplog.records if "control plane" in r.message]
     assert len(said) == 1 and "refused the request" in said[0] and "401" in said[0], said
+
+
+async def test_a_resent_window_the_control_plane_has_is_not_a_failure(tmp_path: Path, caplog: Any) -> None:
+    """The answer to a heartbeat is lost and the agent sends it again: the
+    real control plane refuses the replay (409), and the agent takes that for
+    delivered: no warning, no backoff, the next window goes on."""
+    from controlplane import agent_api
+    from controlplane.keys import METRICS
+    from controlplane.registry import NodeRegistry
+
+    registry = NodeRegistry(60)
+    server = TestServer(agent_api.create_app(registry, SECRET))
+    await server.start_server()
+    agent = make_agent(tmp_path, str(server.make_url("/")))
+    waits = _count_waits(agent, 1)
+    caplog.set_level(logging.DEBUG, logger="sampler.agent")
+
+    def window(seq: int) -> dict[str, Any]:
+        return {"node": "n1", "seq": seq, "backend": "proc", "window": {"start": 1.0, "end": 2.0, "samples": 1},
+                "machine": {}, "shards": []}  # fmt: skip
+
+    app = server.app
+    assert app is not None
+
+    async def replays(n: int) -> None:
+        while app[METRICS].rejected.labels("heartbeat", "replay")._value.get() < n:
+            await asyncio.sleep(0.01)
+
+    async def heartbeats(n: int) -> None:
+        while (state := registry.get("n1")) is None or state.heartbeats < n:
+            await asyncio.sleep(0.01)
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            sender = asyncio.create_task(agent._deliver(agent_module.HeartbeatClient(session, agent.url, agent.token)))
+            agent.mailbox.put(window(1))
+            await asyncio.wait_for(heartbeats(1), 10)
+            agent.mailbox.put(window(1))  # again: its answer was lost
+            await asyncio.wait_for(replays(1), 10)
+            agent.mailbox.put(window(2))
+            await asyncio.wait_for(heartbeats(2), 10)
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+    finally:
+        await server.close()
+    state = registry.get("n1")
+    assert state is not None and state.last_seq == 2 and waits == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

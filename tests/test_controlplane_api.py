@@ -192,7 +192,7 @@ async def test_a_bad_entry_is_left_out_and_the_rest_accepted(
 
 
 async def test_a_node_cannot_grow_the_control_planes_own_series(
-    aiohttp_client: Any, registry: NodeRegistry, caplog: pytest.LogCaptureFixture
+    aiohttp_client: Any, registry: NodeRegistry, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A valid token, watched live (anyone may start that), sends raw blocks
     whose every reason carries new numbers: the counts stay on one label
@@ -204,6 +204,7 @@ async def test_a_node_cannot_grow_the_control_planes_own_series(
     reasons = set()
     with caplog.at_level(logging.WARNING, logger="controlplane.agent_api"):
         for n in range(1, 301):
+            clock.advance(1.0)  # within the node's heartbeat rate
             body = heartbeat(seq=n)
             series = {"start": 0, "us": [10000] * n, "v": [0.5] * (n + 1)}
             body["raw"] = {"shards": [{"id": "s0", "cpu_cores": series}]}
@@ -438,3 +439,47 @@ async def test_a_token_of_other_bytes_is_401_never_a_500(aiohttp_client: Any, re
     writer.close()
     assert answer.startswith(b"HTTP/1.1 401 ") and b'"malformed bearer token"' in answer, answer[:200]
     assert len(registry) == 0
+
+
+async def test_a_replayed_heartbeat_is_refused_until_the_node_registers_again(
+    agents: Client, registry: NodeRegistry, clock: FakeClock
+) -> None:
+    await post(agents, "/v1/register", registration())
+    assert (await post(agents, "/v1/heartbeat", heartbeat(seq=5)))[0] == 200
+    before = registry.get("gpu-17")
+    assert before is not None and before.heartbeat is not None
+    for seq in (5, 4):  # the same window again, an older one: a replay
+        clock.advance(1)
+        status, answer = await post(agents, "/v1/heartbeat", heartbeat(seq=seq))
+        assert status == 409 and answer["field"] == "seq" and "replay" in answer["error"]
+    state = registry.get("gpu-17")
+    assert state is not None and state.heartbeats == 1 and state.heartbeat is before.heartbeat  # nothing changed
+    clock.advance(1)
+    assert (await post(agents, "/v1/heartbeat", heartbeat(seq=6)))[0] == 200
+    # A restarted agent registers and counts from 1 again.
+    await post(agents, "/v1/register", registration())
+    clock.advance(1)
+    assert (await post(agents, "/v1/heartbeat", heartbeat(seq=1)))[0] == 200
+    [family] = agents.app[METRICS].rejected.collect()
+    replays = [m.value for m in family.samples if m.labels == {"kind": "heartbeat", "reason": "replay"}
+               and m.name.endswith("_total")]  # fmt: skip
+    assert replays == [2]
+
+
+async def test_a_node_flooding_heartbeats_gets_429s_and_its_rate_back(
+    agents: Client, registry: NodeRegistry, clock: FakeClock
+) -> None:
+    """A valid token used to flood: a burst of HEARTBEAT_BURST goes through,
+    then HEARTBEAT_RATE a second; the rest is 429, counted, and changes nothing."""
+    await post(agents, "/v1/register", registration())
+    statuses = [(await post(agents, "/v1/heartbeat", heartbeat(seq=n)))[0] for n in range(1, 51)]
+    burst = int(agent_api.HEARTBEAT_BURST)
+    assert statuses == [200] * burst + [429] * (50 - burst)
+    state = registry.get("gpu-17")
+    assert state is not None and state.heartbeats == burst
+    clock.advance(1.0)  # a second later: HEARTBEAT_RATE more
+    statuses = [(await post(agents, "/v1/heartbeat", heartbeat(seq=100 + n)))[0] for n in range(5)]
+    assert statuses == [200] * int(agent_api.HEARTBEAT_RATE) + [429] * (5 - int(agent_api.HEARTBEAT_RATE))
+    # Another node is not held back by this one.
+    await post(agents, "/v1/register", registration("gpu-18"), auth("gpu-18"))
+    assert (await post(agents, "/v1/heartbeat", heartbeat("gpu-18"), auth("gpu-18")))[0] == 200
