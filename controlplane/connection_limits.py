@@ -9,6 +9,12 @@ one, so every connection's protocol is wrapped here:
 - from the first byte of a request, its head, its body and the answer must
   be done within `request_s`: the head is timed here, the rest by the
   `within_deadline` middleware (the body is read inside the handler);
+- the answer, written once the handler has returned, must have left within
+  `request_s` more: a reader that does not read would otherwise keep a copy
+  of a page of megabytes (the fleet's `/api/nodes`, `/metrics`) per socket
+  for the idle time. Left means out of aiohttp's buffer and out of the
+  kernel's send queue (SIOCOUTQ: what the peer has not acknowledged, which
+  it stops doing when it reads nothing and its window is full);
 - a peer address already holding `per_peer` connections has the next one
   closed at once (0: no cap). Agents behind one NAT share an address: the
   cap is per address, not per node, and has a flag.
@@ -21,12 +27,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import fcntl
+import socket
+import struct
+import termios
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 
-CLOSE_REASONS = ("idle", "request_deadline", "per_peer")
+CLOSE_REASONS = ("idle", "request_deadline", "write_deadline", "per_peer")
+
+
+def unsent_bytes(transport: asyncio.Transport) -> int:
+    """What the transport still holds, and what the kernel has not had
+    acknowledged (SIOCOUTQ, which Linux names TIOCOUTQ) for its socket."""
+    held = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if isinstance(sock, socket.socket) or hasattr(sock, "fileno"):
+        with contextlib.suppress(OSError, ValueError):
+            held += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    return held
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +87,7 @@ class GuardedConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self.admitted:
             return
-        if not self.handling and self._reason == "idle":  # the first byte of a request: its deadline runs
+        if not self.handling and self._reason in ("idle", "write_deadline"):  # a request's first byte: its deadline
             self._deadline = self._loop.time() + self.guard.limits.request_s
             self._arm(self.guard.limits.request_s, "request_deadline")
         self.inner.data_received(data)
@@ -101,7 +123,7 @@ class GuardedConnection(asyncio.Protocol):
     def answered(self) -> None:
         self.handling = False
         if not self.lost:
-            self._arm(self.guard.limits.idle_s, "idle")
+            self._arm(self.guard.limits.request_s, "write_deadline")
 
     def close(self, reason: str) -> None:
         self.guard.closed(reason)
@@ -119,7 +141,13 @@ class GuardedConnection(asyncio.Protocol):
     def _arm(self, seconds: float, reason: str) -> None:
         self._cancel()
         self._reason = reason
-        self._timer = self._loop.call_later(seconds, self.close, reason)
+        self._timer = self._loop.call_later(seconds, self._expired, reason)
+
+    def _expired(self, reason: str) -> None:
+        if reason == "write_deadline" and self.transport is not None and unsent_bytes(self.transport) == 0:
+            self._arm(max(0.0, self.guard.limits.idle_s - self.guard.limits.request_s), "idle")  # all out: idle
+            return
+        self.close(reason)
 
     def _cancel(self) -> None:
         if self._timer is not None:

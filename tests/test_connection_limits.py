@@ -132,3 +132,38 @@ def test_one_address_gets_no_more_than_its_cap(fleet: Fleet) -> None:
     finally:
         for s in socks:
             s.close()
+
+
+def test_readers_that_never_read_are_let_go_once_their_answer_is_late(fleet: Fleet) -> None:
+    """250 sockets from one address ask for a page and read nothing (a small
+    receive window, as a stalled client's fills): each is closed once its
+    answer has not left within the request deadline, counted, while a reader
+    that reads gets the whole page and the agent's heartbeats go on."""
+    fleet.start_control_plane("--request-deadline", "2", "--idle-timeout", "600")
+    fleet.start_agent()
+    [node] = fleet.wait_for(fresh_with_seq)
+    ask = b"GET /node/n1 HTTP/1.1\r\nHost: cp\r\n\r\n"
+    with urllib.request.urlopen(f"http://127.0.0.1:{fleet.pages_port}/node/n1", timeout=10) as r:
+        page = r.read()
+    assert len(page) > 8 * 1024, len(page)  # more than a stalled reader's window (SO_RCVBUF below) takes
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(250):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # the kernel's least: a window of ~2 KiB
+            s.bind(("127.0.0.2", 0))
+            s.connect(("127.0.0.1", fleet.pages_port))
+            s.sendall(ask)
+            socks.append(s)
+        # Waited for from the server's side: reading the sockets would make them readers.
+        deadline = time.monotonic() + 60
+        while closed_counts(fleet).get(("pages", "write_deadline"), 0) < 250 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert closed_counts(fleet)[("pages", "write_deadline")] == 250
+        assert not wait_closed_by_server(socks, timeout=10)  # each really closed (reset), what it had read aside
+        with urllib.request.urlopen(f"http://127.0.0.1:{fleet.pages_port}/node/n1", timeout=10) as r:
+            assert r.read().rstrip().endswith(b"</html>")  # a reader that reads is served whole
+        fleet.wait_for(lambda n: fresh_with_seq(n, above=node["heartbeat"]["seq"] + 1))
+    finally:
+        for s in socks:
+            s.close()
