@@ -37,7 +37,9 @@ LINGER_S = 60.0  # raw samples go on this long after the last viewer left
 KEEP_S = 60.0  # the minute a new viewer starts with
 MAX_BYTES_PER_NODE = 8 * 1024 * 1024  # about two minutes of 1000 Hz samples of the machine and four shards
 MAX_VIEWERS_PER_NODE = 32
-VIEWER_QUEUE = 16  # windows a viewer may fall behind before it misses some
+MAX_VIEWERS_PER_PEER = 4  # live views one address may hold open: ten viewers from one client took every slot
+VIEWER_QUEUE = 4  # windows a viewer may fall behind; one more and it is let go (it would only see gaps)
+BEHIND = ""  # what a viewer's queue says when it has been let go
 KEEPALIVE_S = 15.0  # a comment on a quiet stream, so a viewer that left is found out
 WRITE_TIMEOUT_S = 10.0  # a viewer that reads nothing for this long is let go
 
@@ -63,6 +65,7 @@ class LiveSamples:
         self.max_nodes, self.linger_s, self.keep_s = max_nodes, linger_s, keep_s
         self.clock = clock
         self._nodes: dict[str, _LiveNode] = {}
+        self._per_peer: collections.Counter[str] = collections.Counter()
 
     def _live(self, state: _LiveNode, now: float) -> bool:
         return bool(state.viewers) or (state.left_at is not None and now - state.left_at < self.linger_s)
@@ -80,9 +83,12 @@ class LiveSamples:
     def live_nodes(self) -> list[str]:
         return [node for node in list(self._nodes) if self.wanted(node)]
 
-    def watch(self, node: str) -> tuple[asyncio.Queue[str], list[str]]:
-        """A new viewer of `node`: its queue of events to come, and the last
-        minute's events to start with. LiveRefused when it may not watch."""
+    def watch(self, node: str, peer: str | None = None) -> tuple[asyncio.Queue[str], list[str]]:
+        """A new viewer of `node` (from address `peer`): its queue of events to
+        come, and the last minute's events to start with. LiveRefused when it
+        may not watch. A viewer from `peer` must `leave` with it."""
+        if peer is not None and self._per_peer[peer] >= MAX_VIEWERS_PER_PEER:
+            raise LiveRefused(f"{MAX_VIEWERS_PER_PEER} live views are open from this address already")
         state = self._nodes.get(node)
         if state is None or not self.wanted(node):
             if len(self.live_nodes()) >= self.max_nodes:
@@ -91,12 +97,18 @@ class LiveSamples:
             state = self._nodes[node] = _LiveNode()
         if len(state.viewers) >= MAX_VIEWERS_PER_NODE:
             raise LiveRefused(f"{MAX_VIEWERS_PER_NODE} viewers watch this node live already")
-        queue: asyncio.Queue[str] = asyncio.Queue(VIEWER_QUEUE)
+        queue: asyncio.Queue[str] = asyncio.Queue(VIEWER_QUEUE + 1)  # room for BEHIND
         state.viewers.add(queue)
         state.left_at = None
+        if peer is not None:
+            self._per_peer[peer] += 1
         return queue, [event for _, event in state.events]
 
-    def leave(self, node: str, queue: asyncio.Queue[str]) -> None:
+    def leave(self, node: str, queue: asyncio.Queue[str], peer: str | None = None) -> None:
+        if peer is not None:
+            self._per_peer[peer] -= 1
+            if self._per_peer[peer] <= 0:
+                del self._per_peer[peer]
         state = self._nodes.get(node)
         if state is not None and queue in state.viewers:
             state.viewers.discard(queue)
@@ -116,9 +128,10 @@ class LiveSamples:
         while state.events and (state.events[0][0] <= end - self.keep_s or state.bytes > MAX_BYTES_PER_NODE):
             state.bytes -= len(state.events.popleft()[1])
         for queue in state.viewers:
-            try:
+            if queue.qsize() < VIEWER_QUEUE:
                 queue.put_nowait(event)
-            except asyncio.QueueFull:
+            elif queue.qsize() == VIEWER_QUEUE:  # one window too many behind: let go, not fed gaps
+                queue.put_nowait(BEHIND)
                 state.missed += 1
 
     def describe(self, node: str) -> dict[str, Any] | None:
@@ -185,7 +198,7 @@ async def live_stream(request: web.Request) -> web.StreamResponse:
                                            "X-Accel-Buffering": "no"})  # fmt: skip
     await response.prepare(request)
     try:
-        queue, backlog = live.watch(node)
+        queue, backlog = live.watch(node, request.remote)
     except LiveRefused as e:
         await _send(response, f"event: refused\ndata: {json.dumps({'error': str(e)})}\n\n")
         return response
@@ -201,10 +214,13 @@ async def live_stream(request: web.Request) -> web.StreamResponse:
             except TimeoutError:
                 await _send(response, ": still here\n\n")
                 continue
+            if event == BEHIND:
+                await _send(response, f"event: behind\ndata: {json.dumps({'error': 'this viewer fell behind'})}\n\n")
+                break
             await _send(response, f"event: window\ndata: {event}\n\n")
     except (ConnectionError, TimeoutError):
         pass  # the viewer left, or stopped reading
     finally:
-        live.leave(node, queue)
+        live.leave(node, queue, request.remote)
         log.info("live view of %s closed", node)
     return response

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane import agent_api, pages_api
-from controlplane.live import MAX_BYTES_PER_NODE, LiveRefused, LiveSamples
+from controlplane.live import BEHIND, MAX_BYTES_PER_NODE, MAX_VIEWERS_PER_PEER, VIEWER_QUEUE, LiveRefused, LiveSamples
 from controlplane.registry import NodeRegistry
 from nodesampler import raw_samples, wire
 from sampler.window import RateSeries
@@ -219,7 +219,8 @@ def test_a_new_viewer_starts_with_the_last_minute_and_memory_is_bounded() -> Non
     _, backlog = live.watch("gpu-17")
     ends = [json.loads(e)["end"] for e in backlog]
     assert ends == [float(e) for e in range(1040, 1100, 5)]  # within a minute of the newest
-    assert first.qsize() == 16  # a viewer that reads nothing misses windows beyond its queue
+    # A viewer that reads nothing is let go one window past its queue: BEHIND is the last it gets.
+    assert first.qsize() == VIEWER_QUEUE + 1 and list(first._queue)[-1] == BEHIND  # type: ignore[attr-defined]
     event = json.loads(backlog[-1])
     machine, shard = event["series"]
     assert machine["key"] == "machine" and machine["summary"] == {"mean": 37.5, "p95": 80.1, "max": 100.0}
@@ -229,6 +230,19 @@ def test_a_new_viewer_starts_with_the_last_minute_and_memory_is_bounded() -> Non
     described = live.describe("gpu-17")
     assert described is not None and MAX_BYTES_PER_NODE / 2 < described["bytes_kept"] <= MAX_BYTES_PER_NODE
     assert described["windows_kept"] < 40
+
+
+def test_one_address_holds_at_most_a_few_live_views() -> None:
+    """Ten viewers from one client took every --max-live-nodes slot; now an
+    address holds MAX_VIEWERS_PER_PEER, and gets its views back as they close."""
+    live = LiveSamples(max_nodes=10)
+    held = [live.watch(f"n{i}", "10.0.0.9") for i in range(MAX_VIEWERS_PER_PEER)]
+    with pytest.raises(LiveRefused, match="from this address"):
+        live.watch("n9", "10.0.0.9")
+    live.watch("n9", "10.0.0.10")  # another address is not held back
+    live.leave("n0", held[0][0], "10.0.0.9")
+    live.watch("n8", "10.0.0.9")
+    assert len(live.live_nodes()) == MAX_VIEWERS_PER_PEER + 2
 
 
 # --- through both listeners -------------------------------------------------------
