@@ -6,9 +6,12 @@ on the event loop it held every heartbeat arriving meanwhile (p99 130 ms at
 the loop gets the interpreter back at each switch interval (5 ms) and
 answers heartbeats between.
 
-One thread: renders are not run side by side (the exposition's label cache
-and the history's readers need no more than that), and page views queue
-rather than multiply their memory. What a render reads, the loop may change
+Two threads, one a lane: `/metrics` has a lane of its own, so that a loop
+of page views (anonymous, cheap to ask for, 100 ms each to render) never
+queues Prometheus' scrape behind it until it times out and NodeDown cannot
+fire. In a lane renders are not run side by side (the exposition's label
+cache is the scrape lane's alone, and the history's readers need no more),
+and page views queue rather than multiply their memory. What a render reads, the loop may change
 meanwhile: the registry replaces a node's heartbeat whole, never edits one,
 and the embedded history is read under its lock.
 """
@@ -26,19 +29,24 @@ from aiohttp import web
 T = TypeVar("T")
 
 
+LANES = ("pages", "scrape")
+
+
 class PageWorker:
     def __init__(self) -> None:
-        self._executor: ThreadPoolExecutor | None = None
+        self._executors: dict[str, ThreadPoolExecutor] = {}
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._executor is None:  # made on first use: an app may serve without starting (tests, bench)
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pages")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+    async def run(self, fn: Callable[..., T], *args: Any, lane: str = "pages") -> T:
+        assert lane in LANES, lane
+        executor = self._executors.get(lane)
+        if executor is None:  # made on first use: an app may serve without starting (tests, bench)
+            executor = self._executors[lane] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=lane)
+        return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        for executor in self._executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
+        self._executors.clear()
 
 
 PAGE_WORKER = web.AppKey("page_worker", PageWorker)

@@ -49,7 +49,7 @@ def _scrape(exposition: FleetExposition, own: ControlPlaneMetrics) -> bytes:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = await request.app[PAGE_WORKER].run(_scrape, request.app[EXPOSITION], request.app[METRICS])
+    body = await request.app[PAGE_WORKER].run(_scrape, request.app[EXPOSITION], request.app[METRICS], lane="scrape")
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

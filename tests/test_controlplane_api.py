@@ -366,9 +366,10 @@ def test_duplicates_keep_their_order() -> None:
 async def test_heartbeats_are_answered_while_a_page_and_a_scrape_are_rendered(
     aiohttp_client: Any, registry: NodeRegistry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Pages and /metrics are rendered on the page thread: while a scrape and a
-    cluster page are held there mid-render, heartbeats are still answered and
-    recorded, and the renders then finish with what they read."""
+    """Pages and /metrics are rendered off the loop, each in its own lane:
+    while a scrape is held mid-render, heartbeats are still answered and
+    recorded and a page is served, and the scrape then finishes with what it
+    read."""
     history = EmbeddedHistory(interval=5)
     agents = await aiohttp_client(agent_api.create_app(registry, SECRET, history=history))
     app = pages_api.create_app(registry, history=history)
@@ -387,16 +388,48 @@ async def test_heartbeats_are_answered_while_a_page_and_a_scrape_are_rendered(
     assert (await post(agents, "/v1/register", registration()))[0] == 200
     scrape = asyncio.create_task(viewer.get("/metrics"))
     await entered.wait()
-    page = asyncio.create_task(viewer.get("/"))  # queued behind the scrape on the page thread
     for seq in range(1, 4):
         assert (await post(agents, "/v1/heartbeat", heartbeat(seq=seq)))[0] == 200
     state = registry.get("gpu-17")
     assert state is not None and state.heartbeats == 3
-    assert not scrape.done() and not page.done()
-    release.set()
-    scraped, shown = await scrape, await page
-    assert scraped.status == 200 and 'llmgw_node_up{node="gpu-17"} 1' in await scraped.text()
+    shown = await viewer.get("/")  # the pages' lane is not behind the scrape's
     assert shown.status == 200 and "gpu-17" in await shown.text()
+    assert not scrape.done()
+    release.set()
+    scraped = await scrape
+    assert scraped.status == 200 and 'llmgw_node_up{node="gpu-17"} 1' in await scraped.text()
+
+
+async def test_a_scrape_never_waits_behind_page_renders(
+    aiohttp_client: Any, registry: NodeRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop of anonymous page views (here: one page held mid-render, and
+    more queued behind it) does not hold Prometheus' scrape: /metrics has a
+    lane of its own, and NodeDown can fire."""
+    history = EmbeddedHistory(interval=5)
+    agents = await aiohttp_client(agent_api.create_app(registry, SECRET, history=history))
+    app = pages_api.create_app(registry, history=history)
+    pages.add_pages(app, history)
+    viewer = await aiohttp_client(app)
+    entered, release = asyncio.Event(), threading.Event()
+    loop = asyncio.get_running_loop()
+    rows = pages._cluster_rows
+
+    def held_rows(*args: Any) -> Any:
+        loop.call_soon_threadsafe(entered.set)
+        assert release.wait(timeout=60), "never released"
+        return rows(*args)
+
+    monkeypatch.setattr(pages, "_cluster_rows", held_rows)
+    assert (await post(agents, "/v1/register", registration()))[0] == 200
+    assert (await post(agents, "/v1/heartbeat", heartbeat()))[0] == 200
+    views = [asyncio.create_task(viewer.get("/")) for _ in range(20)]
+    await entered.wait()
+    scraped = await viewer.get("/metrics")
+    assert scraped.status == 200 and 'llmgw_node_up{node="gpu-17"} 1' in await scraped.text()
+    assert not any(v.done() for v in views)
+    release.set()
+    assert all(r.status == 200 for r in await asyncio.gather(*views))
 
 
 async def test_a_node_keeps_its_busiest_engines_up_to_the_cap(aiohttp_client: Any, clock: FakeClock) -> None:
