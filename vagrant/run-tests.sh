@@ -52,6 +52,21 @@ if [ -n "$missing" ]; then
 fi
 
 packages=$(sh vagrant/provision.sh --packages)
+# What the guests need that Debian does not package: google-re2 (the agent's
+# selector regexes), at the image's pin, as wheels for every Python the guests'
+# userlands have, downloaded here (the guest has no network, and its minimal
+# root no CA bundle): each image's build installs the one its Python takes.
+wheels_pin=$(grep -E '^google-re2==' deploy/image-requirements.txt)
+wheels="$cache/wheels-$(echo "$wheels_pin" | sha256sum | cut -c1-12)"
+if [ ! -e "$wheels/.complete" ]; then
+    rm -rf "$wheels" && mkdir -p "$wheels"
+    for py in 3.11 3.12 3.13 3.14; do
+        "$root/.venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+            --python-version "$py" --platform manylinux_2_28_x86_64 -d "$wheels" "$wheels_pin" \
+            || echo "vm-test: no $wheels_pin wheel for Python $py" >&2
+    done
+    touch "$wheels/.complete"
+fi
 # The image's whole init: everything else comes from the checkout at boot.
 init='#!/bin/sh
 mount -t proc proc /proc 2>/dev/null; mount -t sysfs sys /sys 2>/dev/null; mount -t tmpfs tmpfs /tmp
@@ -66,7 +81,7 @@ exec sh /src/vagrant/guest-init.sh'
 userland_of() { case $1 in bullseye) echo bookworm ;; *) echo "$1" ;; esac; }
 
 image_dir() {  # line -> where its image is cached
-    echo "$cache/$1-$( (echo "$1 $(userland_of "$1") $packages"; echo "$init"; cat vagrant/provision.sh) \
+    echo "$cache/$1-$( (echo "$1 $(userland_of "$1") $packages $wheels_pin"; echo "$init"; cat vagrant/provision.sh) \
         | sha256sum | cut -c1-12)"
 }
 
@@ -77,9 +92,10 @@ build_image() {  # line dir: rootfs.ext4, vmlinuz, initrd.img and build-seconds 
     debootstrap --variant=minbase --include="$packages" "$(userland_of "$line")" "$dir/root" "$mirror" \
         >"$dir/debootstrap.log" 2>&1 || { tail -20 "$dir/debootstrap.log" >&2; return 1; }
     cp vagrant/provision.sh "$dir/root/provision.sh"
-    chroot "$dir/root" sh /provision.sh --kernel-from "$line" --no-project >>"$dir/debootstrap.log" 2>&1 \
-        || { tail -20 "$dir/debootstrap.log" >&2; return 1; }
-    rm "$dir/root/provision.sh"
+    mkdir -p "$dir/root/tmp/wheels" && cp "$wheels"/*.whl "$dir/root/tmp/wheels/"
+    chroot "$dir/root" env NODESAMPLER_WHEELS=/tmp/wheels sh /provision.sh --kernel-from "$line" --no-project \
+        >>"$dir/debootstrap.log" 2>&1 || { tail -20 "$dir/debootstrap.log" >&2; return 1; }
+    rm -rf "$dir/root/provision.sh" "$dir/root/tmp/wheels"
     cp "$dir"/root/boot/vmlinuz-* "$dir/vmlinuz"
     cp "$dir"/root/boot/initrd.img-* "$dir/initrd.img"
     echo "$init" >"$dir/root/init-tests"
