@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -43,13 +44,16 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from heartbeat_throughput import SECRET, free_port, gpu_node_heartbeat, lua_string  # noqa: E402
+from heartbeat_throughput import SECRET, free_port, gpu_node_heartbeat, lua_heartbeats, lua_string  # noqa: E402
 
 from nodesampler import tokens  # noqa: E402
 from tests.test_controlplane_api import registration  # noqa: E402
 
 INTERVAL_S = 5.0
 MiB = 2**20
+
+
+SEQ = itertools.count(10**9)  # every node's seq, above any the fill phase sent
 
 
 def status_kib(pid: int, field: str) -> int:
@@ -82,13 +86,8 @@ def fill(port: int, bodies: list[tuple[str, str]], count: int, tmp: Path) -> flo
     """wrk sends the bodies round the fleet until `count` were answered; heartbeats a second."""
     script, marker = tmp / "fill.lua", tmp / f"filled-{count}"
     script.write_text(
-        "local reqs = {}\n"
-        + "".join(f'reqs[{i + 1}] = wrk.format("POST", "/v1/heartbeat", '
-                  f'{{["Host"] = "127.0.0.1:{port}", ["Authorization"] = "{a}", '
-                  f'["Content-Type"] = "application/json"}}, {lua_string(b)})\n'
-                  for i, (a, b) in enumerate(bodies))
-        + f"local n, done, target = 0, 0, {count}\n"
-        + "request = function()\n  n = n % #reqs + 1\n  return reqs[n]\nend\n"
+        lua_heartbeats(port, bodies)
+        + f"local done, target = 0, {count}\n"
         + "response = function(status)\n  done = done + 1\n"
         + f"  if done == target then io.open({lua_string(str(marker))}, 'w'):close() end\nend\n"
     )  # fmt: skip
@@ -116,6 +115,7 @@ async def heartbeats_at_fleet_rate(port: int, pages: int, bodies: list[tuple[str
 
         async def send(auth: str, body: str) -> None:
             started = time.perf_counter()
+            body = body.replace('"seq": 1,', f'"seq": {next(SEQ)},', 1)  # after the fill's: a replay is refused
             async with session.post(f"http://127.0.0.1:{port}/v1/heartbeat", data=body,
                                     headers={"Authorization": auth, "Content-Type": "application/json"}) as r:
                 await r.read()
@@ -156,7 +156,7 @@ def one_fleet(nodes: int, heartbeats: int, seconds: float, tmp: Path) -> dict[st
     port, pages = free_port(), free_port()
     cp = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-m", "nodesampler", "controlplane",
                            "--listen", f"127.0.0.1:{port}", "--pages-listen", f"127.0.0.1:{pages}",
-                           "--secret-file", str(secret), "--stale-after", "3600"],
+                           "--secret-file", str(secret), "--stale-after", "3600", "--max-heartbeats-per-second", "0"],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
     figures: dict[str, float] = {}
     try:

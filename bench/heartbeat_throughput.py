@@ -62,6 +62,23 @@ def lua_string(text: str) -> str:
     return "[==[" + text + "]==]"
 
 
+def lua_heartbeats(port: int, requests: list[tuple[str, str]]) -> str:
+    """wrk's script sending the bodies round the fleet, each node's `seq` one
+    more at each of its heartbeats (the control plane refuses a replay); the
+    script's own `response` may follow."""
+    lines = ["local heads, pre, post, seqs = {}, {}, {}, {}\n"]
+    for i, (auth, body) in enumerate(requests, 1):
+        before, sep, after = body.partition('"seq": 1,')
+        assert sep, "a heartbeat body with seq 1"
+        lines.append(f'heads[{i}] = {{["Host"] = "127.0.0.1:{port}", ["Authorization"] = "{auth}", '
+                     f'["Content-Type"] = "application/json"}}\n'
+                     f'pre[{i}], post[{i}], seqs[{i}] = {lua_string(before + chr(34) + "seq" + chr(34) + ": ")}, '
+                     f'{lua_string("," + after)}, 0\n')  # fmt: skip
+    lines.append("local n = 0\nrequest = function()\n  n = n % #heads + 1\n  seqs[n] = seqs[n] + 1\n"
+                 '  return wrk.format("POST", "/v1/heartbeat", heads[n], pre[n] .. seqs[n] .. post[n])\nend\n')
+    return "".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=200)
@@ -81,7 +98,8 @@ def main() -> None:
             (Path(tmp) / "jwks.json").write_text(json.dumps(issuer.jwks()))
             identity = ["--k8s-jwks", str(Path(tmp) / "jwks.json"), "--k8s-issuer", ISSUER]
         cp = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-m", "nodesampler", "controlplane",
-                               "--listen", f"127.0.0.1:{port}", "--pages-listen", f"127.0.0.1:{pages}", *identity],
+                               "--listen", f"127.0.0.1:{port}", "--pages-listen", f"127.0.0.1:{pages}", *identity,
+                               "--max-heartbeats-per-second", "0"],  # the flood is the measurement
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
         try:
             assert cp.stdout is not None and b"control plane" in cp.stdout.readline()
@@ -97,14 +115,7 @@ def main() -> None:
                 requests.append((headers["Authorization"], json.dumps(gpu_node_heartbeat(node))))
             size = len(requests[0][1])
             script = Path(tmp) / "heartbeats.lua"
-            script.write_text(
-                "local reqs = {}\n"
-                + "".join(f'reqs[{i + 1}] = wrk.format("POST", "/v1/heartbeat", '
-                          f'{{["Host"] = "127.0.0.1:{port}", ["Authorization"] = "{a}", '
-                          f'["Content-Type"] = "application/json"}}, {lua_string(b)})\n'
-                          for i, (a, b) in enumerate(requests))
-                + "local n = 0\nrequest = function()\n  n = n % #reqs + 1\n  return reqs[n]\nend\n"
-            )  # fmt: skip
+            script.write_text(lua_heartbeats(port, requests))
             print(f"{args.nodes} nodes, {args.tokens} tokens, {size}-byte heartbeats, wrk -t1 -c64 on CPU 1, "
                   "control plane on CPU 0")
             rates, p99s = [], []

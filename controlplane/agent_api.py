@@ -54,25 +54,30 @@ async def no_tracebacks(request: web.Request, handler: Handler) -> web.StreamRes
 
 REASONS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "unknown_node", 409: "replay",
            413: "too_large", 429: "rate_limited", 500: "internal_error"}  # fmt: skip
-HEARTBEAT_RATE = 2.0  # a node's heartbeats a second, sustained: an agent sends one per --interval (5 s)
-HEARTBEAT_BURST = 10.0  # and at once: a backlog after a pause, a re-registration's resend
+HEARTBEAT_RATE = 2  # a node's heartbeats a second, sustained (--max-heartbeats-per-second): an agent sends one per
+#                     --interval (5 s by default)
 
 
 class HeartbeatRate:
     """A token bucket per node: a valid token used to flood costs its node
-    429s, not the control plane's time. One entry per node that has spoken
-    (a token speaks for one node), pruned to the fleet's size."""
+    429s, not the control plane's time. The burst (five seconds' worth, at
+    least 10) lets through a backlog after a pause and a re-registration's
+    resend. One entry per node that has spoken (a token speaks for one
+    node), pruned to the fleet's size. A rate of 0 is no limit (benchmarks)."""
 
     MAX_NODES = 100_000
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, rate: float = HEARTBEAT_RATE, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst = rate, max(10.0, 5 * rate)
         self._clock = clock
         self._buckets: dict[str, tuple[float, float]] = {}  # node -> (tokens, when)
 
     def allow(self, node: str) -> bool:
+        if not self.rate:
+            return True
         now = self._clock()
-        tokens, then = self._buckets.get(node, (HEARTBEAT_BURST, now))
-        tokens = min(HEARTBEAT_BURST, tokens + (now - then) * HEARTBEAT_RATE)
+        tokens, then = self._buckets.get(node, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
         if len(self._buckets) >= self.MAX_NODES and node not in self._buckets:
             self._buckets.clear()  # a bucket forgotten is a full one: generous, never wrong
         self._buckets[node] = (tokens - 1, now) if tokens >= 1 else (tokens, now)
@@ -213,8 +218,9 @@ async def heartbeat(request: web.Request) -> web.Response:
                                                                         live.wanted if live is not None else None))
     if isinstance(hb, web.Response):
         return hb
-    if not request.app[HEARTBEAT_RATES].allow(hb["node"]):
-        return _error(429, f"more than {HEARTBEAT_RATE:g} heartbeats a second from this node")
+    rates = request.app[HEARTBEAT_RATES]
+    if not rates.allow(hb["node"]):
+        return _error(429, f"more than {rates.rate:g} heartbeats a second from this node")
     registry: NodeRegistry = request.app[REGISTRY]
     state = registry.get(hb["node"])
     if state is not None and state.last_seq is not None and hb["seq"] <= state.last_seq:
@@ -241,13 +247,14 @@ async def heartbeat(request: web.Request) -> web.Response:
 
 
 def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics: ControlPlaneMetrics | None = None,
-               history: EmbeddedHistory | None = None, live: LiveSamples | None = None) -> web.Application:  # fmt: skip
+               history: EmbeddedHistory | None = None, live: LiveSamples | None = None,
+               heartbeat_rate: float = HEARTBEAT_RATE) -> web.Application:  # fmt: skip
     """`auth` verifies tokens; bytes are a cluster secret (HMAC node tokens only)."""
     app = web.Application(client_max_size=wire.MAX_BODY_BYTES, middlewares=[counted, no_tracebacks])
     app[REGISTRY] = registry
     app[AUTHENTICATOR] = auth if isinstance(auth, NodeAuthenticator) else NodeAuthenticator(secret=auth)
     app[METRICS] = metrics or ControlPlaneMetrics(registry)
-    app[HEARTBEAT_RATES] = HeartbeatRate(registry.clock)
+    app[HEARTBEAT_RATES] = HeartbeatRate(heartbeat_rate, registry.clock)
     if history is not None:
         app[RECORDER] = history
     if live is not None:

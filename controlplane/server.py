@@ -55,7 +55,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                 max_shards: int = MAX_SHARDS_PER_NODE, state_file: Path | None = None,
                 forget_after: float | None = None,
                 add_routes: Callable[[web.Application, EmbeddedHistory | None, str | None], None] | None = None,
-                live: LiveSamples | None = None) -> None:  # fmt: skip
+                live: LiveSamples | None = None, heartbeat_rate: float = agent_api.HEARTBEAT_RATE) -> None:  # fmt: skip
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
         log.warning("agent listener %s has no TLS: bearer tokens cross the network in clear text "
                     "(--tls-cert and --tls-key)", agent_listen)  # fmt: skip
@@ -69,7 +69,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     limits = limits or ConnectionLimits()
     loop = asyncio.get_running_loop()
     runners, servers = [], []
-    agents = agent_api.create_app(registry, auth, own, history, live)
+    agents = agent_api.create_app(registry, auth, own, history, live, heartbeat_rate)
     try:
         for name, app, address, context in (
             ("agents", agents, agent_listen, tls.context if tls else None),

@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engines of one node exported, charted and shown, the busiest kept (default 64)")
     c.add_argument("--max-live-nodes", type=_count(1000), default=10, metavar="N",
                    help="nodes watched live (every sample) at once; 0: no live view (default 10)")
+    c.add_argument("--max-heartbeats-per-second", type=_count(1000), default=2, metavar="N",
+                   help="a node's heartbeats taken a second, sustained (a burst of five seconds' worth, at least 10; "
+                        "429 beyond); 0: no limit (default 2)")  # fmt: skip
     c.add_argument("--live-linger", type=_positive(3600), default=60.0, metavar="S",
                    help="seconds a node keeps sending every sample after its last live viewer left (default 60)")
     c.add_argument("--prometheus", default=None, metavar="URL",
@@ -526,7 +529,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
         limits = ConnectionLimits(args.request_deadline, args.idle_timeout, args.max_connections_per_peer)
         asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls, rules, limits,
                           args.max_shards_per_node, args.state_file, args.forget_after, add_routes=add_pages,
-                          live=LiveSamples(args.max_live_nodes, args.live_linger) if args.max_live_nodes else None))
+                          live=LiveSamples(args.max_live_nodes, args.live_linger) if args.max_live_nodes else None,
+                          heartbeat_rate=args.max_heartbeats_per_second))
     except OSError as e:  # the address is taken or not ours
         _fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

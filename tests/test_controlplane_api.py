@@ -502,17 +502,28 @@ async def test_a_replayed_heartbeat_is_refused_until_the_node_registers_again(
 async def test_a_node_flooding_heartbeats_gets_429s_and_its_rate_back(
     agents: Client, registry: NodeRegistry, clock: FakeClock
 ) -> None:
-    """A valid token used to flood: a burst of HEARTBEAT_BURST goes through,
-    then HEARTBEAT_RATE a second; the rest is 429, counted, and changes nothing."""
+    """A valid token used to flood: a burst (ten) goes through, then
+    HEARTBEAT_RATE a second; the rest is 429, counted, and changes nothing."""
     await post(agents, "/v1/register", registration())
     statuses = [(await post(agents, "/v1/heartbeat", heartbeat(seq=n)))[0] for n in range(1, 51)]
-    burst = int(agent_api.HEARTBEAT_BURST)
+    burst = 10
     assert statuses == [200] * burst + [429] * (50 - burst)
     state = registry.get("gpu-17")
     assert state is not None and state.heartbeats == burst
     clock.advance(1.0)  # a second later: HEARTBEAT_RATE more
     statuses = [(await post(agents, "/v1/heartbeat", heartbeat(seq=100 + n)))[0] for n in range(5)]
     assert statuses == [200] * int(agent_api.HEARTBEAT_RATE) + [429] * (5 - int(agent_api.HEARTBEAT_RATE))
+    [family] = agents.app[METRICS].rejected.collect()
+    limited = [m.value for m in family.samples if m.labels == {"kind": "heartbeat", "reason": "rate_limited"}
+               and m.name.endswith("_total")]  # fmt: skip
+    assert limited == [50 - burst + 5 - int(agent_api.HEARTBEAT_RATE)]
     # Another node is not held back by this one.
     await post(agents, "/v1/register", registration("gpu-18"), auth("gpu-18"))
     assert (await post(agents, "/v1/heartbeat", heartbeat("gpu-18"), auth("gpu-18")))[0] == 200
+
+
+async def test_no_heartbeat_rate_is_no_limit(aiohttp_client: Any, registry: NodeRegistry) -> None:
+    """--max-heartbeats-per-second 0, for the benchmarks' floods of one fleet's heartbeats."""
+    client = await aiohttp_client(agent_api.create_app(registry, SECRET, heartbeat_rate=0))
+    await post(client, "/v1/register", registration())
+    assert {(await post(client, "/v1/heartbeat", heartbeat(seq=n)))[0] for n in range(1, 51)} == {200}
