@@ -29,7 +29,6 @@ import asyncio
 import collections
 import contextlib
 import fcntl
-import socket
 import struct
 import termios
 from collections.abc import Awaitable, Callable
@@ -45,7 +44,7 @@ def unsent_bytes(transport: asyncio.Transport) -> int:
     acknowledged (SIOCOUTQ, which Linux names TIOCOUTQ) for its socket."""
     held = transport.get_write_buffer_size()
     sock = transport.get_extra_info("socket")
-    if isinstance(sock, socket.socket) or hasattr(sock, "fileno"):
+    if sock is not None:
         with contextlib.suppress(OSError, ValueError):
             held += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
     return held

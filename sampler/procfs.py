@@ -284,8 +284,3 @@ def parse_cgroup_lines(data: bytes) -> list[tuple[bytes, bytes, str]]:
         if len(parts) == 3:
             out.append((parts[0], parts[1], parts[2].decode("utf-8", "replace")))
     return out
-
-
-def parse_cgroup_paths(data: bytes) -> list[str]:
-    """The path of each hierarchy in /proc/<pid>/cgroup (v2's `0::` line and any v1 lines)."""
-    return [path for _, _, path in parse_cgroup_lines(data)]

@@ -363,6 +363,15 @@ def test_duplicates_keep_their_order() -> None:
     assert len(dropped) == 1
 
 
+async def _agents_and_viewer(aiohttp_client: Any, registry: NodeRegistry) -> tuple[Client, Client]:
+    """Both listeners' apps over one registry and embedded history, as the control plane serves them."""
+    history = EmbeddedHistory(interval=5)
+    agents = await aiohttp_client(agent_api.create_app(registry, SECRET, history=history))
+    app = pages_api.create_app(registry, history=history)
+    pages.add_pages(app, history)
+    return agents, await aiohttp_client(app)
+
+
 async def test_heartbeats_are_answered_while_a_page_and_a_scrape_are_rendered(
     aiohttp_client: Any, registry: NodeRegistry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -370,11 +379,7 @@ async def test_heartbeats_are_answered_while_a_page_and_a_scrape_are_rendered(
     while a scrape is held mid-render, heartbeats are still answered and
     recorded and a page is served, and the scrape then finishes with what it
     read."""
-    history = EmbeddedHistory(interval=5)
-    agents = await aiohttp_client(agent_api.create_app(registry, SECRET, history=history))
-    app = pages_api.create_app(registry, history=history)
-    pages.add_pages(app, history)
-    viewer = await aiohttp_client(app)
+    agents, viewer = await _agents_and_viewer(aiohttp_client, registry)
     entered, release = asyncio.Event(), threading.Event()
     loop = asyncio.get_running_loop()
     render = FleetExposition.render
@@ -406,11 +411,7 @@ async def test_a_scrape_never_waits_behind_page_renders(
     """A loop of anonymous page views (here: one page held mid-render, and
     more queued behind it) does not hold Prometheus' scrape: /metrics has a
     lane of its own, and NodeDown can fire."""
-    history = EmbeddedHistory(interval=5)
-    agents = await aiohttp_client(agent_api.create_app(registry, SECRET, history=history))
-    app = pages_api.create_app(registry, history=history)
-    pages.add_pages(app, history)
-    viewer = await aiohttp_client(app)
+    agents, viewer = await _agents_and_viewer(aiohttp_client, registry)
     entered, release = asyncio.Event(), threading.Event()
     loop = asyncio.get_running_loop()
     rows = pages._cluster_rows

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sampler import procfs
+from sampler import cgroup_view, procfs
 from tests.fakeproc import pid_stat_line
 
 
@@ -100,7 +100,7 @@ def test_malformed_mountinfo() -> None:
 
 def test_cmdline_and_cgroup() -> None:
     assert procfs.parse_cmdline(b"vllm\0serve\0--model\0x y\0") == "vllm serve --model x y"
-    assert procfs.parse_cgroup_paths(b"4:memory:/a/b\n0::/kubepods/pod1/c1\n") == ["/a/b", "/kubepods/pod1/c1"]
+    assert cgroup_view.host_paths(b"4:memory:/a/b\n0::/kubepods/pod1/c1\n") == ["/a/b", "/kubepods/pod1/c1"]
 
 
 def test_vanished_process_is_process_gone(tmp_path: Path) -> None:
