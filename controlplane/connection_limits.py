@@ -19,8 +19,16 @@ one, so every connection's protocol is wrapped here:
   closed at once (0: no cap). Agents behind one NAT share an address: the
   cap is per address, not per node, and has a flag.
 
-A TLS handshake is bounded by `request_s` too (asyncio's own timeout). One
-`ConnectionGuard` per listener; controlplane/server.py listens through it.
+On a TLS listener the guard sees the connection before its handshake, not
+after: asyncio's own `ssl=` server hands a protocol its connection only
+once the handshake is done, while each pending handshake already holds a
+256 KiB read buffer (asyncio's SSLProtocol) for up to its timeout, so
+thousands of idle sockets were an OOM that no cap counted. Here a raw
+connection is admitted (counted against `per_peer`, and against
+`max_handshakes` pending on the whole listener) and only then upgraded
+(`loop.start_tls`), within `request_s`; one that does not finish in time,
+or fails, is closed as `handshake`. One `ConnectionGuard` per listener;
+controlplane/server.py listens through it.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import asyncio
 import collections
 import contextlib
 import fcntl
+import ssl
 import struct
 import termios
 from collections.abc import Awaitable, Callable
@@ -36,7 +45,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-CLOSE_REASONS = ("idle", "request_deadline", "write_deadline", "per_peer")
+CLOSE_REASONS = ("idle", "request_deadline", "write_deadline", "per_peer", "handshake", "handshakes")
 
 
 def unsent_bytes(transport: asyncio.Transport) -> int:
@@ -55,6 +64,9 @@ class ConnectionLimits:
     request_s: float = 10.0
     idle_s: float = 60.0
     per_peer: int = 256
+    # Pending TLS handshakes on one listener: 1,024 hold 256 MiB of asyncio's
+    # read buffers at most, a quarter of the Deployment's limit.
+    max_handshakes: int = 1024
 
 
 class GuardedConnection(asyncio.Protocol):
@@ -64,8 +76,10 @@ class GuardedConnection(asyncio.Protocol):
         self.guard, self.inner = guard, inner
         self.transport: asyncio.Transport | None = None
         self.peer: str | None = None
-        self.admitted = self.lost = False
+        self.admitted = self.lost = self.started = False
         self.handling = False
+        self._handshake: asyncio.Future[None] | None = None
+        self._early: list[bytes] = []
         self._deadline = 0.0  # loop time by which the request under way must be in
         self._timer: asyncio.TimerHandle | None = None
 
@@ -80,11 +94,46 @@ class GuardedConnection(asyncio.Protocol):
             transport.abort()
             return
         self.admitted = True
+        if self.guard.tls is None:
+            self._start(transport)
+            return
+        # Nothing is read until the TLS layer is in place (start_tls resumes reading).
+        transport.pause_reading()
+        self.guard.handshakes += 1
+        self._handshake = asyncio.ensure_future(self._upgrade(transport, self.guard.tls))
+
+    async def _upgrade(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
+        try:
+            tls = await self._loop.start_tls(raw, self, context, server_side=True,
+                                             ssl_handshake_timeout=self.guard.limits.request_s)  # fmt: skip
+        except (OSError, ssl.SSLError, TimeoutError, ConnectionError, RuntimeError):
+            tls = None
+        finally:
+            self.guard.handshakes -= 1
+        if tls is None:  # not finished in time, failed, or its client went
+            self.guard.closed("handshake")
+            raw.abort()
+            self.connection_lost(None)  # the raw transport's went to the TLS layer, which keeps it
+            return
+        if not self.lost:  # lost between the handshake's end and now: already released
+            self._start(tls)
+
+    def _start(self, transport: asyncio.Transport) -> None:
+        self.guard.started(self, transport)
+        self.transport = transport
+        self.started = True
         self._arm(self.guard.limits.idle_s, "idle")
         self.inner.connection_made(transport)
+        early, self._early = self._early, []
+        for data in early:
+            self.data_received(data)
 
     def data_received(self, data: bytes) -> None:
-        if not self.admitted:
+        if not self.started:
+            # The TLS layer hands over what followed the handshake before start_tls's
+            # caller resumes: kept for `_start` (one loop turn's reading at most).
+            if self.admitted and not self.lost:
+                self._early.append(data)
             return
         if not self.handling and self._reason in ("idle", "write_deadline"):  # a request's first byte: its deadline
             self._deadline = self._loop.time() + self.guard.limits.request_s
@@ -92,7 +141,7 @@ class GuardedConnection(asyncio.Protocol):
         self.inner.data_received(data)
 
     def eof_received(self) -> None:
-        if self.admitted:
+        if self.started:
             self.inner.eof_received()
 
     def pause_writing(self) -> None:
@@ -102,10 +151,13 @@ class GuardedConnection(asyncio.Protocol):
         self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.lost:
+            return
         self.lost = True
         self._cancel()
         if self.admitted:
             self.guard.release(self)
+        if self.started:
             self.inner.connection_lost(exc)
 
     # --- the middleware's calls ----------------------------------------------------
@@ -158,8 +210,11 @@ class GuardedConnection(asyncio.Protocol):
 class ConnectionGuard:
     """One listener's connections: counted per peer, found by transport."""
 
-    def __init__(self, limits: ConnectionLimits, on_close: Callable[[str], None] | None = None) -> None:
+    def __init__(self, limits: ConnectionLimits, on_close: Callable[[str], None] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:  # fmt: skip
         self.limits = limits
+        self.tls = tls
+        self.handshakes = 0  # pending now
         self._on_close = on_close
         self._per_peer: collections.Counter[str] = collections.Counter()
         self._by_transport: dict[asyncio.BaseTransport, GuardedConnection] = {}
@@ -168,14 +223,19 @@ class ConnectionGuard:
         return lambda: GuardedConnection(self, inner())
 
     def admit(self, conn: GuardedConnection) -> bool:
+        if self.tls is not None and self.handshakes >= self.limits.max_handshakes:
+            self.closed("handshakes")
+            return False
         if conn.peer is not None:
             if self.limits.per_peer and self._per_peer[conn.peer] >= self.limits.per_peer:
                 self.closed("per_peer")
                 return False
             self._per_peer[conn.peer] += 1
-        assert conn.transport is not None
-        self._by_transport[conn.transport] = conn
         return True
+
+    def started(self, conn: GuardedConnection, transport: asyncio.Transport) -> None:
+        """Serving on `transport` (the TLS one, on a TLS listener): requests find their connection by it."""
+        self._by_transport[transport] = conn
 
     def release(self, conn: GuardedConnection) -> None:
         if conn.transport is not None:

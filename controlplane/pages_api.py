@@ -5,7 +5,6 @@ background task that forgets nodes gone for long."""
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import time
@@ -23,21 +22,13 @@ from controlplane.history import EmbeddedHistory
 from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
 from controlplane.live import LIVE, LiveSamples, live_stream
 from controlplane.own_metrics import ControlPlaneMetrics
+from controlplane.page_access import PAGE_ACCESS, PageAccess, add_headers, may_change_fleet, page_access
 from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx
 from controlplane.registry import NodeRegistry
 from controlplane.registry_state import STATE_FILE
 
 PRUNE_EVERY_S = 60.0
 log = logging.getLogger(__name__)
-
-
-def is_loopback_address(host: str) -> bool:
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack socket
-    return (mapped or address).is_loopback
 
 
 def _scrape(exposition: FleetExposition, own: ControlPlaneMetrics) -> bytes:
@@ -86,12 +77,12 @@ def _nodes_json(registry: NodeRegistry, watched: dict[str, dict[str, Any] | None
 
 async def forget_node(request: web.Request) -> web.Response:
     """DELETE /api/nodes/NODE: an operator removes a node that is gone for good
-    (its series leave /metrics, so its NodeDown resolves). From this machine
-    only (`kubectl port-forward` or `exec` arrive from loopback): the pages
-    listener has no other authentication."""
-    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
-    if not (isinstance(peer, tuple) and peer and is_loopback_address(str(peer[0]))):
-        raise web.HTTPForbidden(text="forgetting a node is allowed from this machine only (kubectl port-forward)\n")
+    (its series leave /metrics, so its NodeDown resolves). Only a user the
+    web config names, or `nodesampler forget` through the admin socket
+    (controlplane/page_access.py): a loopback peer is no operator."""
+    if not may_change_fleet(request):
+        raise web.HTTPForbidden(text="forgetting a node needs a user of --web-config-file's basic_auth_users, "
+                                     "or `nodesampler forget NODE` on the control plane's machine (--admin-socket)\n")
     node = request.match_info["node"]
     if not request.app[REGISTRY].forget(node):
         raise web.HTTPNotFound(text="no such node\n")
@@ -121,8 +112,11 @@ async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
                history: EmbeddedHistory | None = None, state_file: Path | None = None,
-               live: LiveSamples | None = None) -> web.Application:  # fmt: skip
-    app = web.Application(middlewares=[no_tracebacks])
+               live: LiveSamples | None = None, access: PageAccess | None = None) -> web.Application:  # fmt: skip
+    app = web.Application(middlewares=[no_tracebacks, page_access])
+    if access is not None:
+        app[PAGE_ACCESS] = access
+        app.on_response_prepare.append(add_headers)
     if state_file is not None:
         registry_state.keep_state(app, state_file)
     app[REGISTRY] = registry

@@ -8,10 +8,12 @@ the pages' app through `add_routes`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import ipaddress
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from aiohttp import web
@@ -22,9 +24,11 @@ from controlplane.history import EmbeddedHistory
 from controlplane.live import LiveSamples
 from controlplane.node_identity import NodeAuthenticator
 from controlplane.own_metrics import ControlPlaneMetrics
+from controlplane.page_access import PageAccess, listen_admin_socket
 from controlplane.registry import MAX_SHARDS_PER_NODE, NodeRegistry
 from controlplane.starvation import StarvationRules
 from controlplane.tls_files import ReloadingServerTLS
+from controlplane.web_config import ReloadingWebConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,14 @@ def split_address(text: str) -> tuple[str, int]:
 
 def is_loopback(host: str) -> bool:
     """A listen address on this machine alone (any other name may resolve anywhere)."""
-    return host == "localhost" or pages_api.is_loopback_address(host)
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 on a dual-stack socket
+    return (mapped or address).is_loopback
 
 
 def _count_close(own: ControlPlaneMetrics, listener: str, reason: str) -> None:
@@ -55,29 +66,40 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                 max_shards: int = MAX_SHARDS_PER_NODE, state_file: Path | None = None,
                 forget_after: float | None = None,
                 add_routes: Callable[[web.Application, EmbeddedHistory | None, str | None], None] | None = None,
-                live: LiveSamples | None = None, heartbeat_rate: float = agent_api.HEARTBEAT_RATE) -> None:  # fmt: skip
+                live: LiveSamples | None = None, heartbeat_rate: float = agent_api.HEARTBEAT_RATE,
+                web_config: ReloadingWebConfig | None = None, pages_hosts: Iterable[str] = (),
+                admin_socket: Path | None = None) -> None:  # fmt: skip
+    """`tls` is the agent listener's (--tls-cert, or the web config's); the
+    pages listener takes the web config's TLS and users (controlplane/page_access.py)."""
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
         log.warning("agent listener %s has no TLS: bearer tokens cross the network in clear text "
-                    "(--tls-cert and --tls-key)", agent_listen)  # fmt: skip
+                    "(--tls-cert and --tls-key, or --web-config-file)", agent_listen)  # fmt: skip
+    pages_tls = web_config.tls if web_config is not None else None
+    if not (web_config and web_config.current.users) and not is_loopback(split_address(pages_listen)[0]):
+        log.warning("pages listener %s has no users: every node's name, kernel, GPUs and pods are readable by "
+                    "any client that reaches it (--web-config-file's basic_auth_users)", pages_listen)  # fmt: skip
     registry = NodeRegistry(stale_after, starvation=starvation, max_shards=max_shards, gone_after=forget_after)
     own = ControlPlaneMetrics(registry)
     # The embedded history is fed only when the pages read it (no --prometheus).
     history = None if prometheus_url else EmbeddedHistory(stale_after=stale_after)
-    pages = pages_api.create_app(registry, own, history, state_file, live)
+    access = PageAccess(web_config, pages_hosts)
+    pages = pages_api.create_app(registry, own, history, state_file, live, access)
     if add_routes is not None:  # the pages (web/pages.py): charts from the history or from Prometheus
         add_routes(pages, history, prometheus_url)
     limits = limits or ConnectionLimits()
     loop = asyncio.get_running_loop()
-    runners, servers = [], []
+    runners: list[web.AppRunner] = []
+    servers: list[asyncio.AbstractServer] = []
     agents = agent_api.create_app(registry, auth, own, history, live, heartbeat_rate)
     try:
         for name, app, address, context in (
             ("agents", agents, agent_listen, tls.context if tls else None),
-            ("pages", pages, pages_listen, None),
+            ("pages", pages, pages_listen, pages_tls.context if pages_tls else None),
         ):
             # Every connection through a guard (controlplane/connection_limits.py):
-            # aiohttp's own sites would time out neither half a request nor none.
-            guard = ConnectionGuard(limits, functools.partial(_count_close, own, name))
+            # aiohttp's own sites would time out neither half a request nor none,
+            # and asyncio's TLS server counts no handshake; the guard does the TLS.
+            guard = ConnectionGuard(limits, functools.partial(_count_close, own, name), context)
             app[GUARD] = guard
             app.middlewares.insert(0, within_deadline)
             runner = web.AppRunner(app, access_log=None)
@@ -85,14 +107,15 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
             runners.append(runner)
             host, port = split_address(address)
             assert runner.server is not None  # set up
-            servers.append(await loop.create_server(guard.protocol_factory(runner.server), host, port, ssl=context,
-                                                    ssl_handshake_timeout=limits.request_s if context else None))
+            servers.append(await loop.create_server(guard.protocol_factory(runner.server), host, port))
+        if admin_socket is not None:  # the pages' routes to this machine's operator (controlplane/page_access.py)
+            servers.append(await listen_admin_socket(runners[1], admin_socket))
         if auth.service_accounts is not None:
             await auth.service_accounts.keys.refresh()  # a failure is logged; tokens are refused until keys load
-        scheme = "https" if tls else "http"
-        log.info("control plane: agents on %s://%s, pages on %s", scheme, agent_listen, pages_listen)
-        print(f"nodesampler control plane: agents on {scheme}://{agent_listen}, pages on http://{pages_listen}/",
-              flush=True)  # fmt: skip
+        scheme, pages_scheme = ("https" if tls else "http"), ("https" if pages_tls else "http")
+        log.info("control plane: agents on %s://%s, pages on %s://%s", scheme, agent_listen, pages_scheme, pages_listen)
+        print(f"nodesampler control plane: agents on {scheme}://{agent_listen}, "
+              f"pages on {pages_scheme}://{pages_listen}/", flush=True)  # fmt: skip
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -102,5 +125,9 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
             server.close()  # no new connections; the runners close the open ones
         for runner in runners:
             await runner.cleanup()
+        access.checker.close()
+        if admin_socket is not None:
+            with contextlib.suppress(OSError):
+                admin_socket.unlink()
         if auth.service_accounts is not None:
             await auth.service_accounts.keys.close()

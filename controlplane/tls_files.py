@@ -1,4 +1,4 @@
-"""The agent listener's TLS certificate, re-read when its files change.
+"""A listener's TLS: its settings, and its certificate re-read when its files change.
 
 cert-manager and the kubelet replace a mounted Secret's files in place (an
 atomic swap of a symlink), so the listener checks the files' identity at each
@@ -13,46 +13,101 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# The web configuration file's names (controlplane/web_config.py) for what a client may present.
+CLIENT_AUTH = ("NoClientCert", "RequestClientCert", "RequireAnyClientCert", "VerifyClientCertIfGiven",
+               "RequireAndVerifyClientCert")  # fmt: skip
+TLS_VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
+                "TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}  # fmt: skip
 
-def _stamp(path: Path) -> tuple[int, int, int]:
-    st = os.stat(path)  # follows the symlink: a swapped ..data is a new inode
+
+def stamp(path: Path) -> tuple[int, int, int]:
+    """A file's identity: os.stat follows the symlink, so a Secret's swapped ..data is a new inode."""
+    st = os.stat(path)
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
+@dataclass(frozen=True, slots=True)
+class TlsSettings:
+    cert_file: Path
+    key_file: Path
+    client_auth_type: str = "NoClientCert"
+    client_ca_file: Path | None = None
+    min_version: str = "TLS12"
+    max_version: str | None = None
+    prefer_server_cipher_suites: bool = True
+
+    def files(self) -> tuple[Path, ...]:
+        return (self.cert_file, self.key_file) + ((self.client_ca_file,) if self.client_ca_file else ())
+
+    def context(self) -> ssl.SSLContext:
+        """A server context as these settings say; OSError or ssl.SSLError when a file does not load."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = TLS_VERSIONS[self.min_version]
+        if self.max_version is not None:
+            context.maximum_version = TLS_VERSIONS[self.max_version]
+        if not self.prefer_server_cipher_suites:
+            context.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
+        context.load_cert_chain(self.cert_file, self.key_file)
+        if self.client_ca_file is not None:
+            context.load_verify_locations(cafile=str(self.client_ca_file))
+        # Python cannot ask for a certificate it then does not verify, so the
+        # toolkit's RequestClientCert and RequireAnyClientCert verify against
+        # client_ca_file too (and RequestClientCert asks for none without one).
+        context.verify_mode = {
+            "NoClientCert": ssl.CERT_NONE,
+            "RequestClientCert": ssl.CERT_OPTIONAL if self.client_ca_file else ssl.CERT_NONE,
+            "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+            "RequireAnyClientCert": ssl.CERT_REQUIRED,
+            "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+        }[self.client_auth_type]
+        return context
+
+
 class ReloadingServerTLS:
-    def __init__(self, cert: Path, key: Path) -> None:
-        self.cert, self.key = cert, key
-        self._stamps = (_stamp(cert), _stamp(key))
-        self.current = self._load()  # raises at start: a listener without its certificate does not start
-        self.context = self._load()
+    """`context` is the listener's; each handshake gets a context made from
+    the settings' files as they are now. `before_hello`, when set, runs
+    first at each handshake (the web config checks its own file there)."""
+
+    def __init__(self, settings: TlsSettings) -> None:
+        self.settings = settings
+        self._stamps = self._stamps_now()
+        self.current = settings.context()  # raises at start: a listener without its certificate does not start
+        self.context = settings.context()
         self.context.sni_callback = self._on_hello
         self.reloads = 0
+        self.before_hello: Callable[[], object] | None = None
 
-    def _load(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(self.cert, self.key)
-        return context
+    def _stamps_now(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple(stamp(p) for p in self.settings.files())
+
+    def use(self, settings: TlsSettings, context: ssl.SSLContext) -> None:
+        """Other settings (the web config changed), already loaded."""
+        self.settings, self.current, self._stamps = settings, context, self._stamps_now()
+        self.reloads += 1
 
     def maybe_reload(self) -> None:
         try:
-            stamps = (_stamp(self.cert), _stamp(self.key))
+            stamps = self._stamps_now()
             if stamps == self._stamps:
                 return
-            context = self._load()
+            context = self.settings.context()
         except (OSError, ssl.SSLError) as e:
-            log.error("TLS certificate %s not reloaded, keeping the last good one: %s", self.cert, e)
+            log.error("TLS certificate %s not reloaded, keeping the last good one: %s", self.settings.cert_file, e)
             return
         self._stamps, self.current = stamps, context
         self.reloads += 1
-        log.info("TLS certificate %s reloaded", self.cert)
+        log.info("TLS certificate %s reloaded", self.settings.cert_file)
 
     def _on_hello(self, conn: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
         # Called for every handshake, with or without SNI.
+        if self.before_hello is not None:
+            self.before_hello()
         self.maybe_reload()
         if self.current is not context:
             conn.context = self.current

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -22,6 +23,7 @@ from nodesampler import __version__
 
 EXIT_USAGE = 2
 EXIT_BACKEND = 3
+ADMIN_SOCKET = "/run/nodesampler/admin.sock"  # where the shipped Deployment puts the control plane's
 
 log = logging.getLogger("nodesampler")
 
@@ -188,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the cluster secret, for HMAC node tokens (needed unless --k8s-jwks is given)")
     c.add_argument("--tls-cert", type=Path, metavar="PATH", help="TLS certificate (PEM) of the agent listener")
     c.add_argument("--tls-key", type=Path, metavar="PATH", help="its private key (PEM); both re-read when they change")
+    c.add_argument("--web-config-file", type=Path, default=None, metavar="PATH",
+                   help="Prometheus' web configuration file: TLS for both listeners, basic_auth_users for the pages")
+    c.add_argument("--pages-host", action="append", default=[], metavar="NAME",
+                   help="a host name the pages listener serves (repeatable); with any, a request for another "
+                        "name is refused (an IP address is always served)")
+    c.add_argument("--admin-socket", type=Path, default=None, metavar="PATH",
+                   help="a Unix socket (mode 0600) for `nodesampler forget` on this machine")
     c.add_argument("--k8s-jwks", metavar="FILE_OR_URL",
                    help="accept Kubernetes projected service-account tokens, verified with these issuer keys")
     c.add_argument("--k8s-issuer", metavar="ISSUER", help="the service-account issuer (the tokens' iss)")
@@ -228,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="... and at least this many seconds waiting per second of the window (default 0.05)")
     c.add_argument("--host-bound-gpu-utilization", type=_within(0, 1), default=0.5, metavar="R",
                    help="host-bound: CPU-starved while its GPUs were busy under this share of the time (default 0.5)")
+
+    f = sub.add_parser("forget", help="forget a node gone for good, through the control plane's admin socket")
+    f.add_argument("node", metavar="NODE")
+    f.add_argument("--admin-socket", type=Path, default=Path(ADMIN_SOCKET), metavar="PATH",
+                   help=f"the control plane's --admin-socket (default {ADMIN_SOCKET})")
 
     t = sub.add_parser("token", help="print a node's token, derived from the cluster secret")
     t.add_argument("node", metavar="NODE")
@@ -497,7 +511,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     from controlplane.live import LiveSamples
     from controlplane.server import serve, split_address
     from controlplane.starvation import StarvationRules
-    from controlplane.tls_files import ReloadingServerTLS
+    from controlplane.tls_files import ReloadingServerTLS, TlsSettings
+    from controlplane.web_config import ReloadingWebConfig, WebConfigError
     from web.pages import add_pages
 
     if args.state_file is not None and not args.state_file.parent.is_dir():
@@ -517,11 +532,25 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     tls = None
     if (args.tls_cert is None) != (args.tls_key is None):
         _fail(EXIT_USAGE, "--tls-cert and --tls-key go together")
+    if args.tls_cert is not None and args.web_config_file is not None:
+        _fail(EXIT_USAGE, "--tls-cert/--tls-key and --web-config-file: give one (the file's TLS is both listeners')")
     if args.tls_cert is not None:
         try:
-            tls = ReloadingServerTLS(args.tls_cert, args.tls_key)
+            tls = ReloadingServerTLS(TlsSettings(args.tls_cert, args.tls_key))
         except (OSError, ssl.SSLError) as e:
             _fail(EXIT_USAGE, f"--tls-cert/--tls-key: {e}")
+    web_config = None
+    if args.web_config_file is not None:
+        try:
+            web_config = ReloadingWebConfig(args.web_config_file)
+        except (OSError, WebConfigError) as e:
+            _fail(EXIT_USAGE, f"--web-config-file {args.web_config_file}: {e}")
+        tls = web_config.tls
+    for name in args.pages_host:
+        if not name or any(c in name for c in "/ @?#"):
+            _fail(EXIT_USAGE, f"--pages-host {name!r}: a host name (no scheme, port or path)")
+    if args.admin_socket is not None and not args.admin_socket.parent.is_dir():
+        _fail(EXIT_USAGE, f"--admin-socket {args.admin_socket}: {args.admin_socket.parent} is not a directory")
     logging.getLogger().setLevel(logging.INFO)
     try:
         rules = StarvationRules(args.starved_throttled_ratio, args.starved_wait_ratio, args.starved_min_wait,
@@ -530,9 +559,37 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
         asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls, rules, limits,
                           args.max_shards_per_node, args.state_file, args.forget_after, add_routes=add_pages,
                           live=LiveSamples(args.max_live_nodes, args.live_linger) if args.max_live_nodes else None,
-                          heartbeat_rate=args.max_heartbeats_per_second))
+                          heartbeat_rate=args.max_heartbeats_per_second, web_config=web_config,
+                          pages_hosts=args.pages_host, admin_socket=args.admin_socket))
     except OSError as e:  # the address is taken or not ours
         _fail(EXIT_USAGE, f"cannot listen: {e}")
+    return 0
+
+
+def cmd_forget(args: argparse.Namespace) -> int:
+    """DELETE /api/nodes/NODE through the admin socket: 0 forgotten, 1 not (the control plane's answer says why)."""
+    import http.client
+    import socket
+
+    class _UnixConnection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            sock.connect(str(args.admin_socket))
+            self.sock = sock
+
+    conn = _UnixConnection("localhost", timeout=30)
+    try:
+        conn.request("DELETE", f"/api/nodes/{urllib.parse.quote(args.node, safe='')}")
+        r = conn.getresponse()
+        body = r.read(4096).decode(errors="replace").strip()
+    except OSError as e:
+        _fail(1, f"--admin-socket {args.admin_socket}: {e} (is the control plane running with --admin-socket?)")
+    finally:
+        conn.close()
+    if r.status != 200:
+        _fail(1, f"node {args.node!r} not forgotten: {r.status} {body}")
+    print(f"forgot {args.node}")
     return 0
 
 
@@ -550,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="nodesampler: %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     commands = {"sample": cmd_sample, "up": cmd_up, "agent": cmd_agent, "controlplane": cmd_controlplane,
-                "token": cmd_token}  # fmt: skip
+                "token": cmd_token, "forget": cmd_forget}  # fmt: skip
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:

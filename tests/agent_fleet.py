@@ -4,8 +4,10 @@ control plane's view read through its pages listener."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -15,9 +17,34 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.certs import TestCA
 from tests.conftest import free_port
 
 INTERVAL = 1.0
+PASSWORD = "correct horse battery"
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def web_config_file(tmp: Path, users: dict[str, str], tls: bool = True, cost: int = 4, extra: str = "") -> Path:
+    """A web configuration file as an operator writes one (bcrypt hashes; the
+    certificate, for localhost and 127.0.0.1, from a CA whose file is `ca.crt` beside it)."""
+    import bcrypt
+
+    lines = []
+    if tls:
+        ca = TestCA("web config CA")
+        ca.write_ca(tmp / "ca.crt")
+        ca.issue(tmp / "tls.crt", tmp / "tls.key", ["localhost", "127.0.0.1"])
+        lines += ["tls_server_config:", "  cert_file: tls.crt", "  key_file: tls.key"]  # relative to the file
+    if users:
+        lines.append("basic_auth_users:")
+        lines += [f"  {u}: {bcrypt.hashpw(p.encode(), bcrypt.gensalt(cost)).decode()}" for u, p in users.items()]
+    path = tmp / "web-config.yml"
+    path.write_text("\n".join(lines) + "\n" + extra)
+    return path
 
 
 class Fleet:
@@ -29,6 +56,29 @@ class Fleet:
         self.control: subprocess.Popen[bytes] | None = None
         self.agent: subprocess.Popen[bytes] | None = None
         self.fds: list[int] = []
+        self.scheme = "http"
+        self.pages_headers: dict[str, str] = {}  # a user's, once the pages have users (secure)
+        self.context: ssl.SSLContext | None = None
+
+    def secure(self, users: dict[str, str] | None = None, extra: str = "") -> Path:
+        """TLS on both listeners and users on the pages, from one web config file (its path): the
+        helpers below speak https as the user `ops` from here on."""
+        users = {"ops": PASSWORD} if users is None else users
+        path = web_config_file(self.tmp, users, extra=extra)
+        self.scheme, self.context = "https", ssl.create_default_context(cafile=str(self.tmp / "ca.crt"))
+        if users:
+            self.pages_headers = basic(*next(iter(users.items())))
+        return path
+
+    def pages(self, path: str, method: str = "GET", headers: dict[str, str] | None = None) -> tuple[int, str]:
+        """The pages listener's answer (status, body), as this fleet's user unless headers say otherwise."""
+        url = f"{self.scheme}://127.0.0.1:{self.pages_port}{path}"
+        request = urllib.request.Request(url, method=method, headers=self.pages_headers if headers is None else headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10, context=self.context) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
 
     def log(self, name: str) -> int:
         """An fd appending to a log file, for a child's stderr (the child keeps it open)."""
@@ -57,17 +107,18 @@ class Fleet:
         token.write_bytes(subprocess.run(self.cli("token", "n1", "--secret-file", str(self.secret)),
                                          capture_output=True, check=True).stdout)  # fmt: skip
         self.agent = subprocess.Popen(
-            self.cli("agent", "--control-plane", f"http://127.0.0.1:{self.agent_port}", "--token-file", str(token),
-                     "--node", "n1", "--interval", str(INTERVAL), "--backend", "proc", *extra),
+            self.cli("agent", "--control-plane", f"{self.scheme}://127.0.0.1:{self.agent_port}", "--token-file",
+                     str(token), "--node", "n1", "--interval", str(INTERVAL), "--backend", "proc",
+                     *(["--ca-file", str(self.tmp / "ca.crt")] if self.scheme == "https" else []), *extra),
             stderr=self.log("agent.log"))  # fmt: skip
 
     def nodes(self) -> list[dict[str, Any]]:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.pages_port}/api/nodes", timeout=5) as r:
-                nodes: list[dict[str, Any]] = json.load(r)["nodes"]
-                return nodes
+            status, body = self.pages("/api/nodes")
         except (urllib.error.URLError, ConnectionError):
             return []
+        nodes: list[dict[str, Any]] = json.loads(body)["nodes"] if status == 200 else []
+        return nodes
 
     def wait_for(self, check: Callable[[list[dict[str, Any]]], bool], timeout: float = 60) -> list[dict[str, Any]]:
         """Poll the control plane's view until `check` holds (the agent works on its own schedule)."""

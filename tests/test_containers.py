@@ -22,16 +22,20 @@ import ssl
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import bcrypt
 import pytest
+import yaml
 
 from nodesampler import __version__
 from sampler.machine import MachineGaugeReader
 from tests import podman_pods as pods
+from tests.agent_fleet import PASSWORD, basic
 from tests.certs import TestCA, kubelet_serving_name
 from tests.fakekubelet import FakeKubelet, pod_doc
 from tests.issuer import TestIssuer
@@ -135,14 +139,7 @@ class CpuTruth:
         self._thread.join()
 
 
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.load(r)
-
-
-def get_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return str(r.read().decode())
+PAGES_HOST = "nodesampler-pages.nodesampler.svc"
 
 
 class Cluster:
@@ -154,21 +151,38 @@ class Cluster:
         self.cluster_ca = TestCA("test cluster CA")
         self.tls_ca = TestCA("nodesampler CA")
         cert, key = work / "tls.crt", work / "tls.key"
-        self.tls_ca.issue(cert, key, [CP_HOST])
+        self.tls_ca.issue(cert, key, [CP_HOST, PAGES_HOST, "127.0.0.1"])
         self.tls = {"tls.crt": cert.read_bytes(), "tls.key": key.read_bytes(),
                     "ca.crt": self.tls_ca.cert.public_bytes(_pem())}  # fmt: skip
+        # The example web config Secret, with a real hash for its operator.
+        [example, _] = yaml.safe_load_all((ROOT / "deploy/kubernetes/web-config.example.yaml").read_text())
+        hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()
+        web_config = re.sub(r"\$2y\$10\$\S+", lambda m: hashed, example["stringData"]["web-config.yml"])
+        self.web = {"web-config.yml": web_config.encode()}
+        self.context = ssl.create_default_context(cadata=self.tls["ca.crt"].decode())
         self.cp_token = self.issuer.token(None, account="nodesampler-controlplane")
         self.api = IssuerServer(self.issuer, self.cluster_ca, work, self.cp_token)
         self.names: list[str] = []
         self.played: dict[str, pods.PlayedPod] = {}
-        self.pages = "http://127.0.0.1:8080"
+        self.pages = "https://127.0.0.1:8080"
+
+    def get_text(self, path: str, user: str | None = "operator") -> str:
+        """A page, as a user of the web config (its operator: the same password for every user here)."""
+        headers = basic(user, PASSWORD) if user else {}
+        request = urllib.request.Request(f"{self.pages}{path}", headers=headers)
+        with urllib.request.urlopen(request, timeout=10, context=self.context) as r:
+            return str(r.read().decode())
+
+    def get_json(self, path: str, user: str | None = "operator") -> Any:
+        return json.loads(self.get_text(path, user))
 
     def hosts(self) -> dict[str, str]:
         return {CP_HOST: "127.0.0.1", API_HOST: "127.0.0.1"}
 
     def start_controlplane(self) -> None:
         deployment = pods.find("Deployment", "nodesampler-controlplane")
-        played = pods.PlayedPod(node="node-cp", secrets={"nodesampler-controlplane-tls": self.tls},
+        played = pods.PlayedPod(node="node-cp", secrets={"nodesampler-controlplane-tls": self.tls,
+                                                         "nodesampler-controlplane-web": self.web},
                                 sa_tokens={"": self.cp_token}, hosts=self.hosts(),
                                 cluster_ca=self.cluster_ca.cert.public_bytes(_pem()))  # fmt: skip
         self._run(deployment["spec"]["template"]["spec"], played, "nodesampler-test-cp")
@@ -176,7 +190,7 @@ class Cluster:
 
     def _healthy(self) -> bool:
         try:
-            return bool(get_json(f"{self.pages}/health")["status"] == "ok")
+            return bool(self.get_json("/health", user=None)["status"] == "ok")  # as the kubelet's probe: no user
         except OSError:
             return False
 
@@ -199,7 +213,7 @@ class Cluster:
         self.played[name] = played
 
     def node(self, name: str) -> dict[str, Any] | None:
-        for n in get_json(f"{self.pages}/api/nodes")["nodes"]:
+        for n in self.get_json("/api/nodes")["nodes"]:
             if n["node"] == name:
                 return dict(n)
         return None
@@ -296,7 +310,7 @@ def test_two_nodes_each_speaking_for_itself(cluster: Cluster, engine: subprocess
         until("node-b's first heartbeat", lambda: cluster.heartbeat("node-b"))
         cluster.played[a].volumes["token"].update({"token": cluster.issuer.token("node-a").encode()})
 
-        metrics = get_text(f"{cluster.pages}/metrics")
+        metrics = cluster.get_text("/metrics")
         for node in ("node-a", "node-b"):
             assert f'llmgw_node_up{{node="{node}"}} 1\n' in metrics
         # The control plane fetched the issuer's keys with its own token.
@@ -341,7 +355,7 @@ def test_two_nodes_each_speaking_for_itself(cluster: Cluster, engine: subprocess
               lambda: (hb := cluster.heartbeat("node-a")) and hb["window"]["end"] > t0 + 15 + 30 + 1)  # fmt: skip
         assert "changed: using the new token" in pods.logs(a)
         refused = re.findall(r'nodesampler_requests_rejected_total\{kind="heartbeat",reason="(\w+)"\} (\S+)',
-                             get_text(f"{cluster.pages}/metrics"))  # fmt: skip
+                             cluster.get_text("/metrics"))  # fmt: skip
         assert all(float(n) == 0 for _, n in refused), refused
 
         # The control plane keeps the known nodes on the pod's state volume (written every 30 s).
@@ -481,3 +495,16 @@ def test_a_wrong_ca_is_refused_and_said_once(cluster: Cluster) -> None:
                  lambda: [x for x in pods.logs(name).splitlines() if "certificate" in x])  # fmt: skip
     assert len(line) == 1 and "not trusted" in line[0], line
     assert cluster.node("node-c") is None
+
+
+def test_the_pages_need_a_user_and_the_pods_operator_forgets_through_the_socket(cluster: Cluster) -> None:
+    """As deployed: the pages listener over TLS with the web config Secret's
+    users, and `kubectl exec ... nodesampler forget` (here `podman exec`) as
+    the pod's own user through the admin socket on its memory volume."""
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        cluster.get_text("/api/nodes", user=None)
+    assert refused.value.code == 401
+    assert "nodes" in cluster.get_json("/api/nodes", user="prometheus")
+    r = subprocess.run(["podman", "exec", "nodesampler-test-cp", "nodesampler", "forget", "no-such-node"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 1 and "404" in r.stderr, r.stderr

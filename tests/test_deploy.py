@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import configparser
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 def test_kustomization_applies_every_manifest_once() -> None:
     k = yaml.safe_load((DEPLOY / "kubernetes" / "kustomization.yaml").read_text())
     files = {p.name for p in (DEPLOY / "kubernetes").glob("*.yaml")} - {"kustomization.yaml"}
-    assert set(k["resources"]) == files - {"tls-secret.example.yaml"}  # the keys are the operator's
+    assert set(k["resources"]) == files - {"tls-secret.example.yaml", "web-config.example.yaml"}  # the operator's keys
     kinds = {(d["kind"], d["metadata"]["name"]) for d in manifests()}
     assert kinds >= {("Namespace", "nodesampler"), ("ServiceAccount", "nodesampler-agent"),
                      ("DaemonSet", "nodesampler-agent"), ("ServiceAccount", "nodesampler-controlplane"),
@@ -155,7 +156,7 @@ def test_controlplane_verifies_the_agents_account() -> None:
     namespace, name = args["k8s-service-account"].split("/")
     agent_sa = find("ServiceAccount", "nodesampler-agent")["metadata"]
     assert (namespace, name) == (agent_sa["namespace"], agent_sa["name"])
-    assert args["k8s-audience"] == "nodesampler" and "tls-cert" in args and "secret-file" not in args
+    assert args["k8s-audience"] == "nodesampler" and "web-config-file" in args and "secret-file" not in args
     # The known nodes are kept on a volume the pod's user can write (the root file system is read-only).
     [state] = [m for m in cp["volumeMounts"] if args["state-file"].startswith(m["mountPath"] + "/")]
     assert not state.get("readOnly") and "emptyDir" in {v["name"]: v for v in pod["volumes"]}[state["name"]]
@@ -174,6 +175,39 @@ def test_controlplane_verifies_the_agents_account() -> None:
     assert to_cp["to"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nodesampler-controlplane"}}}]
     ports = {(p["protocol"], p["port"]) for r in agent["egress"] for p in r["ports"]}
     assert ports == {("TCP", agent_port), ("TCP", 10250), ("UDP", 53), ("TCP", 53), ("TCP", 8000)}
+
+
+def test_the_pages_are_served_over_tls_to_users_and_scraped_so() -> None:
+    """The example web config is one our parser takes, naming the TLS Secret's
+    files where the Deployment mounts them; the probes speak HTTPS; the
+    ServiceMonitor scrapes with TLS and a user; the admin socket is on a
+    volume of the pod's own."""
+    from controlplane.web_config import parse
+
+    pod = find("Deployment", "nodesampler-controlplane")["spec"]["template"]["spec"]
+    [cp] = pod["containers"]
+    args = [a.removeprefix("--").split("=", 1) for a in cp["args"]]
+    flags = dict(args)
+    mounts = {m["mountPath"]: m for m in cp["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    config_dir, config_name = flags["web-config-file"].rsplit("/", 1)
+    [example, auth] = yaml.safe_load_all((DEPLOY / "kubernetes" / "web-config.example.yaml").read_text())
+    assert volumes[mounts[config_dir]["name"]]["secret"]["secretName"] == example["metadata"]["name"]
+    text = example["stringData"][config_name]
+    fake = "$2y$10$" + "a" * 53  # the example's placeholders are not hashes: a hash of their shape
+    config = parse(re.sub(r"\$2y\$10\$\S+", lambda m: fake, text).encode(), Path(config_dir))
+    assert config.tls is not None and set(config.users) == {"prometheus", "operator"}
+    tls_dir = str(config.tls.cert_file.parent)
+    assert volumes[mounts[tls_dir]["name"]]["secret"]["secretName"] == "nodesampler-controlplane-tls"
+    assert cp["readinessProbe"]["httpGet"]["scheme"] == cp["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert [v for k, v in args if k == "pages-host"] == ["nodesampler-pages.nodesampler.svc", "localhost"]
+    socket_dir = flags["admin-socket"].rsplit("/", 1)[0]
+    assert "emptyDir" in volumes[mounts[socket_dir]["name"]] and not mounts[socket_dir].get("readOnly")
+    [endpoint] = find("ServiceMonitor", "nodesampler")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["serverName"] == "nodesampler-pages.nodesampler.svc"
+    assert endpoint["basicAuth"]["username"]["name"] == auth["metadata"]["name"]
+    assert set(auth["stringData"]) == {"username", "password"} and auth["stringData"]["username"] == "prometheus"
 
 
 def test_dockerfile() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.agent_fleet import web_config_file
 from tests.conftest import free_port
 from tests.workloads import BURN_ONE_CORE, start_group
 
@@ -42,6 +43,10 @@ class Stack:
         assert body["status"] == "success", body
         result: list[dict[str, Any]] = body["data"]["result"]
         return result
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.prom_port}{path}", timeout=5) as r:
+            return json.load(r)
 
     def wait_for(self, promql: str, check: Callable[[list[dict[str, Any]]], bool], timeout: float = 60) -> Any:
         """Poll Prometheus until the query's result satisfies check (it scrapes once a second)."""
@@ -133,3 +138,47 @@ def test_prometheus_scrapes_the_fleet(stack: Stack, tmp_path: Path) -> None:
     stack.wait_for('llmgw_node_cpu_utilization_percent{node="n1"}', lambda r: r == [])
     assert stack.query('llmgw_shard_cpu_cores{node="n1"}') == []
     assert len(stack.query('llmgw_node_info{node="n1"}')) == 1
+
+
+def test_prometheus_scrapes_through_basic_auth_and_tls(stack: Stack, tmp_path: Path) -> None:
+    """The web config file operators give Prometheus, given to the control
+    plane: Prometheus' own `basic_auth` and `tls_config` scrape it; a job with
+    a wrong password and one without a user are refused (`up` 0)."""
+    py = [sys.executable, "-m", "nodesampler"]
+    secret = tmp_path / "secret"
+    secret.write_text("prometheus-test-secret\n")
+    config = web_config_file(tmp_path, {"prometheus": "scrape-secret"}, cost=10)  # htpasswd's cost
+    cp = stack.start([*py, "controlplane", "--listen", f"127.0.0.1:{stack.agent_port}", "--pages-listen",
+                      f"127.0.0.1:{stack.pages_port}", "--secret-file", str(secret), "--web-config-file", str(config)],
+                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+    assert cp.stdout is not None and b"pages on https://" in cp.stdout.readline()
+    token = tmp_path / "token"
+    token.write_bytes(subprocess.run([*py, "token", "n1", "--secret-file", str(secret)], capture_output=True,
+                                     check=True).stdout)  # fmt: skip
+    stack.start([*py, "agent", "--control-plane", f"https://127.0.0.1:{stack.agent_port}", "--token-file", str(token),
+                 "--ca-file", str(tmp_path / "ca.crt"), "--node", "n1", "--interval", "1", "--backend", "proc"],
+                stderr=subprocess.DEVNULL)  # fmt: skip
+    (tmp_path / "password").write_text("scrape-secret\n")
+    (tmp_path / "wrong").write_text("guessed\n")
+    target = f"static_configs: [{{targets: ['127.0.0.1:{stack.pages_port}']}}]"
+    tls = f"scheme: https\n    tls_config: {{ca_file: {tmp_path / 'ca.crt'}}}\n    {target}\n"
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: nodesampler\n    basic_auth: {{username: prometheus, password_file: {tmp_path / 'password'}}}\n"
+        f"    {tls}"
+        f"  - job_name: wrong-password\n    basic_auth: {{username: prometheus, password_file: {tmp_path / 'wrong'}}}\n"
+        f"    {tls}"
+        f"  - job_name: no-user\n    {tls}"
+    )
+    stack.start(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{stack.prom_port}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    stack.wait_ready()
+    stack.wait_for('llmgw_node_up{node="n1",job="nodesampler"}', lambda r: len(r) == 1 and value(r) == 1.0)
+    for job in ("wrong-password", "no-user"):
+        stack.wait_for(f'up{{job="{job}"}}', lambda r: len(r) == 1 and value(r) == 0.0)
+    assert value(stack.query('up{job="nodesampler"}')) == 1.0
+    targets = stack.get("/api/v1/targets")["data"]["activeTargets"]
+    errors = {t["labels"]["job"]: t["lastError"] for t in targets}
+    assert "401" in errors["wrong-password"] and "401" in errors["no-user"] and errors["nodesampler"] == "", errors

@@ -4,21 +4,34 @@ when an operator says so or after a long silence."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import bcrypt
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import make_mocked_request
 
-from controlplane import agent_api, pages_api
+from controlplane import agent_api, pages_api, server
 from controlplane.history import ChartSpec, EmbeddedHistory
+from controlplane.page_access import PageAccess
 from controlplane.registry import NodeRegistry
+from controlplane.web_config import ReloadingWebConfig
 from nodesampler import wire
 from tests.test_controlplane_api import SECRET, auth, heartbeat, post, registration
+
+
+def operator(tmp_path: Path) -> tuple[PageAccess, dict[str, str]]:
+    """The pages' access with one user, `ops`, and the header that says so."""
+    config = tmp_path / "web.yml"
+    config.write_text(f"basic_auth_users:\n  ops: {bcrypt.hashpw(b'pw', bcrypt.gensalt(4)).decode()}\n")
+    return PageAccess(ReloadingWebConfig(config)), basic("ops", "pw")
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
 
 def register(registry: NodeRegistry, node: str) -> None:
@@ -88,11 +101,12 @@ async def test_a_bad_entry_is_left_out_alone(aiohttp_client: Any, tmp_path: Path
     assert state is not None and state.heartbeats == 3 and not state.fresh(registry.clock(), 60)
 
 
-async def test_an_operator_forgets_a_node_from_this_machine_only(aiohttp_client: Any, tmp_path: Path) -> None:
+async def test_an_operator_forgets_a_node_a_loopback_peer_does_not(aiohttp_client: Any, tmp_path: Path) -> None:
     path = tmp_path / "registry.json"
     registry = NodeRegistry(stale_after=60)
     history = EmbeddedHistory(interval=5)
-    app = pages_api.create_app(registry, history=history, state_file=path)
+    access, ops = operator(tmp_path)
+    app = pages_api.create_app(registry, history=history, state_file=path, access=access)
     pages = await aiohttp_client(app)
     for node in ("gone-1", "kept-2"):
         register(registry, node)
@@ -100,33 +114,38 @@ async def test_an_operator_forgets_a_node_from_this_machine_only(aiohttp_client:
         registry.heartbeat(hb)
         history.record(node, hb)
 
-    # From another address: refused, nothing changes.
-    transport = mock.Mock()
-    transport.get_extra_info.return_value = ("10.1.2.3", 40000)
-    remote = make_mocked_request("DELETE", "/api/nodes/gone-1", match_info={"node": "gone-1"}, app=app,
-                                 transport=transport)  # fmt: skip
-    with pytest.raises(web.HTTPForbidden):
-        await pages_api.forget_node(remote)
+    # From loopback (a sidecar, a port-forward) without a user: refused, nothing changes.
+    assert (await pages.delete("/api/nodes/gone-1")).status == 401
+    assert (await pages.delete("/api/nodes/gone-1", headers=basic("ops", "guess"))).status == 401
     assert registry.get("gone-1") is not None
 
-    r = await pages.delete("/api/nodes/gone-1")
+    r = await pages.delete("/api/nodes/gone-1", headers=ops)
     assert r.status == 200 and await r.json() == {"forgotten": "gone-1"}
-    assert (await pages.delete("/api/nodes/gone-1")).status == 404
-    text = await metrics(pages)
+    assert (await pages.delete("/api/nodes/gone-1", headers=ops)).status == 404
+    text = (await (await pages.get("/metrics", headers=ops)).text())
     assert 'node="gone-1"' not in text and 'llmgw_node_up{node="kept-2"} 1\n' in text
     assert history.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "gone-1"),)), 0, 1e10, 1) == []
     # Written at once: a restart does not bring it back.
     assert [n["registration"]["node"] for n in json.loads(path.read_bytes())["nodes"]] == ["kept-2"]
 
 
+async def test_without_users_no_client_of_the_pages_listener_forgets(aiohttp_client: Any) -> None:
+    registry = NodeRegistry(stale_after=60)
+    pages = await aiohttp_client(pages_api.create_app(registry, access=PageAccess()))
+    register(registry, "n1")
+    r = await pages.delete("/api/nodes/n1")
+    assert r.status == 403 and "nodesampler forget" in await r.text()
+    assert registry.get("n1") is not None
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "::ffff:127.0.0.1", "127.0.0.2"])
 def test_loopback_addresses(host: str) -> None:
-    assert pages_api.is_loopback_address(host)
+    assert server.is_loopback(host)
 
 
-@pytest.mark.parametrize("host", ["10.0.0.1", "::ffff:10.0.0.1", "localhost", "", "fe80::1"])
+@pytest.mark.parametrize("host", ["10.0.0.1", "::ffff:10.0.0.1", "localhost.example", "", "fe80::1"])
 def test_other_addresses(host: str) -> None:
-    assert not pages_api.is_loopback_address(host)
+    assert not server.is_loopback(host)
 
 
 def test_a_silent_node_stays_known_for_a_week_by_default() -> None:
@@ -149,7 +168,8 @@ async def test_saves_take_turns_and_the_last_state_is_what_stays(aiohttp_client:
     registry = NodeRegistry(stale_after=60)
     for i in range(200):
         register(registry, f"n-{i}")
-    app = pages_api.create_app(registry, state_file=path)
+    access, ops = operator(tmp_path)
+    app = pages_api.create_app(registry, state_file=path, access=access)
     pages = await aiohttp_client(app)
     writing, overlaps = [0], [0]
     real_write = registry_state.write
@@ -165,7 +185,7 @@ async def test_saves_take_turns_and_the_last_state_is_what_stays(aiohttp_client:
     with mock.patch.object(registry_state, "write", write):
         for i in range(0, 200, 10):
             registry.forget(f"n-{i}")
-            deletes = [pages.delete(f"/api/nodes/n-{j}") for j in range(i + 1, i + 4)]
+            deletes = [pages.delete(f"/api/nodes/n-{j}", headers=ops) for j in range(i + 1, i + 4)]
             await asyncio.gather(registry_state.save(app), *deletes, registry_state.save(app))
         await pages.close()  # the exit's save
     assert overlaps[0] == 0

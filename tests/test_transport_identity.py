@@ -21,7 +21,7 @@ from cryptography import x509
 from controlplane import agent_api
 from controlplane.node_identity import JwksSource, NodeAuthenticator, ServiceAccountRules, ServiceAccountVerifier
 from controlplane.registry import NodeRegistry
-from controlplane.tls_files import ReloadingServerTLS
+from controlplane.tls_files import ReloadingServerTLS, TlsSettings
 from nodesampler import tokens
 from sampler.agent import ConfigFile, DeliveryError, HeartbeatClient, TokenFile
 from sampler.machine import MachineGaugeReader
@@ -73,7 +73,7 @@ async def test_tls_listener_picks_up_a_new_certificate(tmp_path: Path, caplog: A
     cafile = ca.write_ca(tmp_path / "ca.crt")
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     first = ca.issue(cert, key, ["localhost", "127.0.0.1"])
-    tls = ReloadingServerTLS(cert, key)
+    tls = ReloadingServerTLS(TlsSettings(cert, key))
     runner = web.AppRunner(agent_api.create_app(NodeRegistry(60), SECRET))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls.context)

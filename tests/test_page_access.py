@@ -1,0 +1,179 @@
+"""Who may read the pages and change the fleet, as deployed: the control
+plane's own process with the web configuration file operators give
+Prometheus (TLS on both listeners, bcrypt users on the pages), a real agent
+heartbeating over that TLS, and requests from the loopback addresses a
+service mesh's sidecar uses (Istio connects from 127.0.0.6)."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import os
+import re
+import socket
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import bcrypt
+import pytest
+
+from tests.agent_fleet import PASSWORD, Fleet, basic, fresh_with_seq
+from tests.test_connection_limits import connect, wait_closed_by_server
+
+pytestmark = pytest.mark.live
+
+SIDECAR = "127.0.0.6"
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    yield f
+    f.stop()
+
+
+def ask(fleet: Fleet, method: str, path: str, headers: dict[str, str] | None = None, source: str = SIDECAR,
+        port: int | None = None) -> tuple[int, dict[str, str], str]:  # fmt: skip
+    """One request from `source` (another loopback address than the agent's)."""
+    port = port or fleet.pages_port
+    if fleet.context is not None:
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+            "127.0.0.1", port, context=fleet.context, timeout=10, source_address=(source, 0))
+    else:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
+    try:
+        conn.request(method, path, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read().decode()
+    finally:
+        conn.close()
+
+
+def forget(fleet: Fleet, node: str, admin: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(fleet.cli("forget", node, "--admin-socket", str(admin)), capture_output=True, text=True)
+
+
+def test_a_loopback_peer_is_no_operator_and_this_machine_forgets_through_its_socket(fleet: Fleet) -> None:
+    admin = fleet.tmp / "admin.sock"
+    fleet.start_control_plane("--admin-socket", str(admin))
+    fleet.start_agent()
+    fleet.wait_for(fresh_with_seq)
+    # A sidecar, a port-forward or a DNS-rebound page: loopback, and refused (it was a 200).
+    status, _, body = ask(fleet, "DELETE", "/api/nodes/n1")
+    assert status == 403 and "nodesampler forget" in body
+    assert ask(fleet, "DELETE", "/api/nodes/n1", source="127.0.0.1")[0] == 403
+    assert [n["node"] for n in fleet.nodes()] == ["n1"]
+    # The operator on this machine: the socket is the control plane's user's alone.
+    assert stat.S_IMODE(os.stat(admin).st_mode) == 0o600 and stat.S_ISSOCK(os.stat(admin).st_mode)
+    assert fleet.agent is not None
+    fleet.agent.kill()
+    done = forget(fleet, "n1", admin)
+    assert done.returncode == 0 and done.stdout.strip() == "forgot n1", done.stderr
+    assert fleet.nodes() == []
+    again = forget(fleet, "n1", admin)
+    assert again.returncode == 1 and "404" in again.stderr and again.stderr.count("\n") == 1
+    missing = forget(fleet, "n1", fleet.tmp / "nothing.sock")
+    assert missing.returncode == 1 and "--admin-socket" in missing.stderr
+
+
+def test_pages_need_a_user_tls_serves_both_listeners_and_only_named_hosts_are_served(fleet: Fleet) -> None:
+    config = fleet.secure({"ops": PASSWORD, "prometheus": "scrape-me"},
+                          extra="http_server_config:\n  headers: {X-Frame-Options: deny}\n")
+    fleet.start_control_plane("--web-config-file", str(config), "--pages-host", "pages.example")
+    fleet.start_agent()  # over TLS, with the web config's certificate
+    fleet.wait_for(fresh_with_seq)
+    ops = basic("ops", PASSWORD)
+
+    # Nothing but /health without a user; a wrong password and a malformed header are the same 401.
+    for headers in ({}, basic("ops", "guess"), basic("nobody", PASSWORD), {"Authorization": "Basic %%%"},
+                    {"Authorization": "Bearer x"}):  # fmt: skip
+        for path in ("/", "/node/n1", "/api/nodes", "/metrics", "/node/n1/live"):
+            status, h, _ = ask(fleet, "GET", path, headers)
+            assert status == 401 and h["WWW-Authenticate"].startswith("Basic "), (path, headers, status)
+    status, _, body = ask(fleet, "GET", "/health")
+    assert status == 200 and '"status": "ok"' in body
+    status, h, body = ask(fleet, "GET", "/api/nodes", ops)
+    assert status == 200 and '"node": "n1"' in body and h["X-Frame-Options"] == "deny"
+    assert ask(fleet, "GET", "/metrics", basic("prometheus", "scrape-me"))[0] == 200
+
+    # A name the listener was not told it serves (a DNS-rebound page's own): refused; an address is served.
+    assert ask(fleet, "GET", "/api/nodes", {**ops, "Host": "evil.example:8080"})[0] == 421
+    assert ask(fleet, "GET", "/api/nodes", {**ops, "Host": "Pages.Example."})[0] == 200
+    assert ask(fleet, "GET", "/api/nodes", {**ops, "Host": f"127.0.0.1:{fleet.pages_port}"})[0] == 200
+
+    # A user added to the file is taken without a restart; a file that breaks keeps the last good one.
+    text = config.read_text()
+    added = f"  late: {bcrypt.hashpw(b'also', bcrypt.gensalt(4)).decode()}\n"
+    with_late = text.replace("basic_auth_users:\n", "basic_auth_users:\n" + added)
+    config.write_text(with_late)
+    assert ask(fleet, "GET", "/api/nodes", basic("late", "also"))[0] == 200
+    config.write_text(with_late.replace("basic_auth_users:", "basic_auth_user:"))
+    assert ask(fleet, "GET", "/api/nodes", basic("late", "also"))[0] == 200
+    assert "not reloaded, keeping the last good one" in (fleet.tmp / "control.log").read_text()
+
+    # Forgetting a node: a user may, from anywhere; without one, nobody.
+    assert ask(fleet, "DELETE", "/api/nodes/n1")[0] == 401
+    assert fleet.agent is not None
+    fleet.agent.kill()
+    status, _, body = ask(fleet, "DELETE", "/api/nodes/n1", ops)
+    assert status == 200 and '"forgotten": "n1"' in body
+
+
+def test_tls_handshakes_are_counted_against_the_peer_cap_and_timed_out(fleet: Fleet) -> None:
+    """Sockets that never say hello to a TLS listener: before, asyncio held
+    each (and a 256 KiB buffer) for the handshake's timeout with no cap
+    counting them, `per_peer` stayed 0. Now the cap sees them, and the rest
+    are closed at the deadline, counted as `handshake`."""
+    config = fleet.secure()
+    fleet.start_control_plane("--web-config-file", str(config), "--max-connections-per-peer", "40",
+                              "--request-deadline", "2", "--idle-timeout", "600")  # fmt: skip
+    fleet.start_agent()
+    [node] = fleet.wait_for(fresh_with_seq)
+    socks = [connect(port, "127.0.0.9") for port in (fleet.agent_port, fleet.pages_port) for _ in range(50)]
+    try:
+        left_open = wait_closed_by_server(socks, timeout=60)
+        assert not left_open, f"{len(left_open)} of {len(socks)} still open"
+        counts = {k: v for k, v in closed_counts_tls(fleet).items() if v}
+        assert counts == {("agents", "per_peer"): 10, ("agents", "handshake"): 40,
+                          ("pages", "per_peer"): 10, ("pages", "handshake"): 40}, counts  # fmt: skip
+        fleet.wait_for(lambda n: fresh_with_seq(n, above=node["heartbeat"]["seq"] + 1))
+    finally:
+        for s in socks:
+            s.close()
+
+
+def closed_counts_tls(fleet: Fleet) -> dict[tuple[str, str], float]:
+    status, text = fleet.pages("/metrics")
+    assert status == 200
+    pattern = r'^nodesampler_connections_closed_total\{listener="(\w+)",reason="(\w+)"\} (\S+)$'
+    return {(m[1], m[2]): float(m[3]) for m in re.finditer(pattern, text, re.M)}
+
+
+def test_a_flood_of_guessed_passwords_waits_its_turn_and_costs_a_user_nothing(fleet: Fleet) -> None:
+    """bcrypt is ~50-100 ms a check at cost 10: anonymous guesses run one at a
+    time, at most 16 waiting (429 beyond), and a user's password once found
+    good is not checked again, so the user is answered while the guesses'
+    queue is full (were they behind it, they would be refused with it)."""
+    config = fleet.secure()
+    slow = f"basic_auth_users:\n  ops: {bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(12)).decode()}\n"
+    config.write_text(config.read_text().split("basic_auth_users:")[0] + slow)  # cost 12: ~250 ms a check
+    fleet.start_control_plane("--web-config-file", str(config))
+    assert fleet.pages("/api/nodes")[0] == 200  # checked once, remembered
+    guess = b"GET /api/nodes HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Basic " + \
+        base64.b64encode(b"ops:guess") + b"\r\n\r\n"  # fmt: skip
+    assert fleet.context is not None
+    socks = []
+    try:
+        for _ in range(60):
+            s = fleet.context.wrap_socket(socket.create_connection(("127.0.0.1", fleet.pages_port), timeout=60),
+                                          server_hostname="127.0.0.1")  # fmt: skip
+            s.sendall(guess)
+            socks.append(s)
+        assert fleet.pages("/api/nodes")[0] == 200
+        statuses = [int(s.recv(64).split()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    assert set(statuses) == {401, 429} and statuses.count(401) >= 17, statuses

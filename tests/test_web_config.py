@@ -1,0 +1,109 @@
+"""The web configuration file, read as Prometheus' exporter-toolkit reads it:
+what it takes, what it refuses (with a line naming the key), and the
+password checks it leads to, bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from pathlib import Path
+
+import bcrypt
+import pytest
+
+from controlplane.page_access import PasswordChecker, basic_credentials, host_name
+from controlplane.web_config import ReloadingWebConfig, WebConfigError, load, parse
+from tests.agent_fleet import web_config_file
+
+HASH = bcrypt.hashpw(b"pw", bcrypt.gensalt(4)).decode()
+
+
+def test_an_empty_file_is_plain_http_without_users(tmp_path: Path) -> None:
+    config = parse(b"", tmp_path)
+    assert config.tls is None and config.users == {} and config.headers == {}
+
+
+def test_a_full_file(tmp_path: Path) -> None:
+    path = web_config_file(tmp_path, {"ops": "pw"}, extra="http_server_config:\n  http2: true\n  headers:\n"
+                                                          "    Strict-Transport-Security: max-age=31536000\n")
+    config = load(path)
+    assert config.tls is not None and config.tls.cert_file == tmp_path / "tls.crt"  # relative to the file
+    assert list(config.users) == ["ops"] and bcrypt.checkpw(b"pw", config.users["ops"])
+    assert config.headers == {"Strict-Transport-Security": "max-age=31536000"}
+    assert config.tls.context().verify_mode == ssl.CERT_NONE
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("basic_auth_user:\n  ops: x\n", "the file.basic_auth_user: unknown key"),
+    ("tls_server_config:\n  cert_file: a.crt\n", "cert_file and key_file go together"),
+    ("tls_server_config:\n  cert_file: a\n  key_file: b\n  cipher_suites: [TLS_AES_128_GCM_SHA256]\n",
+     "cipher_suites: not supported by nodesampler"),
+    ("tls_server_config:\n  cert_file: a\n  key_file: b\n  client_auth_type: Sometimes\n", "is not one of"),
+    ("tls_server_config:\n  cert_file: a\n  key_file: b\n  client_auth_type: RequireAndVerifyClientCert\n",
+     "needs client_ca_file"),
+    ("tls_server_config:\n  cert_file: a\n  key_file: b\n  min_version: SSL3\n", "min_version: 'SSL3'"),
+    ("basic_auth_users:\n  ops: plaintext\n", "not a bcrypt hash"),
+    (f"basic_auth_users:\n  'a:b': {HASH}\n", "is not a user name"),
+    ("http_server_config:\n  headers: {Set-Cookie: x}\n", "headers.Set-Cookie: unknown key"),
+    ("rate_limit: {interval: 1s}\n", "rate_limit: not supported"),
+    ("- a list\n", "expected a mapping"),
+    ("basic_auth_users: [ops]\n", "basic_auth_users: expected a mapping"),
+    ("{unclosed\n", "not YAML"),
+])  # fmt: skip
+def test_what_the_file_may_not_say(tmp_path: Path, text: str, says: str) -> None:
+    with pytest.raises(WebConfigError) as e:
+        parse(text.encode(), tmp_path)
+    assert says in str(e.value), str(e.value)
+
+
+def test_certificate_files_that_do_not_load_are_refused_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "web.yml"
+    path.write_text("tls_server_config:\n  cert_file: missing.crt\n  key_file: missing.key\n")
+    with pytest.raises(WebConfigError, match="tls_server_config"):
+        load(path)
+
+
+def test_a_changed_file_is_reread_and_a_broken_one_keeps_the_last(tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                                  ) -> None:  # fmt: skip
+    path = tmp_path / "web.yml"
+    path.write_text(f"basic_auth_users:\n  ops: {HASH}\n")
+    config = ReloadingWebConfig(path)
+    path.write_text(f"basic_auth_users:\n  ops: {HASH}\n  more: {HASH}\n")
+    assert set(config.maybe_reload().users) == {"ops", "more"}
+    path.write_text("basic_auth_users: [broken\n")
+    assert set(config.maybe_reload().users) == {"ops", "more"}
+    assert set(config.maybe_reload().users) == {"ops", "more"}
+    assert caplog.text.count("not reloaded") == 1  # once per change, not per request
+    path.write_text(f"tls_server_config:\n  cert_file: a\n  key_file: b\nbasic_auth_users:\n  ops: {HASH}\n")
+    assert set(config.maybe_reload().users) == {"ops", "more"}  # TLS is not turned on under its clients
+
+
+@pytest.mark.parametrize(("header", "name"), [("example.org", "example.org"), ("Example.ORG.:8080", "example.org"),
+                                              ("[::1]:80", "::1"), ("127.0.0.1:9", "127.0.0.1"), ("::1", "::1")])
+def test_host_names(header: str, name: str) -> None:
+    assert host_name(header) == name
+
+
+@pytest.mark.parametrize("header", ["Bearer abc", "Basic", "Basic !!!", "Basic " + "YQ==", "Basic " + "A" * 5000,
+                                    "Basic " + "/w==" + "/w=="])  # fmt: skip
+def test_malformed_basic_credentials(header: str) -> None:
+    assert basic_credentials(header) is None
+
+
+async def test_password_checks_wait_their_turn_and_a_good_one_is_remembered() -> None:
+    users = {"ops": bcrypt.hashpw(b"pw", bcrypt.gensalt(8))}
+    checker = PasswordChecker(max_waiting=3)
+    try:
+        assert await checker.check(users, "ops", "pw") is True
+        assert checker.checks == 1
+        # Twenty guesses at once: one runs, three wait, sixteen are refused at once.
+        results = await asyncio.gather(*(checker.check(users, "ops", f"guess{i}") for i in range(20)),
+                                       checker.check(users, "ops", "pw"))  # fmt: skip
+        assert results[:20].count(None) == 16 and results[:20].count(False) == 4
+        assert results[20] is True  # remembered: not behind the guesses
+        assert checker.checks == 5
+        # An unknown user costs a check too (a wrong name and a wrong password take as long).
+        assert await checker.check(users, "nobody", "pw") is False and checker.checks == 6
+    finally:
+        checker.close()
+
