@@ -23,7 +23,7 @@ from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
 from controlplane.live import LIVE, LiveSamples, live_stream
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.page_access import PAGE_ACCESS, PageAccess, add_headers, may_change_fleet, page_access
-from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx
+from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
 from controlplane.registry import NodeRegistry
 from controlplane.registry_state import STATE_FILE
 
@@ -39,6 +39,7 @@ def _scrape(exposition: FleetExposition, own: ControlPlaneMetrics) -> bytes:
     return fleet.encode() + generate_latest(own.prometheus)
 
 
+@shared
 async def metrics(request: web.Request) -> web.Response:
     body = await request.app[PAGE_WORKER].run(_scrape, request.app[EXPOSITION], request.app[METRICS], lane="scrape")
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -48,6 +49,7 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "nodes": len(request.app[REGISTRY])})
 
 
+@shared
 async def nodes(request: web.Request) -> web.Response:
     live = request.app.get(LIVE)  # read here, on the loop that changes it
     watched = {node: live.describe(node) for node in live.live_nodes()} if live is not None else {}

@@ -22,7 +22,7 @@ from aiohttp import web
 from controlplane.history import ChartSpec, EmbeddedHistory, History, HistoryError, PrometheusHistory, Series
 from controlplane.keys import REGISTRY
 from controlplane.live import LIVE
-from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx
+from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
 from controlplane.registry import NodeRegistry, NodeState
 from nodesampler import wire
 from web.charts import columns, format_value, svg_chart
@@ -229,6 +229,7 @@ def _attention_first(v: dict[str, Any]) -> tuple[int, float, str]:
     return (0 if v["state"] == "stale" else 1, -(v["cpu"] if v["cpu"] is not None else -1.0), v["node"])
 
 
+@shared
 async def cluster_page(request: web.Request) -> web.Response:
     text = request.query.get("q", "")
     state = request.query.get("state", "")
@@ -270,6 +271,7 @@ def _cluster_rows(registry: NodeRegistry, text: str, state: str) -> tuple[dict[s
     return _fleet_summary(views), shown
 
 
+@shared
 async def node_page(request: web.Request) -> web.Response:
     registry: NodeRegistry = request.app[REGISTRY]
     # Only a node the registry knows reaches a history query.
