@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from controlplane.keys import REGISTRY
+from controlplane.page_access import USER
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ LINGER_S = 60.0  # raw samples go on this long after the last viewer left
 KEEP_S = 60.0  # the minute a new viewer starts with
 MAX_BYTES_PER_NODE = 8 * 1024 * 1024  # about two minutes of 1000 Hz samples of the machine and four shards
 MAX_VIEWERS_PER_NODE = 32
-MAX_VIEWERS_PER_PEER = 4  # live views one address may hold open: ten viewers from one client took every slot
+MAX_VIEWERS_PER_PEER = 4  # live views one user (else one address) may hold open: ten viewers from one
+#                           client took every slot; a user's views from ten addresses count as one's
 VIEWER_QUEUE = 4  # windows a viewer may fall behind; one more and it is let go (it would only see gaps)
 BEHIND = ""  # what a viewer's queue says when it has been let go
 KEEPALIVE_S = 15.0  # a comment on a quiet stream, so a viewer that left is found out
@@ -84,11 +86,11 @@ class LiveSamples:
         return [node for node in list(self._nodes) if self.wanted(node)]
 
     def watch(self, node: str, peer: str | None = None) -> tuple[asyncio.Queue[str], list[str]]:
-        """A new viewer of `node` (from address `peer`): its queue of events to
-        come, and the last minute's events to start with. LiveRefused when it
-        may not watch. A viewer from `peer` must `leave` with it."""
+        """A new viewer of `node` (`peer`: its user, else its address): its queue
+        of events to come, and the last minute's events to start with.
+        LiveRefused when it may not watch. A viewer from `peer` must `leave` with it."""
         if peer is not None and self._per_peer[peer] >= MAX_VIEWERS_PER_PEER:
-            raise LiveRefused(f"{MAX_VIEWERS_PER_PEER} live views are open from this address already")
+            raise LiveRefused(f"{MAX_VIEWERS_PER_PEER} live views are open for this user or address already")
         state = self._nodes.get(node)
         if state is None or not self.wanted(node):
             if len(self.live_nodes()) >= self.max_nodes:
@@ -194,11 +196,13 @@ async def live_stream(request: web.Request) -> web.StreamResponse:
     if request.app[REGISTRY].get(node) is None:
         raise web.HTTPNotFound(text="no such node\n")
     live = request.app[LIVE]
+    user = request.get(USER)
+    viewer = f"user {user}" if user is not None else request.remote
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
                                            "X-Accel-Buffering": "no"})  # fmt: skip
     await response.prepare(request)
     try:
-        queue, backlog = live.watch(node, request.remote)
+        queue, backlog = live.watch(node, viewer)
     except LiveRefused as e:
         await _send(response, f"event: refused\ndata: {json.dumps({'error': str(e)})}\n\n")
         return response
@@ -221,6 +225,6 @@ async def live_stream(request: web.Request) -> web.StreamResponse:
     except (ConnectionError, TimeoutError):
         pass  # the viewer left, or stopped reading
     finally:
-        live.leave(node, queue, request.remote)
+        live.leave(node, queue, viewer)
         log.info("live view of %s closed", node)
     return response

@@ -242,7 +242,7 @@ def test_one_address_holds_at_most_a_few_live_views() -> None:
     address holds MAX_VIEWERS_PER_PEER, and gets its views back as they close."""
     live = LiveSamples(max_nodes=10)
     held = [live.watch(f"n{i}", "10.0.0.9") for i in range(MAX_VIEWERS_PER_PEER)]
-    with pytest.raises(LiveRefused, match="from this address"):
+    with pytest.raises(LiveRefused, match="for this user or address"):
         live.watch("n9", "10.0.0.9")
     live.watch("n9", "10.0.0.10")  # another address is not held back
     live.leave("n0", held[0][0], "10.0.0.9")

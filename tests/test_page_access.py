@@ -177,3 +177,29 @@ def test_a_flood_of_guessed_passwords_waits_its_turn_and_costs_a_user_nothing(fl
         for s in socks:
             s.close()
     assert set(statuses) == {401, 429} and statuses.count(401) >= 17, statuses
+
+
+def test_a_users_live_views_are_capped_from_any_number_of_addresses(fleet: Fleet) -> None:
+    """Four live views a user, wherever they connect from (ten viewers from ten
+    addresses took every live slot); another user is still served."""
+    config = fleet.secure({"ops": PASSWORD, "other": PASSWORD})
+    fleet.start_control_plane("--web-config-file", str(config))
+    fleet.start_agent()
+    fleet.wait_for(fresh_with_seq)
+    assert fleet.context is not None
+    held = []
+    try:
+        for i, user in enumerate(["ops"] * 5 + ["other"]):
+            conn = http.client.HTTPSConnection("127.0.0.1", fleet.pages_port, context=fleet.context, timeout=10,
+                                               source_address=(f"127.0.0.{20 + i}", 0))  # fmt: skip
+            conn.request("GET", "/node/n1/live", headers=basic(user, PASSWORD))
+            r = conn.getresponse()
+            assert r.status == 200
+            held.append((conn, r.read1(200).decode()))
+        firsts = [first for _, first in held]
+        assert all(f.startswith("retry:") for f in firsts[:4]), firsts
+        assert firsts[4].startswith("event: refused") and "for this user" in firsts[4], firsts[4]
+        assert firsts[5].startswith("retry:"), firsts[5]
+    finally:
+        for conn, _ in held:
+            conn.close()
