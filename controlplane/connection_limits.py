@@ -34,6 +34,7 @@ controlplane/server.py listens through it.
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto
 import collections
 import contextlib
 import fcntl
@@ -45,6 +46,17 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+TLS_WRITE_BUFFER = 64 * 1024  # as a plain socket's transport: aiohttp's answers drain past it
+
+
+class TlsLayer(asyncio.sslproto.SSLProtocol):
+    """asyncio's TLS layer with a 32 KiB read buffer, not its 256 KiB: each
+    connection holds one from its first byte, handshake pending or not. A
+    control plane's TLS reads are heartbeats (a few KiB) and requests; with
+    250 sockets of a peer that read nothing, a connection cost 619 KiB of
+    RSS with asyncio's buffer and 305 KiB with this one."""
+
+    max_size = 32 * 1024
 CLOSE_REASONS = ("idle", "request_deadline", "write_deadline", "per_peer", "handshake", "handshakes")
 
 
@@ -80,6 +92,8 @@ class GuardedConnection(asyncio.Protocol):
         self.handling = False
         self._handshake: asyncio.Future[None] | None = None
         self._early: list[bytes] = []
+        self.in_turn = False  # one of the listener's requests under way (ConnectionGuard.max_active)
+        self._waiting: list[bytes] | None = None  # a request's first bytes, while it waits for its turn
         self._deadline = 0.0  # loop time by which the request under way must be in
         self._timer: asyncio.TimerHandle | None = None
 
@@ -103,11 +117,20 @@ class GuardedConnection(asyncio.Protocol):
         self._handshake = asyncio.ensure_future(self._upgrade(transport, self.guard.tls))
 
     async def _upgrade(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
+        # loop.start_tls's own steps (CPython 3.11-3.14), with the smaller TLS layer.
+        loop = self._loop
+        waiter = loop.create_future()
+        layer = TlsLayer(loop, self, context, waiter, server_side=True, call_connection_made=False,
+                         ssl_handshake_timeout=self.guard.limits.request_s)  # type: ignore[arg-type]  # a float is fine: it is a timer
+        raw.set_protocol(layer)  # reading is paused since connection_made
+        made, resumed = loop.call_soon(layer.connection_made, raw), loop.call_soon(raw.resume_reading)
+        tls: asyncio.Transport | None = None
         try:
-            tls = await self._loop.start_tls(raw, self, context, server_side=True,
-                                             ssl_handshake_timeout=self.guard.limits.request_s)  # fmt: skip
+            await waiter
+            tls = layer._app_transport
         except (OSError, ssl.SSLError, TimeoutError, ConnectionError, RuntimeError):
-            tls = None
+            made.cancel()
+            resumed.cancel()
         finally:
             self.guard.handshakes -= 1
         if tls is None:  # not finished in time, failed, or its client went
@@ -116,6 +139,9 @@ class GuardedConnection(asyncio.Protocol):
             self.connection_lost(None)  # the raw transport's went to the TLS layer, which keeps it
             return
         if not self.lost:  # lost between the handshake's end and now: already released
+            # asyncio lets the TLS layer hold 512 KiB of answer a connection before
+            # it pushes back; a reader that reads nothing would keep that much.
+            tls.set_write_buffer_limits(high=TLS_WRITE_BUFFER)
             self._start(tls)
 
     def _start(self, transport: asyncio.Transport) -> None:
@@ -135,10 +161,31 @@ class GuardedConnection(asyncio.Protocol):
             if self.admitted and not self.lost:
                 self._early.append(data)
             return
+        if self._waiting is not None:
+            self._waiting.append(data)
+            return
         if not self.handling and self._reason in ("idle", "write_deadline"):  # a request's first byte: its deadline
             self._deadline = self._loop.time() + self.guard.limits.request_s
             self._arm(self.guard.limits.request_s, "request_deadline")
+            if not self.guard.take_turn(self, data):  # it waits, unread, its deadline running
+                assert self.transport is not None
+                self.transport.pause_reading()
+                self._waiting = [data]
+                return
         self.inner.data_received(data)
+
+    def turn_given(self) -> None:
+        """The guard's: this connection's waiting request may go on."""
+        data, self._waiting = self._waiting or [], None
+        if self.transport is not None:
+            self.transport.resume_reading()
+        for chunk in data:
+            self.inner.data_received(chunk)
+
+    def end_turn(self) -> None:
+        if self.in_turn:
+            self.in_turn = False
+            self.guard.turn_ended()
 
     def eof_received(self) -> None:
         if self.started:
@@ -155,6 +202,7 @@ class GuardedConnection(asyncio.Protocol):
             return
         self.lost = True
         self._cancel()
+        self.end_turn()
         if self.admitted:
             self.guard.release(self)
         if self.started:
@@ -173,6 +221,7 @@ class GuardedConnection(asyncio.Protocol):
 
     def answered(self) -> None:
         self.handling = False
+        self.end_turn()
         if not self.lost:
             self._arm(self.guard.limits.request_s, "write_deadline")
 
@@ -211,10 +260,17 @@ class ConnectionGuard:
     """One listener's connections: counted per peer, found by transport."""
 
     def __init__(self, limits: ConnectionLimits, on_close: Callable[[str], None] | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:  # fmt: skip
+                 tls: ssl.SSLContext | None = None, max_active: int = 0,
+                 first_in_line: tuple[bytes, ...] = ()) -> None:  # fmt: skip
         self.limits = limits
         self.tls = tls
         self.handshakes = 0  # pending now
+        # Requests under way at once (0: no cap), the rest waiting unread in
+        # arrival order: the pages listener's, so that a flood of page views
+        # never fills the event loop's queue ahead of the agents' heartbeats.
+        self.max_active, self.first_in_line = max_active, first_in_line
+        self.active = 0
+        self._turns: collections.deque[GuardedConnection] = collections.deque()
         self._on_close = on_close
         self._per_peer: collections.Counter[str] = collections.Counter()
         self._by_transport: dict[asyncio.BaseTransport, GuardedConnection] = {}
@@ -232,6 +288,26 @@ class ConnectionGuard:
                 return False
             self._per_peer[conn.peer] += 1
         return True
+
+    def take_turn(self, conn: GuardedConnection, first: bytes) -> bool:
+        """Whether a request may go on now; if not, it is queued for `turn_ended`.
+        One whose request line starts with a `first_in_line` prefix goes at once
+        (Prometheus' scrape and the probes never queue behind page views)."""
+        if self.max_active and self.active >= self.max_active and not first.startswith(self.first_in_line):
+            self._turns.append(conn)
+            return False
+        self.active += 1
+        conn.in_turn = True
+        return True
+
+    def turn_ended(self) -> None:
+        self.active -= 1
+        while self._turns and (not self.max_active or self.active < self.max_active):
+            conn = self._turns.popleft()
+            if not conn.lost:
+                self.active += 1
+                conn.in_turn = True
+                conn.turn_given()
 
     def started(self, conn: GuardedConnection, transport: asyncio.Transport) -> None:
         """Serving on `transport` (the TLS one, on a TLS listener): requests find their connection by it."""
@@ -259,6 +335,22 @@ class ConnectionGuard:
 GUARD = web.AppKey("connection_guard", ConnectionGuard)
 
 
+def end_turn(request: web.Request) -> None:
+    """The request's work on the event loop is done (or waits elsewhere): its
+    turn goes to the next request (ConnectionGuard.max_active)."""
+    guard = request.app.get(GUARD)
+    conn = guard.find(request.transport) if guard is not None else None
+    if conn is not None:
+        conn.end_turn()
+
+
+async def end_turn_when_answering(request: web.Request, response: web.StreamResponse) -> None:
+    """An answer that starts to leave has done its work; its writing is the
+    write deadline's to bound (a reader that reads nothing held a turn for
+    its whole deadline)."""
+    end_turn(request)
+
+
 @web.middleware
 async def within_deadline(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                           ) -> web.StreamResponse:  # fmt: skip
@@ -271,7 +363,8 @@ async def within_deadline(request: web.Request, handler: Callable[[web.Request],
     left = conn.handler_started()
     if getattr(request.match_info.handler, "streams", False):
         # A stream (controlplane/live.py) answers a GET at once and lasts as long
-        # as its reader: it bounds its own writes, and holds no request open.
+        # as its reader: it bounds its own writes, and holds no request open (nor a turn).
+        conn.end_turn()
         try:
             return await handler(request)
         finally:
@@ -283,7 +376,9 @@ async def within_deadline(request: web.Request, handler: Callable[[web.Request],
     except TimeoutError:
         if not deadline.expired():  # the handler's own
             raise
-        conn.close("request_deadline")
+        # An answer already leaving (a shared one, written in pieces) that did
+        # not leave in time is its reader's fault, as after the handler.
+        conn.close("write_deadline" if request.writer.output_size else "request_deadline")
         raise web.HTTPRequestTimeout(text=f"request not complete within {guard.limits.request_s:g} s\n") from None
     finally:
         conn.answered()

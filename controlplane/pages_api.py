@@ -23,7 +23,7 @@ from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
 from controlplane.live import LIVE, LiveSamples, live_stream
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.page_access import PAGE_ACCESS, PageAccess, add_headers, may_change_fleet, page_access
-from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
+from controlplane.page_worker import PAGE_WORKER, PageWorker, SharedAnswers, page_worker_ctx, shared
 from controlplane.registry import NodeRegistry
 from controlplane.registry_state import STATE_FILE
 
@@ -39,7 +39,7 @@ def _scrape(exposition: FleetExposition, own: ControlPlaneMetrics) -> bytes:
     return fleet.encode() + generate_latest(own.prometheus)
 
 
-@shared
+@shared()
 async def metrics(request: web.Request) -> web.Response:
     body = await request.app[PAGE_WORKER].run(_scrape, request.app[EXPOSITION], request.app[METRICS], lane="scrape")
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -49,7 +49,7 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "nodes": len(request.app[REGISTRY])})
 
 
-@shared
+@shared()
 async def nodes(request: web.Request) -> web.Response:
     live = request.app.get(LIVE)  # read here, on the loop that changes it
     watched = {node: live.describe(node) for node in live.live_nodes()} if live is not None else {}
@@ -114,7 +114,11 @@ async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
                history: EmbeddedHistory | None = None, state_file: Path | None = None,
-               live: LiveSamples | None = None, access: PageAccess | None = None) -> web.Application:  # fmt: skip
+               live: LiveSamples | None = None, access: PageAccess | None = None,
+               share_for: float = 0.0) -> web.Application:  # fmt: skip
+    """`share_for`: seconds a rendered view serves the requests after it
+    (controlplane/page_worker.py's SharedAnswers); the control plane's is
+    SHARE_FOR_S, 0 (the tests' default) shares only renders under way."""
     app = web.Application(middlewares=[no_tracebacks, page_access])
     if access is not None:
         app[PAGE_ACCESS] = access
@@ -126,7 +130,7 @@ def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
         app[RECORDER] = history
     app[METRICS] = own or ControlPlaneMetrics(registry)
     app[EXPOSITION] = FleetExposition(registry)
-    app[PAGE_WORKER] = PageWorker()
+    app[PAGE_WORKER] = PageWorker(SharedAnswers(share_for, lambda: registry.generation))
     app.cleanup_ctx.append(page_worker_ctx)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)

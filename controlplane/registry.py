@@ -66,16 +66,22 @@ class NodeRegistry:
         self.gone_after = gone_after if gone_after is not None else max(7 * 86400.0, 10 * stale_after)
         self.clock = clock
         self._nodes: dict[str, NodeState] = {}
+        # One more each time the set of nodes or a registration changes (not per
+        # heartbeat): a view shared for a second is not one that shows a forgotten node.
+        self.generation = 0
 
     def forget_gone(self) -> list[str]:
         now = self.clock()
         gone = [n for n, s in self._nodes.items() if now - (s.received_at or s.registered_at) > self.gone_after]
         for node in gone:
             del self._nodes[node]
+        self.generation += bool(gone)
         return gone
 
     def forget(self, node: str) -> bool:
-        return self._nodes.pop(node, None) is not None
+        gone = self._nodes.pop(node, None) is not None
+        self.generation += gone
+        return gone
 
     def register(self, registration: Json) -> NodeState:
         """(Re-)registration replaces what does not change; a heartbeat
@@ -86,6 +92,7 @@ class NodeRegistry:
         if old is not None:
             state.heartbeat, state.received_at, state.heartbeats = old.heartbeat, old.received_at, old.heartbeats
         self._nodes[node] = state
+        self.generation += 1
         return state
 
     def heartbeat(self, heartbeat: Json) -> NodeState:

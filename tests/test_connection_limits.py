@@ -7,6 +7,7 @@ than the agent's (127.0.0.1), as they would from other machines."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import resource
 import selectors
@@ -167,3 +168,62 @@ def test_readers_that_never_read_are_let_go_once_their_answer_is_late(fleet: Fle
     finally:
         for s in socks:
             s.close()
+
+
+async def test_page_requests_take_turns_and_the_scrape_goes_at_once() -> None:
+    """The pages listener's guard lets `max_active` requests be under way and
+    keeps the rest unread in arrival order (a loop of page views must not fill
+    the event loop ahead of heartbeats); /metrics and /health go at once; an
+    answer that starts to leave gives its turn to the next request."""
+    from aiohttp import web
+
+    from controlplane.connection_limits import GUARD, ConnectionGuard, ConnectionLimits, end_turn_when_answering
+    from controlplane.server import FIRST_IN_LINE
+
+    entered: list[int] = []
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        entered.append(int(request.query["i"]))
+        await release.wait()
+        return web.Response(text="slow\n")
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        return web.Response(text=f"entered {len(entered)}\n")
+
+    app = web.Application()
+    app.router.add_get("/slow", slow)
+    app.router.add_get("/metrics", metrics)
+    guard = app[GUARD] = ConnectionGuard(ConnectionLimits(), max_active=2, first_in_line=FIRST_IN_LINE)
+    app.on_response_prepare.append(end_turn_when_answering)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    assert runner.server is not None
+    server = await asyncio.get_running_loop().create_server(guard.protocol_factory(runner.server), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def ask(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        await writer.drain()
+        return reader, writer
+
+    try:
+        slows = [await ask(f"/slow?i={i}") for i in range(5)]
+        while len(entered) < 2 or len(guard._turns) < 3:  # two under way, three waiting unread
+            await asyncio.sleep(0)
+        reader, writer = await ask("/metrics")
+        answer = await reader.read(4096)
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"entered 2\n")
+        writer.close()
+        assert entered == [0, 1] and guard.active == 2
+        release.set()
+        bodies = [await r.read(4096) for r, _ in slows]
+        assert all(b.startswith(b"HTTP/1.1 200") and b.endswith(b"slow\n") for b in bodies)
+        assert entered == [0, 1, 2, 3, 4]  # in arrival order
+        assert guard.active == 0 and not guard._turns
+        for _, w in slows:
+            w.close()
+    finally:
+        server.close()
+        await runner.cleanup()

@@ -76,8 +76,8 @@ def test_a_series_mean_is_its_summary_mean(samples: list[tuple[float | None, flo
         return
     # The summary's mean is rounded to 1e-4 (5e-5 off at most); each length on
     # the wire to 0.5 us (0.25 us off), which moves the weighted mean by at most
-    # the largest value times the lengths' whole error over the whole length.
-    us = np.array(raw["us"], dtype=float)
+    # the largest value times the measured lengths' whole error over their sum.
+    us = np.array([u for u, v in zip(raw["us"], raw["v"], strict=True) if v is not None], dtype=float)
     top = max(v for v in raw["v"] if v is not None)
     assert weighted_mean(raw) == pytest.approx(summary["mean"], abs=5e-5 + top * 0.25 * len(us) / us.sum() + 1e-9)
     assert p95_fits(raw, summary["p95"])

@@ -9,21 +9,21 @@ from typing import Any
 
 from aiohttp import web
 
-from controlplane.page_worker import PAGE_WORKER, Handler, PageWorker, shared
+from controlplane.page_worker import PAGE_WORKER, Handler, PageWorker, SharedAnswers, shared
 
 ARRIVED = web.AppKey("arrived", list[str])
 
 
-def app_with(view: Any) -> web.Application:
+def app_with(view: Any, answers: SharedAnswers | None = None) -> web.Application:
     @web.middleware
     async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
         request.app[ARRIVED].append(request.path)
         return await handler(request)
 
     app = web.Application(middlewares=[count])
-    app[PAGE_WORKER] = PageWorker()
+    app[PAGE_WORKER] = PageWorker(answers)
     app[ARRIVED] = []
-    app.router.add_get("/view", shared(view))
+    app.router.add_get("/view", shared("q")(view))
     return app
 
 
@@ -99,3 +99,34 @@ async def test_an_error_is_the_rendering_requests_own(aiohttp_client: Any) -> No
     a, b = await first, await second
     assert a.status == 404 and await a.text() == "gone\n"
     assert b.status == 200 and await b.text() == "here\n"
+
+
+async def test_one_after_another_within_the_period_share_a_render_until_the_nodes_change(aiohttp_client: Any) -> None:
+    """Requests one after another (none under way together) share the render
+    of the period's start; a node registered or forgotten, or the period
+    past, makes the next request render again. Parameters the view does not
+    read make no other view."""
+    now, generation, renders = [100.0], [7], [0]
+
+    async def view(request: web.Request) -> web.Response:
+        renders[0] += 1
+        return web.Response(text=f"render {renders[0]} q={request.query.get('q')}")
+
+    app = app_with(view, SharedAnswers(1.0, lambda: generation[0], lambda: now[0]))
+    client = await aiohttp_client(app)
+
+    async def get(path: str = "/view") -> str:
+        r = await client.get(path)
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        return str(await r.text())
+
+    assert await get() == "render 1 q=None"
+    now[0] += 0.5
+    assert [await get("/view?nocache=" + str(i)) for i in range(3)] == ["render 1 q=None"] * 3
+    assert await get("/view?q=a") == "render 2 q=a"  # a parameter it reads: another view
+    generation[0] += 1  # a node registered or forgotten
+    assert await get() == "render 3 q=None"
+    now[0] += 0.99
+    assert await get() == "render 3 q=None"
+    now[0] += 0.02  # the period of render 3 is past
+    assert await get() == "render 4 q=None"

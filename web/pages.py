@@ -229,7 +229,7 @@ def _attention_first(v: dict[str, Any]) -> tuple[int, float, str]:
     return (0 if v["state"] == "stale" else 1, -(v["cpu"] if v["cpu"] is not None else -1.0), v["node"])
 
 
-@shared
+@shared("q", "state", "page", "fragment")
 async def cluster_page(request: web.Request) -> web.Response:
     text = request.query.get("q", "")
     state = request.query.get("state", "")
@@ -271,7 +271,7 @@ def _cluster_rows(registry: NodeRegistry, text: str, state: str) -> tuple[dict[s
     return _fleet_summary(views), shown
 
 
-@shared
+@shared("shard", "fragment")
 async def node_page(request: web.Request) -> web.Response:
     registry: NodeRegistry = request.app[REGISTRY]
     # Only a node the registry knows reaches a history query.
