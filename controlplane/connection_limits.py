@@ -17,7 +17,12 @@ one, so every connection's protocol is wrapped here:
   it stops doing when it reads nothing and its window is full);
 - a peer address already holding `per_peer` connections has the next one
   closed at once (0: no cap). Agents behind one NAT share an address: the
-  cap is per address, not per node, and has a flag.
+  cap is per address, not per node, and has a flag;
+- on the pages listener, at most `max_active` requests are under way at once
+  (from their first byte until their answer starts to leave); the others wait
+  unread, in arrival order, their deadline running, and cost the event loop
+  nothing meanwhile. Requests that start with a `first_in_line` prefix
+  (Prometheus' scrape, the probes) never wait.
 
 On a TLS listener the guard sees the connection before its handshake, not
 after: asyncio's own `ssl=` server hands a protocol its connection only
