@@ -178,3 +178,39 @@ def test_a_listener_off_loopback_without_tls_warns_once(tmp_path: Path) -> None:
         _, err = cp.communicate(timeout=30)
     warnings = [line for line in err.splitlines() if "clear text" in line]
     assert len(warnings) == 1 and "0.0.0.0:0" in warnings[0] and "--tls-cert" in warnings[0]
+
+
+@pytest.mark.parametrize(("pages", "users", "warned"), [("0.0.0.0:0", False, True), ("127.0.0.1:0", False, False),
+                                                         ("0.0.0.0:0", True, False)])  # fmt: skip
+def test_a_pages_listener_off_loopback_without_users_warns_once(tmp_path: Path, pages: str, users: bool,
+                                                                 warned: bool) -> None:  # fmt: skip
+    secret = tmp_path / "secret"
+    secret.write_text("a cluster secret of some length")
+    config = tmp_path / "web.yml"
+    config.write_text(f"basic_auth_users:\n  ops: {'$2b$04$' + 'a' * 53}\n" if users else "")
+    cp = subprocess.Popen([sys.executable, "-m", "nodesampler", "controlplane", "--listen", "127.0.0.1:0",
+                           "--pages-listen", pages, "--secret-file", str(secret), "--web-config-file", str(config)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert cp.stdout is not None and "control plane" in cp.stdout.readline()
+    finally:
+        cp.terminate()
+        _, err = cp.communicate(timeout=30)
+    warnings = [line for line in err.splitlines() if "has no users" in line]
+    assert len(warnings) == (1 if warned else 0), err
+    assert not warned or ("basic_auth_users" in warnings[0] and pages in warnings[0])
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--tls-cert", "c", "--tls-key", "k", "--web-config-file", "w"], "give one"),
+    (["--web-config-file", "/nonexistent/web.yml"], "--web-config-file /nonexistent/web.yml"),
+    (["--pages-host", "https://x"], "--pages-host"),
+    (["--admin-socket", "/nonexistent/dir/admin.sock"], "is not a directory"),
+])  # fmt: skip
+def test_web_config_misuse_is_one_line_and_exit_2(tmp_path: Path, argv: list[str], says: str) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("a cluster secret of some length")
+    r = subprocess.run([sys.executable, "-m", "nodesampler", "controlplane", "--listen", "127.0.0.1:0",
+                        "--pages-listen", "127.0.0.1:0", "--secret-file", str(secret), *argv],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
