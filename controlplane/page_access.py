@@ -56,7 +56,7 @@ OPEN_PATHS = frozenset({"/health"})
 MAX_WAITING = 16  # password checks queued behind the one running; ~1 s of bcrypt at cost 10
 REMEMBERED = 256  # good passwords remembered (digests): far more than a fleet's scrapers and operators
 REALM = 'Basic realm="nodesampler", charset="UTF-8"'
-USER = "nodesampler.user"  # the request's authenticated user (absent: none)
+USER = web.RequestKey("user", str)  # the request's authenticated user (absent: none)
 
 
 def from_admin_socket(request: web.Request) -> bool:
