@@ -107,3 +107,56 @@ async def test_password_checks_wait_their_turn_and_a_good_one_is_remembered() ->
     finally:
         checker.close()
 
+
+
+async def test_client_certificates_are_asked_for_as_the_file_says(tmp_path: Path) -> None:
+    """`RequireAndVerifyClientCert` with `client_ca_file`, through the listener's
+    guard as the control plane serves: a client without a certificate, or with
+    one another CA signed, gets no answer; one the file's CA signed does."""
+    from aiohttp import web
+
+    from controlplane.connection_limits import ConnectionGuard, ConnectionLimits
+    from tests.certs import TestCA
+
+    clients, strangers = TestCA("clients CA"), TestCA("another CA")
+    clients.write_ca(tmp_path / "clients.crt")
+    clients.issue(tmp_path / "client.crt", tmp_path / "client.key", ["prometheus"])
+    strangers.issue(tmp_path / "stranger.crt", tmp_path / "stranger.key", ["prometheus"])
+    path = web_config_file(tmp_path, {}, extra="  client_auth_type: RequireAndVerifyClientCert\n"
+                                                "  client_ca_file: clients.crt\n")  # fmt: skip
+    config = ReloadingWebConfig(path)
+    assert config.tls is not None and config.current.tls is not None
+    assert config.current.tls.client_auth_type == "RequireAndVerifyClientCert"
+    app = web.Application()
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="hello\n")
+
+    app.router.add_get("/", hello)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    assert runner.server is not None
+    guard = ConnectionGuard(ConnectionLimits(request_s=5), tls=config.tls.context)
+    server = await asyncio.get_running_loop().create_server(guard.protocol_factory(runner.server), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def ask(cert: str | None) -> bytes:
+        context = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+        if cert is not None:
+            context.load_cert_chain(tmp_path / f"{cert}.crt", tmp_path / f"{cert}.key")
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = await reader.read()
+            writer.close()
+            return answer
+        except (ssl.SSLError, ConnectionError):
+            return b""
+
+    try:
+        assert (await ask("client")).endswith(b"hello\n")
+        assert await ask(None) == b""
+        assert await ask("stranger") == b""
+    finally:
+        server.close()
+        await runner.cleanup()
