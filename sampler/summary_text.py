@@ -1,4 +1,4 @@
-"""A window summary as text for a terminal: what `sample` and `up` print.
+"""A window summary as text for a terminal: what `sample` prints.
 A value that was not measured prints as a dash, never as 0."""
 
 from __future__ import annotations
