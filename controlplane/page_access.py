@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import collections
 import hashlib
 import ipaddress
@@ -89,7 +88,7 @@ def basic_credentials(header: str) -> tuple[str, str] | None:
         return None
     try:
         decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
+    except ValueError:  # not base64 (binascii.Error), not ASCII (UnicodeEncodeError) or not UTF-8 within
         return None
     user, sep, password = decoded.partition(":")
     return (user, password) if sep else None
@@ -199,18 +198,15 @@ async def page_access(request: web.Request, handler: Handler) -> web.StreamRespo
             return web.Response(status=421, text="this listener does not serve that host (--pages-host)\n")
     users = access.users()
     if users and request.path not in OPEN_PATHS:
-        try:
-            header = request.headers.get("Authorization", "")
-        except UnicodeDecodeError:  # aiohttp decodes headers as UTF-8 with surrogates; be safe
-            header = ""
-        credentials = basic_credentials(header)
+        credentials = basic_credentials(request.headers.get("Authorization", ""))
         if credentials is None:
             return _unauthorized("a user and password are needed (basic auth)\n")
+        ok: bool | None = True
         if not access.checker.remembered(users, *credentials):
             # bcrypt is waited for off the loop: the turn goes to the next request
             # (a flood of guesses held every turn, and a user queued behind them).
             end_turn(request)
-        ok = await access.checker.check(users, *credentials)
+            ok = await access.checker.check(users, *credentials)
         if ok is None:
             return web.Response(status=429, text="too many password checks under way; try again\n",
                                 headers={"Retry-After": "1"})  # fmt: skip

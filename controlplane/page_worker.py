@@ -50,7 +50,7 @@ class Answer:
         """Written in pieces, each after the last has left aiohttp's buffer (its
         drain): a reader that does not read holds about one piece and the TLS
         layer's 64 KiB, not a copy of the whole answer (4 x 250 sockets that
-        asked for a 1,000-node /api/nodes and read nothing held 1.5 GiB when
+        asked for a 1,000-node /api/nodes and read nothing held 2.5 GiB when
         each answer was written whole); the request's deadline ends its wait."""
         response = web.StreamResponse(status=self.status, headers=self.headers)
         response.content_length = len(self.body)

@@ -85,7 +85,8 @@ def test_host_names(header: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("header", ["Bearer abc", "Basic", "Basic !!!", "Basic " + "YQ==", "Basic " + "A" * 5000,
-                                    "Basic " + "/w==" + "/w=="])  # fmt: skip
+                                    "Basic " + "/w==" + "/w==", "Basic é", "Basic \udcff\udcfe",
+                                    "Basic " + "/w=="])  # fmt: skip
 def test_malformed_basic_credentials(header: str) -> None:
     assert basic_credentials(header) is None
 
