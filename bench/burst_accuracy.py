@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sampler.backend import BackendChoice, BackendUnavailable  # noqa: E402
+from sampler.backend import BackendChoice  # noqa: E402
+from sampler.backend_unavailable import BackendUnavailable  # noqa: E402
 from sampler.proc_groups import ProcGroupSampler  # noqa: E402
 from sampler.selectors import GroupSelector, GroupWatch  # noqa: E402
 from sampler.window_sampler import WindowSampler  # noqa: E402

@@ -42,8 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fleet_control_plane import register_fleet  # noqa: E402
 from heartbeat_throughput import SECRET, free_port, gpu_node_heartbeat  # noqa: E402
 
-from nodesampler import raw_samples, tokens, wire  # noqa: E402
+import wire  # noqa: E402
+from controlplane import tokens  # noqa: E402
 from sampler.window import RateSeries  # noqa: E402
+from wire import raw as raw_samples  # noqa: E402
 
 INTERVAL_S = 5.0
 TICKS = os.sysconf("SC_CLK_TCK")

@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from aiohttp.test_utils import make_mocked_request  # noqa: E402
 from heartbeat_throughput import gpu_node_heartbeat  # noqa: E402
 
+import wire  # noqa: E402
 from controlplane import pages_api  # noqa: E402
 from controlplane.history import EmbeddedHistory  # noqa: E402
 from controlplane.registry import NodeRegistry  # noqa: E402
-from nodesampler import wire  # noqa: E402
 from tests.test_controlplane_api import registration  # noqa: E402
 from web.pages import add_pages, cluster_page, node_page  # noqa: E402
 

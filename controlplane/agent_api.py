@@ -18,13 +18,13 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+import wire
 from controlplane.history import EmbeddedHistory
 from controlplane.keys import AUTHENTICATOR, METRICS, RECORDER, REGISTRY
 from controlplane.live import LIVE, LiveSamples
 from controlplane.node_identity import Forbidden, NodeAuthenticator, Unauthenticated
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry, UnknownNode
-from nodesampler import wire
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A viewer opens `GET /node/NODE/live` (server-sent events) on the pages
 listener. From then until a minute after the last viewer of that node left
 (`linger_s`), the answer to each of the node's heartbeats asks for raw
 samples, and the agent adds its next windows' samples to its heartbeats
-(nodesampler/raw_samples.py): no new connection, no listener on the agent,
+(wire/raw.py): no new connection, no listener on the agent,
 and nothing sent while nobody watches.
 
 Each window's samples become one event, serialised once for all of the
@@ -118,7 +118,7 @@ class LiveSamples:
                 state.left_at = self.clock()
 
     def record(self, node: str, heartbeat: dict[str, Any], raw: dict[str, Any]) -> None:
-        """A heartbeat's raw samples (checked: nodesampler/raw_samples.py) as
+        """A heartbeat's raw samples (checked: wire/raw.py) as
         one event, kept and sent to the node's viewers."""
         state = self._nodes.get(node)
         if state is None or not self.wanted(node):

@@ -35,7 +35,8 @@ from typing import Any
 import aiohttp
 import jwt
 
-from nodesampler import tokens, wire
+import wire
+from controlplane import tokens
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from typing import Any
 
 from aiohttp import web
 
+import wire
 from controlplane.keys import REGISTRY
 from controlplane.registry import NodeRegistry, NodeState
-from nodesampler import wire
 
 log = logging.getLogger(__name__)
 

@@ -273,7 +273,8 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     kubelet=None,  # noqa: ANN001
     bpf_stats: bool = False,
 ):
-    from sampler.backend import BackendUnavailable, open_backend
+    from sampler.backend import open_backend
+    from sampler.backend_unavailable import BackendUnavailable
     from sampler.nvml import GpuReader
     from sampler.selectors import GroupSelector, GroupWatch
     from sampler.window_sampler import WindowSampler
@@ -316,7 +317,7 @@ def _close(sampler) -> None:  # type: ignore[no-untyped-def]
 def _print_bpf(proc: Path) -> int:
     """What the kernel backend compiles: its flags, from this kernel's BTF, and its source."""
     from sampler import bpf_sched, btf
-    from sampler.backend import BackendUnavailable
+    from sampler.backend_unavailable import BackendUnavailable
 
     try:
         flags = " ".join(bpf_sched.compile_flags(btf.task_offsets(), bpf_sched.read_pid_max(proc),
@@ -365,7 +366,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     import tempfile
 
     from controlplane.server import split_address
-    from nodesampler.tokens import node_token
+    from controlplane.tokens import node_token
     from sampler.agent import default_node
 
     try:
@@ -417,7 +418,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     import ssl
     import threading
 
-    from nodesampler import wire
+    import wire
     from sampler import host_view
     from sampler.agent import Agent, AgentFailed, ConfigError, ConfigFile, TokenFile, default_node
 
@@ -476,7 +477,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 def _authenticator(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from controlplane import node_identity as ni
-    from nodesampler.tokens import TokenError, read_secret
+    from controlplane.tokens import TokenError, read_secret
 
     if args.secret_file is None and args.k8s_jwks is None:
         _fail(EXIT_USAGE, "--secret-file or --k8s-jwks (or both) is needed: nodes must prove who they are")
@@ -601,7 +602,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    from nodesampler.tokens import TokenError, node_token, read_secret
+    from controlplane.tokens import TokenError, node_token, read_secret
 
     try:
         print(node_token(read_secret(args.secret_file), args.node))

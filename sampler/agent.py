@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import os
 import platform
@@ -28,11 +29,24 @@ from typing import Any
 
 import aiohttp
 
-from nodesampler import __version__, wire
+import wire
 from sampler.pods import LABEL_KEY
 from sampler.pods import METRICS_URL as POD_METRICS_URL
 from sampler.selectors import GroupSelector, GroupWatch
 from sampler.window_sampler import WindowSampler
+
+
+def _installed_version() -> str | None:
+    """The distribution's version, as installed: the agent sits below the
+    CLI's package and does not import it. None (not sent) when run from a
+    tree that is not installed."""
+    try:
+        return importlib.metadata.version("nodesampler")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+AGENT_VERSION = _installed_version()
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +331,7 @@ def registration_body(sampler: WindowSampler, node: str, hostname: str | None = 
         "node": node,
         "hostname": hostname or socket.gethostname(),
         "kernel": platform.release(),
-        "agent_version": __version__,
+        "agent_version": AGENT_VERSION,
         "backend": sampler.backend.name,
     }
     if sampler.backend.reason:

@@ -16,16 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from sampler.backend_unavailable import BackendUnavailable
 from sampler.proc_groups import GroupReading, ProcGroupSampler
 from sampler.selectors import GroupWatch, ProcessTable
 
 CHOICES = ("auto", "bpf", "proc")
 
 log = logging.getLogger(__name__)
-
-
-class BackendUnavailable(Exception):
-    """The backend asked for cannot run here; the message says why."""
 
 
 class GroupSampler(Protocol):

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from sampler import bpf_handoff, btf, procfs, tp_btf
-from sampler.backend import BackendUnavailable
+from sampler.backend_unavailable import BackendUnavailable
 from sampler.proc_groups import PAGE_SIZE, GroupReading, within_capacity
 from sampler.selectors import GroupWatch, ProcessTable
 

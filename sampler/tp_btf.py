@@ -21,7 +21,7 @@ import platform
 import resource
 from typing import Any
 
-from sampler import bpf_handoff
+from sampler import libbpf
 
 BPF_PROG_LOAD, BPF_RAW_TRACEPOINT_OPEN = 5, 17
 BPF_PROG_TYPE_TRACING, BPF_TRACE_RAW_TP = 26, 23
@@ -79,7 +79,7 @@ def bpf(cmd: int, attr: Any) -> int:
 def tracepoint_btf_id(tracepoint: str) -> int:
     """The kernel's BTF id of a tracepoint's typed arguments (btf_trace_<name>),
     or OSError where the kernel's BTF has no such tracepoint."""
-    lib = bpf_handoff.libbpf()
+    lib = libbpf.libbpf()
     try:
         find = lib.libbpf_find_vmlinux_btf_id
     except AttributeError:  # a libbpf older than 0.0.6

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from nodesampler import raw_samples, wire
+import wire
 from sampler.backend import BackendChoice, GroupSampler
 from sampler.cfs import CfsBandwidthReader
 from sampler.cgroup_view import host_cgroup_root
@@ -29,6 +29,7 @@ from sampler.proc_groups import USER_HZ, GroupReading
 from sampler.runqueue import RunQueueWaitSampler
 from sampler.selectors import GroupWatch, ProcessTable, busiest_groups, named_by_command, pod_watches
 from sampler.window import RateSeries
+from wire import raw as raw_samples
 
 BUSIEST_GROUPS = 5
 
@@ -245,7 +246,7 @@ class WindowSampler:
     def _raw(summary: dict[str, Any], first_from: float, machine: RateSeries, series_of: dict[int, RateSeries],
              gpu_samples: dict[int, tuple[np.ndarray, np.ndarray]], start_wall: float) -> dict[str, Any]:  # fmt: skip
         """The window's samples for a live viewer, as the summary counted them
-        (nodesampler/raw_samples.py): machine CPU, each sent shard's cores
+        (wire/raw.py): machine CPU, each sent shard's cores
         (by its id as sent), and the GPUs' NVML samples."""
         cpu = raw_samples.rate_series(first_from, *machine.samples(), digits=4)
         gpus = [(index, raw_samples.gpu_points(t_us / 1e6 - start_wall, v)) for index, (t_us, v) in

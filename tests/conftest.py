@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import pytest
 
-from sampler.backend import BackendUnavailable
+from sampler.backend_unavailable import BackendUnavailable
 from sampler.cfs import parse_cpu_stat
 from tests.workloads import PROC
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import wire
 from controlplane.registry import NodeRegistry
-from nodesampler import wire
 from tests.fakeproc import FakeClock
 
 GiB = 1024**3

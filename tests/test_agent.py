@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
-from controlplane import agent_api
+from controlplane import agent_api, tokens
 from controlplane.registry import NodeRegistry
-from nodesampler import tokens
 from sampler.agent import Agent, Backoff, ConfigError, ConfigFile, NewestSummary, parse_config
 from sampler.backend import BackendChoice
 from sampler.proc_groups import ProcGroupSampler

@@ -15,7 +15,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from nodesampler import cli, tokens
+from controlplane import tokens
+from nodesampler import cli
 from sampler import agent as agent_module
 from sampler.agent import Agent, AgentFailed
 from sampler.backend import BackendChoice

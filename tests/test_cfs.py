@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nodesampler import wire
+import wire
 from sampler import procfs
 from sampler.cfs import (
     CPU_STAT_READS,

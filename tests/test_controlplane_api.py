@@ -18,14 +18,14 @@ from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane import agent_api, pages_api
+import wire
+from controlplane import agent_api, pages_api, tokens
 from controlplane.exposition import FleetExposition
 from controlplane.history import EmbeddedHistory
 from controlplane.keys import METRICS
 from controlplane.live import LiveSamples
 from controlplane.node_identity import JwksSource, NodeAuthenticator, ServiceAccountRules, ServiceAccountVerifier
 from controlplane.registry import NodeRegistry, UnknownNode
-from nodesampler import tokens, wire
 from tests.fakeproc import FakeClock
 from tests.issuer import ISSUER, TestIssuer
 from web import pages

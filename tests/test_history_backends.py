@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+import wire
 from controlplane import pages_api
 from controlplane.history import ChartSpec, EmbeddedHistory, PrometheusHistory, Series
 from controlplane.registry import NodeRegistry
-from nodesampler import wire
 from tests.conftest import free_port
 from web.pages import add_pages
 

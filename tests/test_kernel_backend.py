@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from sampler import bpf_sched
-from sampler.backend import BackendChoice, BackendUnavailable, open_backend
+from sampler.backend import BackendChoice, open_backend
+from sampler.backend_unavailable import BackendUnavailable
 from sampler.proc_groups import ProcGroupSampler
 from sampler.selectors import GroupSelector, GroupWatch, ProcessTable
 from sampler.window_sampler import WindowSampler
@@ -474,7 +475,7 @@ def test_closing_the_backend_unloads_its_programs(bpf_groups_alone: bpf_sched.Bp
     import ctypes
     import errno
 
-    from sampler.bpf_handoff import libbpf
+    from sampler.libbpf import libbpf
 
     bpf_groups = bpf_groups_alone
     ids = program_ids(bpf_groups)
@@ -530,7 +531,7 @@ LOAD = """
 import logging, sys
 from pathlib import Path
 from sampler import bpf_sched
-from sampler.backend import BackendUnavailable
+from sampler.backend_unavailable import BackendUnavailable
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 try:
     bpf_sched.load(Path("/proc"), kernel_headers=sys.argv[1] or None).close()

@@ -1,4 +1,4 @@
-"""The live view (controlplane/live.py, nodesampler/raw_samples.py): raw
+"""The live view (controlplane/live.py, wire/raw.py): raw
 samples encoded as the summary counted them, fitted to the body, checked
 item by item, asked for only while someone watches, and streamed."""
 
@@ -22,16 +22,17 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import wire
 from controlplane import agent_api, pages_api
 from controlplane.live import BEHIND, MAX_BYTES_PER_NODE, MAX_VIEWERS_PER_PEER, VIEWER_QUEUE, LiveRefused, LiveSamples
 from controlplane.registry import NodeRegistry
-from nodesampler import raw_samples, wire
 from sampler.window import RateSeries
 from tests.agent_fleet import INTERVAL, Fleet, fresh_with_seq
 from tests.conftest import unavailable
 from tests.fakeproc import FakeClock
 from tests.test_controlplane_api import SECRET, Client, auth, heartbeat, post, registration
 from tests.workloads import busy_threads, start_group
+from wire import raw as raw_samples
 
 
 def p95_fits(series: dict[str, Any], p95: float) -> bool:

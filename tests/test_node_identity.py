@@ -13,6 +13,7 @@ import jwt
 import pytest
 from aiohttp import web
 
+from controlplane import tokens
 from controlplane.node_identity import (
     REFETCH_EVERY_S,
     REREAD_EVERY_S,
@@ -24,7 +25,6 @@ from controlplane.node_identity import (
     Unauthenticated,
     looks_like_jwt,
 )
-from nodesampler import tokens
 from tests.issuer import ISSUER, TestIssuer
 
 SECRET = b"a cluster secret of some length"

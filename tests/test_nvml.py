@@ -314,7 +314,7 @@ def test_engine_gpu_utilisation_absent_where_the_driver_lacks_it(readers: list[G
 
 
 def test_summary_carries_the_engine_gpu_utilisation(tmp_path: Path, readers: list[GpuReader]) -> None:
-    from nodesampler import wire
+    import wire
 
     nvml = h200_node(1)
     nvml.cards[0].processes = [(100, 7 * GiB)]

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+import wire
 from controlplane import pages_api
 from controlplane.history import ChartSpec, EmbeddedHistory, Series, promql
 from controlplane.registry import NodeRegistry
-from nodesampler import wire
 from tests.fakeclock_registry import fleet_registry
 from tests.fakeproc import FakeClock
 from web.charts import bin_columns, svg_chart

@@ -14,12 +14,12 @@ from unittest import mock
 import bcrypt
 import pytest
 
+import wire
 from controlplane import agent_api, pages_api, server
 from controlplane.history import ChartSpec, EmbeddedHistory
 from controlplane.page_access import PageAccess
 from controlplane.registry import NodeRegistry
 from controlplane.web_config import ReloadingWebConfig
-from nodesampler import wire
 from tests.test_controlplane_api import SECRET, auth, heartbeat, post, registration
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+import wire
 from controlplane.registry import NodeRegistry
 from controlplane.starvation import StarvationRules, judge, judge_heartbeat
-from nodesampler import wire
 
 RULES = StarvationRules(throttled_ratio=0.25, wait_ratio=0.5, min_wait=0.05, gpu_utilization=0.5)
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
+import wire
 from controlplane.starvation import StarvationRules, judge_heartbeat
-from nodesampler import wire
 from sampler import bpf_sched
 from sampler.backend import BackendChoice
 from sampler.selectors import GroupSelector, GroupWatch

@@ -18,11 +18,10 @@ import pytest
 from aiohttp import web
 from cryptography import x509
 
-from controlplane import agent_api
+from controlplane import agent_api, tokens
 from controlplane.node_identity import JwksSource, NodeAuthenticator, ServiceAccountRules, ServiceAccountVerifier
 from controlplane.registry import NodeRegistry
 from controlplane.tls_files import ReloadingServerTLS, TlsSettings
-from nodesampler import tokens
 from sampler.agent import ConfigFile, DeliveryError, HeartbeatClient, TokenFile
 from sampler.machine import MachineGaugeReader
 from tests.certs import TestCA

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from nodesampler import wire
-from nodesampler.wire import Dropped, Field, Json, WireError, integer, items, name, number, obj
+from wire.checks import Dropped, Field, Json, WireError, integer, items, name, number, obj
+from wire.limits import MAX_BODY_BYTES, MAX_CORES, MAX_GPUS, MAX_SHARDS
 
 MAX_RAW_SAMPLES = 20_000  # one series: 1000 Hz for 20 s
 MAX_SAMPLE_US = 3_600_000_000  # one sample: an hour
@@ -50,7 +50,7 @@ def fit_raw(summary_bytes: int, machine: Json | None, gpus: Iterable[tuple[int, 
     """The raw block for a heartbeat whose summary takes `summary_bytes`:
     the machine's series, the GPUs', then each shard's while the body stays
     within its limit; `shards_left_out` counts the rest."""
-    room = wire.MAX_BODY_BYTES - summary_bytes - BODY_ROOM
+    room = MAX_BODY_BYTES - summary_bytes - BODY_ROOM
     out: Json = {}
     if machine is not None:
         out["machine"] = {"cpu_percent": machine}
@@ -144,13 +144,13 @@ def parse_raw(value: Any, shard_ids: set[str], dropped: Dropped | None) -> Json 
     ):
         out["machine"] = {"cpu_percent": cpu}
     out["shards"], seen = [], set[str]()
-    for i, entry in enumerate(_kept(dropped, items, r.get("shards", []), ("raw", "shards"), wire.MAX_SHARDS) or []):
+    for i, entry in enumerate(_kept(dropped, items, r.get("shards", []), ("raw", "shards"), MAX_SHARDS) or []):
         shard = _kept(dropped, _raw_shard, entry, ("raw", "shards", i), shard_ids, seen)
         if shard is not None:
             seen.add(shard["id"])
             out["shards"].append(shard)
     out["gpus"], indices = [], set[int]()
-    for i, entry in enumerate(_kept(dropped, items, r.get("gpus", []), ("raw", "gpus"), wire.MAX_GPUS) or []):
+    for i, entry in enumerate(_kept(dropped, items, r.get("gpus", []), ("raw", "gpus"), MAX_GPUS) or []):
         gpu = _kept(dropped, _raw_gpu, entry, ("raw", "gpus", i), indices)
         if gpu is not None:
             indices.add(gpu["index"])
@@ -169,7 +169,7 @@ def _raw_shard(value: Any, field: Field, shard_ids: set[str], seen: set[str]) ->
         raise WireError((field, "id"), "no such shard in this heartbeat")
     if sid in seen:
         raise WireError((field, "id"), "a shard's raw samples twice")
-    return {"id": sid, "cpu_cores": _series(s.get("cpu_cores"), (field, "cpu_cores"), wire.MAX_CORES)}
+    return {"id": sid, "cpu_cores": _series(s.get("cpu_cores"), (field, "cpu_cores"), MAX_CORES)}
 
 
 def _raw_gpu(value: Any, field: Field, indices: set[int]) -> Json:

@@ -13,7 +13,7 @@ import hashlib
 import hmac
 from pathlib import Path
 
-from nodesampler.wire import NODE_ID
+from wire.limits import NODE_ID
 
 CONTEXT = b"nodesampler node token v1:"
 MIN_SECRET_BYTES = 16

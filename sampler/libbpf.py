@@ -1,0 +1,60 @@
+"""libbpf, the C library bcc is built on (a few hundred KiB), through ctypes:
+what the agent reads the kernel programs' maps with once they run, without
+bcc's compiler in the process (sampler/bpf_handoff.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from sampler.backend_unavailable import BackendUnavailable
+
+
+@dataclass
+class BpfMap:
+    """One map of the loaded programs, read by its descriptor through libbpf."""
+
+    name: str
+    fd: int
+    value_size: int  # one CPU's value for a per-CPU map
+    percpu: bool
+    _lib: Any = field(default=None, repr=False)
+    _key: ctypes.c_uint32 = field(default_factory=ctypes.c_uint32, repr=False)
+    _value: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._lib = libbpf()
+        cpus = self._lib.libbpf_num_possible_cpus() if self.percpu else 1
+        # The kernel lays per-CPU values out at 8-byte strides, one per possible CPU.
+        stride = (self.value_size + 7) // 8 * 8 if self.percpu else self.value_size
+        self._value = ctypes.create_string_buffer(stride * cpus)
+
+    def lookup(self, key: int) -> bytes:
+        """The value at an array index (every CPU's, for a per-CPU map)."""
+        self._key.value = key
+        if self._lib.bpf_map_lookup_elem(self.fd, ctypes.byref(self._key), self._value) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"reading {self.name}[{key}]: {os.strerror(err)}")
+        return bytes(self._value.raw)
+
+
+_libbpf: Any = None
+
+
+def libbpf() -> Any:
+    """libbpf, as bcc's own packages bring it (Debian's libbpf1)."""
+    global _libbpf
+    if _libbpf is None:
+        name = ctypes.util.find_library("bpf") or "libbpf.so.1"
+        try:
+            lib = ctypes.CDLL(name, use_errno=True)
+        except OSError as e:
+            raise BackendUnavailable(f"libbpf is not installed ({e}); install libbpf1") from None
+        lib.bpf_map_lookup_elem.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        lib.bpf_map_lookup_elem.restype = ctypes.c_int
+        lib.libbpf_num_possible_cpus.restype = ctypes.c_int
+        _libbpf = lib
+    return _libbpf
