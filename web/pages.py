@@ -19,12 +19,12 @@ import aiohttp
 import jinja2
 from aiohttp import web
 
+import wire
 from controlplane.history import ChartSpec, EmbeddedHistory, History, HistoryError, PrometheusHistory, Series
 from controlplane.keys import REGISTRY
 from controlplane.live import LIVE
 from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
 from controlplane.registry import NodeRegistry, NodeState
-from nodesampler import wire
 from web.charts import columns, format_value, svg_chart
 
 HISTORY = web.AppKey("history", object)  # a History (embedded or Prometheus)
