@@ -31,7 +31,7 @@ def imports(known: dict[str, Path]) -> dict[str, set[str]]:
     a module, else a (the package's own names)."""
     graph: dict[str, set[str]] = {}
     for module, path in known.items():
-        found = set()
+        found: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)

@@ -95,18 +95,19 @@ fi
 # prometheus-client is the agent's own parser for engines' metrics).
 venv=/opt/nodesampler/venv
 [ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages --without-pip "$venv"
-# google-re2 (selectors' regexes) is no Debian package: from wheels given in
-# NODESAMPLER_WHEELS (vagrant/run-tests.sh downloads them), else from PyPI.
-if ! "$venv/bin/python" -c 'import re2' 2>/dev/null; then
+# google-re2 (selectors' regexes) and msgspec (the wire's schema) are no Debian
+# packages: from wheels given in NODESAMPLER_WHEELS (vagrant/run-tests.sh
+# downloads them), else from PyPI.
+if ! "$venv/bin/python" -c 'import re2, msgspec' 2>/dev/null; then
     if [ -n "${NODESAMPLER_WHEELS:-}" ]; then
         PIP_CERT= PIP_FIND_LINKS= "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-            --no-index --find-links "$NODESAMPLER_WHEELS" google-re2
+            --no-index --find-links "$NODESAMPLER_WHEELS" google-re2 msgspec
     else
-        PIP_CERT= "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps google-re2  # pip's own CAs
+        PIP_CERT= "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps google-re2 msgspec  # pip's own CAs
     fi
 fi
 if [ "$project" = 1 ]; then
     src=${NODESAMPLER_SRC:-/vagrant}
     "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation --no-index -e "$src"
 fi
-"$venv/bin/python" -c 'import bcc, numpy, prometheus_client, pytest, re2' && echo "provision: ready for kernel $kernel"
+"$venv/bin/python" -c 'import bcc, msgspec, numpy, prometheus_client, pytest, re2' && echo "provision: ready for kernel $kernel"

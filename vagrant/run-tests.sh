@@ -53,16 +53,17 @@ fi
 
 packages=$(sh vagrant/provision.sh --packages)
 # What the guests need that Debian does not package: google-re2 (the agent's
-# selector regexes), at the image's pin, as wheels for every Python the guests'
-# userlands have, downloaded here (the guest has no network, and its minimal
-# root no CA bundle): each image's build installs the one its Python takes.
-wheels_pin=$(grep -E '^google-re2==' deploy/image-requirements.txt)
+# selector regexes) and msgspec (the wire's schema), at the image's pins, as
+# wheels for every Python the guests' userlands have, downloaded here (the
+# guest has no network, and its minimal root no CA bundle): each image's build
+# installs the ones its Python takes.
+wheels_pin=$(grep -E '^(google-re2|msgspec)==' deploy/image-requirements.txt | tr '\n' ' ')
 wheels="$cache/wheels-$(echo "$wheels_pin" | sha256sum | cut -c1-12)"
 if [ ! -e "$wheels/.complete" ]; then
     rm -rf "$wheels" && mkdir -p "$wheels"
     for py in 3.11 3.12 3.13 3.14; do
         "$root/.venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-            --python-version "$py" --platform manylinux_2_28_x86_64 -d "$wheels" "$wheels_pin" \
+            --python-version "$py" --platform manylinux_2_28_x86_64 -d "$wheels" $wheels_pin \
             || echo "vm-test: no $wheels_pin wheel for Python $py" >&2
     done
     touch "$wheels/.complete"
