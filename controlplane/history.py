@@ -102,25 +102,41 @@ class _NodeRing:
 
     def __post_init__(self) -> None:
         self.t = np.full(self.capacity, np.nan)
-        self.values = np.full((16, self.capacity), np.nan, dtype=np.float32)
+        # Rows are made as series come, the first heartbeat's all at once, and
+        # slots as heartbeats come, doubling until the hour is held: a node's
+        # first heartbeat made a whole hour of every series (230 KiB for 8 GPUs
+        # and 4 engines, touched page by page), which took 64% of the control
+        # plane's time while a restarted fleet's nodes came back
+        # (bench/heartbeat_throughput.py --fresh). A row is NaN as a series
+        # takes it; slots no heartbeat has written are never read (`slots`).
+        self.values = np.empty((0, 0), dtype=np.float32)
 
     def record(self, at: float, hb: Json) -> None:
         slot = self.n % self.capacity
-        self.values[:, slot] = np.nan
-        self.t[slot] = at
-        for family, labels, value in series_of(hb):
-            key = (family, labels)
-            col = self.columns.get(key)
-            if col is None:
-                col = self._take_row()
-                if col is None:  # as many series, all with a value in the hour: this one waits
+        if slot >= self.values.shape[1]:
+            self._resize(self.values.shape[0], min(self.capacity, max(8, 2 * self.values.shape[1])))
+        series = series_of(hb)
+        columns = self.columns
+        rows, values = [], []
+        for family, labels, value in series:
+            row = columns.get((family, labels))
+            if row is None:
+                row = self._take_row(len(series))
+                if row is None:  # as many series, all with a value in the hour: this one waits
                     continue
-                self.columns[key] = col
-                self.families.setdefault(family, []).append((dict(labels, node=self.node), col))
-            self.values[col, slot] = value
+                self.values[row] = np.nan  # not measured at the heartbeats held before it came
+                columns[(family, labels)] = row
+                self.families.setdefault(family, []).append((dict(labels, node=self.node), row))
+            rows.append(row)
+            values.append(value)
+        self.values[:, slot] = np.nan
+        self.values[rows, slot] = values  # one write: a heartbeat's 80 series took 80 numpy item writes
+        self.t[slot] = at
         self.n += 1
 
-    def _take_row(self) -> int | None:
+    def _take_row(self, wanted: int) -> int | None:
+        """A row for a new series; `wanted`, the heartbeat's series, sizes the
+        first allocation."""
         used = len(self.columns) + len(self.free)  # every row taken is a series' or free again
         if not self.free and used >= MAX_SERIES_PER_NODE and self.swept_at != self.n:
             self.swept_at = self.n  # at most one look a heartbeat
@@ -130,16 +146,20 @@ class _NodeRing:
         if used >= MAX_SERIES_PER_NODE:
             return None
         if used >= self.values.shape[0]:
-            grown = np.full((min(MAX_SERIES_PER_NODE, 2 * self.values.shape[0]), self.capacity), np.nan,
-                            dtype=np.float32)  # fmt: skip
-            grown[: self.values.shape[0]] = self.values
-            self.values = grown
+            self._resize(min(MAX_SERIES_PER_NODE, max(2 * self.values.shape[0], wanted)), self.values.shape[1])
         return used
 
+    def _resize(self, rows: int, slots: int) -> None:
+        grown = np.empty((rows, slots), dtype=np.float32)
+        kept_rows, kept_slots = min(rows, self.values.shape[0]), min(slots, self.values.shape[1])
+        grown[:kept_rows, :kept_slots] = self.values[:kept_rows, :kept_slots]
+        self.values = grown
+
     def _give_up_unused(self) -> None:
-        """Series with no value in the whole ring (an engine gone for the hour,
+        """Series with no value in the hour held (an engine gone for the hour,
         a card removed) give their rows up to new ones: evicted, not refused."""
-        unused = np.isnan(self.values).all(axis=1)
+        held, _ = self.slots()
+        unused = np.isnan(self.values[:, held]).all(axis=1)
         gone = {col for col in self.columns.values() if unused[col]}
         if not gone:
             return

@@ -224,16 +224,28 @@ FAMILY_NAMES = frozenset(f.name for f in FAMILIES)
 
 class SeriesLabels:
     """Label sets as sorted-by-use (name, value) tuples, the node's left out
-    (the history keeps each node apart): what `series_of` yields."""
+    (the history keeps each node apart): what `series_of` yields. One maker
+    a heartbeat: a shard's or GPU's labels are made once, not once a family
+    (ten families of a shard made its labels ten times)."""
 
     base: tuple[tuple[str, str], ...] = ()
 
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[tuple[str, str], ...]] = {}
+
     def shard(self, s: Json) -> tuple[tuple[str, str], ...]:
-        labels = (("model", s.get("model") or ""), ("replica", s.get("replica") or ""), ("shard", s["id"]))
-        return labels + tuple((k, s[k]) for k in ("namespace", "pod", "container") if s.get(k) is not None)
+        labels = self._made.get(id(s))
+        if labels is None:
+            labels = (("model", s.get("model") or ""), ("replica", s.get("replica") or ""), ("shard", s["id"]))
+            labels += tuple((k, s[k]) for k in ("namespace", "pod", "container") if s.get(k) is not None)
+            self._made[id(s)] = labels
+        return labels
 
     def gpu(self, g: Json) -> tuple[tuple[str, str], ...]:
-        return (("gpu", str(g["index"])), ("gpu_model", g.get("name") or ""))
+        labels = self._made.get(id(g))
+        if labels is None:
+            labels = self._made[id(g)] = (("gpu", str(g["index"])), ("gpu_model", g.get("name") or ""))
+        return labels
 
     def mount(self, mount: str) -> tuple[tuple[str, str], ...]:
         return (("mount", mount),)
@@ -242,12 +254,10 @@ class SeriesLabels:
         return labels + pairs
 
 
-_SERIES_LABELS = SeriesLabels()
 _CHARTED_FAMILIES = tuple(f for f in FAMILIES if f.charted)
 
 
-def series_of(hb: Json) -> Iterator[tuple[str, tuple[tuple[str, str], ...], float | int]]:
+def series_of(hb: Json) -> list[tuple[str, tuple[tuple[str, str], ...], float | int]]:
     """A heartbeat as (family, labels, value) for the families the history keeps."""
-    for family in _CHARTED_FAMILIES:
-        for labels, value in family.samples(_SERIES_LABELS, hb):
-            yield family.name, labels, value
+    labels = SeriesLabels()  # the heartbeat's shards and GPUs live while it does: their ids are its
+    return [(family.name, made, value) for family in _CHARTED_FAMILIES for made, value in family.samples(labels, hb)]

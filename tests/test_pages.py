@@ -235,6 +235,25 @@ def test_history_is_bounded_per_node() -> None:
     assert len(s.v) == h.capacity == 13 and s.v[-1] == 999.0 and s.v[0] == 987.0
 
 
+def test_history_grows_with_what_comes_and_a_late_series_is_absent_before_it_came() -> None:
+    """A node's ring is made as heartbeats and series come (a restarted
+    fleet's first heartbeats cost a few slots, not an hour): every figure
+    read back is the one recorded, and a series that came late, after the
+    ring wrapped, is absent (NaN) at the heartbeats held before it."""
+    h = EmbeddedHistory(interval=5, span=60)  # 13 slots
+    h.record("n1", {"machine": {"cpu_percent": {"mean": 0.0}}}, at=0.0)
+    assert h._nodes["n1"].values.shape == (1, 8)  # one series, a few slots
+    for i in range(1, 40):
+        hb: dict[str, Any] = {"machine": {"cpu_percent": {"mean": float(i)}}}
+        if i >= 30:  # an engine starts after the ring has wrapped twice
+            hb["shards"] = [{"id": "late", "cpu_cores": {"mean": i / 10, "max": 1.0}}]
+        h.record("n1", hb, at=5.0 * i)
+    [cpu] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 1000, 1.0)
+    assert cpu.t.tolist() == [5.0 * i for i in range(27, 40)] and cpu.v.tolist() == [float(i) for i in range(27, 40)]
+    [late] = h.query_now(ChartSpec("llmgw_shard_cpu_cores", (("node", "n1"),)), 0, 1000, 1.0)
+    assert np.isnan(late.v[:3]).all() and late.v[3:].tolist() == pytest.approx([i / 10 for i in range(30, 40)])
+
+
 def test_promql_is_built_not_parsed() -> None:
     spec = ChartSpec("llmgw_shard_cpu_cores", (("node", 'n"1\\'),), ("model",), "avg")
     assert promql(spec) == 'avg by (model) (llmgw_shard_cpu_cores{node="n\\"1\\\\"})'
