@@ -11,6 +11,7 @@ a body over the limit; 429 a node sending faster than `HEARTBEAT_RATE`.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -191,7 +192,13 @@ def _answer(request: web.Request, node: str, body: dict[str, object], dropped: w
             counter.labels(field).inc()
             _left_out.log(f"{d['field']}: {d['reason']}", "from", node, f"({field})")
         body["dropped"] = dropped[:100]
+    if body == _OK:  # most answers: written once, not encoded at each
+        return web.Response(body=_OK_BYTES, content_type="application/json")
     return web.json_response(body)
+
+
+_OK: dict[str, object] = {"ok": True}
+_OK_BYTES = json.dumps(_OK).encode()
 
 
 async def register(request: web.Request) -> web.Response:
