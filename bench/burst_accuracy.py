@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sampler.backend import BackendChoice  # noqa: E402
 from sampler.backend_unavailable import BackendUnavailable  # noqa: E402
-from sampler.proc_groups import ProcGroupSampler  # noqa: E402
-from sampler.selectors import GroupSelector, GroupWatch  # noqa: E402
+from sampler.proc_shards import ProcShardSampler  # noqa: E402
+from sampler.selectors import Selector, ShardSpec  # noqa: E402
 from sampler.window_sampler import WindowSampler  # noqa: E402
 from tests.workloads import BURST_PERIOD_S, BURST_THREE, HALF_OF_20MS, PROC, process_cpu_seconds, start_group  # noqa: E402
 
@@ -41,7 +41,7 @@ WORKLOADS = (("half", HALF_OF_20MS, 1, 1.0, 0.010), ("burst3", BURST_THREE, 3, 3
 
 def measure(groups, backend: str, pgid: int, hz: float, window: float) -> tuple[dict[str, float], float]:  # type: ignore[no-untyped-def]
     ws = WindowSampler(PROC, BackendChoice(backend, None), groups,
-                       [GroupWatch("w", GroupSelector.parse(f"pgid:{pgid}"))], hz=hz, node="bench")  # fmt: skip
+                       [ShardSpec("w", Selector.parse(f"pgid:{pgid}"))], hz=hz, node="bench")  # fmt: skip
     ws.prime(0)
     before = process_cpu_seconds(pgid)
     t0 = time.monotonic()
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--rates", default="10,50,100,200,500,1000")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    backends: list[tuple[str, object]] = [("proc", ProcGroupSampler(PROC))]
+    backends: list[tuple[str, object]] = [("proc", ProcShardSampler(PROC))]
     try:
         from sampler import bpf_sched
 

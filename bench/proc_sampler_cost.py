@@ -1,7 +1,7 @@
 """What the /proc backend costs at 10 Hz as the machine's process count grows.
 
 For 500, 2,000 and 5,000 processes on the machine (sleepers spawned here) and
-one watched group of 20 processes, measures in the same run:
+one shard of 20 processes, measures in the same run:
 - the sampler: CPU time this process spends running windows of the real
   `WindowSampler` (one /proc walk per window, the watched members at every
   sample), as a share of one core;
@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sampler.backend import BackendChoice
-from sampler.proc_groups import ProcGroupSampler
-from sampler.selectors import GroupSelector, GroupWatch, ProcessTable
+from sampler.proc_shards import ProcShardSampler
+from sampler.selectors import ProcessTable, Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
 
 PROC = Path("/proc")
@@ -67,8 +67,8 @@ def process_count() -> int:
 
 
 def sampler_share(pgid: int, windows: int, interval: float) -> list[float]:
-    watches = [GroupWatch("g", GroupSelector.parse(f"pgid:{pgid}"))]
-    s = WindowSampler(PROC, BackendChoice("proc", None), ProcGroupSampler(PROC), watches, hz=HZ)
+    specs = [ShardSpec("g", Selector.parse(f"pgid:{pgid}"))]
+    s = WindowSampler(PROC, BackendChoice("proc", None), ProcShardSampler(PROC), specs, hz=HZ)
     s.prime(0)
     shares = []
     for _ in range(windows):
@@ -124,7 +124,7 @@ def main() -> None:
 
     watched = spawn(19)  # a leader and 19 workers: a group of 20
     base = process_count()
-    print(f"10 Hz, windows of {args.interval:g} s, one watched group of 20 processes; {base} processes before sleepers")
+    print(f"10 Hz, windows of {args.interval:g} s, one shard of 20 processes; {base} processes before sleepers")
     print(f"{'processes':>9}  {'sampler (share of a core)':<34} {'naive walk at 10 Hz':<34} "
           f"{'sampler walk at 10 Hz':<34} naive/sampler")
     try:

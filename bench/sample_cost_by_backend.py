@@ -1,8 +1,8 @@
 """The CPU cost of one sample, by backend, as the machine's process count grows.
 
 For 500, 2,000 and 5,000 processes on the machine (sleepers spawned here) and
-one watched group of 20 processes, measures in the same run the CPU time of:
-- one kernel-backend sample (one per-CPU counter per watched group);
+one shard of 20 processes, measures in the same run the CPU time of:
+- one kernel-backend sample (one per-CPU counter per shard);
 - one /proc-backend sample (the group's members' /proc/<pid>/stat);
 - one full walk of /proc (what a sample costs when every process is read).
 
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proc_sampler_cost import naive_walk, process_count, settle, spawn, stop  # noqa: E402
 
 from sampler import bpf_sched  # noqa: E402
-from sampler.proc_groups import ProcGroupSampler  # noqa: E402
-from sampler.selectors import GroupSelector, GroupWatch, ProcessTable  # noqa: E402
+from sampler.proc_shards import ProcShardSampler  # noqa: E402
+from sampler.selectors import ProcessTable, Selector, ShardSpec  # noqa: E402
 
 PROC = Path("/proc")
 
@@ -53,11 +53,11 @@ def main() -> None:
     args = ap.parse_args()
 
     bpf = bpf_sched.load(PROC)
-    proc = ProcGroupSampler(PROC)
+    proc = ProcShardSampler(PROC)
     watched = spawn(19)
     base = process_count()
-    watch = [GroupWatch("g", GroupSelector.parse(f"pgid:{watched.pid}"))]
-    print(f"one watched group of 20 processes; {base} processes before sleepers; CPU time per call")
+    spec = [ShardSpec("g", Selector.parse(f"pgid:{watched.pid}"))]
+    print(f"one shard of 20 processes; {base} processes before sleepers; CPU time per call")
     print(f"{'processes':>9}  {'kernel backend':<28} {'/proc backend':<28} {'full /proc walk':<28} "
           f"{'walk/kernel':>11} {'proc/kernel':>11}")  # fmt: skip
     try:
@@ -66,7 +66,7 @@ def main() -> None:
             try:
                 table = ProcessTable.walk(PROC)
                 for g in (bpf, proc):
-                    g.discover(watch, table)
+                    g.discover(spec, table)
                     g.sample()
                 k = per_call_us(bpf.sample, 100, args.rounds)
                 p = per_call_us(proc.sample, 100, args.rounds)

@@ -5,7 +5,7 @@ fast as the machine can. Measured in the same run:
 - the cost of one switch, from the ping-pong's own timing, programs unloaded;
 - the programs' run time per switch, from the kernel's BPF statistics
   (run_time_ns / run count, via each program's fdinfo while BPF_ENABLE_STATS
-  is held), with the ping-pong outside any watched group and inside one,
+  is held), with the ping-pong outside any shard and inside one,
   with sched_switch attached as tp_btf (the default) and as a raw
   tracepoint (the fallback), each run in turn;
 - that as a share of one switch;
@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 from sampler import bpf_sched
-from sampler.selectors import GroupSelector, GroupWatch, ProcessTable
+from sampler.selectors import ProcessTable, Selector, ShardSpec
 
 PROC = Path("/proc")
 SOURCE = Path(__file__).resolve().parent / "pingpong.c"
@@ -63,7 +63,7 @@ def pingpong(exe: Path, trips: int, groups: bpf_sched.BpfGroupSampler | None = N
                          stdout=subprocess.PIPE, text=True, process_group=0)  # fmt: skip
     assert p.stdin is not None and p.stdout is not None
     if groups is not None:
-        groups.discover([GroupWatch("pp", GroupSelector.parse(f"pgid:{p.pid}"))], ProcessTable.walk(PROC))
+        groups.discover([ShardSpec("pp", Selector.parse(f"pgid:{p.pid}"))], ProcessTable.walk(PROC))
     p.stdin.write("go\n")
     p.stdin.close()
     switches, ns = p.stdout.read().split()
@@ -193,7 +193,7 @@ def main() -> None:
               f"{100 * (e - switch_ns) / switch_ns:+.1f}%")  # fmt: skip
         for watched in (False, True):
             cost, loaded = costs[raw, watched], outside[raw, watched]
-            label = "ping-pong in a watched group" if watched else "ping-pong not watched"
+            label = "ping-pong in a shard" if watched else "ping-pong not watched"
             c, o = statistics.median(cost), statistics.median(loaded)
             print(f"  {label:<30} programs' run time per switch {c:4.0f} ns ({min(cost):.0f}..{max(cost):.0f}) "
                   f"= {100 * c / switch_ns:4.1f}% of a switch; above the floor {c - floor:4.0f} ns "

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from controlplane.registry import NodeRegistry, NodeState
-from controlplane.series import FAMILIES
+from controlplane.series import FAMILIES, NodeStatus
 
 log = logging.getLogger(__name__)
 
@@ -139,28 +139,21 @@ class FleetExposition:
             fresh = state.fresh(now, stale_after)
             labels = self._node_labels(state)
             labels.turn(now)
-            nodes.append((state, labels, fresh))
+            nodes.append((state, labels, fresh, NodeStatus(fresh, state.age(now))))
         # Nodes that are gone leave the cache with the registry.
         if len(self._labels) > len(nodes):
-            known = {s.node for s, _, _ in nodes}
+            known = {s.node for s, _, _, _ in nodes}
             self._labels = {k: v for k, v in self._labels.items() if k in known}
 
         out: list[str] = []
         for family in FAMILIES:
             out.append(f"# HELP {family.name} {family.help}\n# TYPE {family.name} {family.type}\n")
             name = family.name
-            if family.name == "llmgw_node_up":
-                out.extend(f"{name}{{{labels.base}}} {1 if fresh else 0}\n" for _, labels, fresh in nodes)
+            if (of_status := family.status) is not None:  # every node's, stale or not
+                for _, labels, _, status in nodes:
+                    out.extend(f"{name}{{{ls}}} {fmt(v)}\n" for ls, v in of_status(labels, status))
                 continue
-            if family.name == "llmgw_node_info":
-                out.extend(f"{name}{{{labels.info}}} 1\n" for _, labels, _ in nodes)
-                continue
-            if family.name == "llmgw_node_sample_age_seconds":
-                for state, labels, _ in nodes:
-                    if (age := state.age(now)) is not None:
-                        out.append(f"{name}{{{labels.base}}} {fmt(round(age, 3))}\n")
-                continue
-            for state, labels, fresh in nodes:
+            for state, labels, fresh, _ in nodes:
                 if not fresh or state.heartbeat is None:
                     continue
                 try:

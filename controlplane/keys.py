@@ -3,7 +3,7 @@
 from aiohttp import web
 
 from controlplane.exposition import FleetExposition
-from controlplane.history import EmbeddedHistory
+from controlplane.history import EmbeddedHistory, History
 from controlplane.node_identity import NodeAuthenticator
 from controlplane.own_metrics import ControlPlaneMetrics
 from controlplane.registry import NodeRegistry
@@ -13,3 +13,5 @@ AUTHENTICATOR = web.AppKey("authenticator", NodeAuthenticator)
 METRICS = web.AppKey("metrics", ControlPlaneMetrics)
 EXPOSITION = web.AppKey("exposition", FleetExposition)
 RECORDER = web.AppKey("recorder", EmbeddedHistory)  # the embedded history, fed by heartbeats
+# What the pages' charts read: the embedded history (the same object as RECORDER), or Prometheus.
+HISTORY = web.AppKey("history", History)

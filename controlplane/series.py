@@ -23,6 +23,7 @@ Sample = tuple[Any, float | int]  # (a label set as the maker writes it, value)
 
 class LabelMaker(Protocol):
     base: Any  # the node's labels
+    info: Any  # the node's labels and its identity (host name, kernel, agent version, backend)
 
     def shard(self, s: Json) -> Any: ...
     def gpu(self, g: Json) -> Any: ...
@@ -30,16 +31,14 @@ class LabelMaker(Protocol):
     def more(self, labels: Any, *pairs: tuple[str, str]) -> Any: ...
 
 
-# The families the embedded history keeps: what the pages chart.
-CHARTED = frozenset({
-    "llmgw_node_cpus", "llmgw_node_cpu_utilization_percent", "llmgw_node_cpu_utilization_p95_percent",
-    "llmgw_node_cpu_utilization_max_percent", "llmgw_node_memory_bytes", "llmgw_node_memory_used_bytes",
-    "llmgw_node_load", "llmgw_shard_cpu_cores", "llmgw_shard_cpu_cores_max", "llmgw_shard_memory_bytes",
-    "llmgw_shard_gpu_memory_bytes", "llmgw_shard_requests_waiting", "llmgw_shard_requests_running",
-    "llmgw_shard_kv_cache_usage_ratio", "llmgw_shard_runqueue_wait_seconds",
-    "llmgw_shard_runqueue_wait_per_slice_seconds", "llmgw_gpu_utilization_percent", "llmgw_gpu_memory_used_bytes",
-    "llmgw_gpu_memory_total_bytes", "llmgw_gpu_temperature_celsius", "llmgw_gpu_power_watts",
-})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """What the control plane knows of a node besides its last heartbeat."""
+
+    fresh: bool
+    age: float | None  # seconds since its last heartbeat arrived; None before the first
 
 
 @dataclass(frozen=True)
@@ -48,11 +47,10 @@ class Family:
     type: str
     help: str
     samples: Callable[[LabelMaker, Json], Iterator[Sample]]
-    stale_too: bool = False  # shown for stale nodes (identity and freshness, not measurements)
-
-    @property
-    def charted(self) -> bool:
-        return self.name in CHARTED
+    # A family of the node's status, not of its heartbeat (identity and
+    # freshness): made from this instead of `samples`, for stale nodes too.
+    status: Callable[[LabelMaker, NodeStatus], Iterator[Sample]] | None = None
+    charted: bool = False  # kept by the embedded history: what the pages chart
 
 
 def _machine(key: str, *path: str) -> Callable[[LabelMaker, Json], Iterator[Sample]]:
@@ -133,27 +131,40 @@ def _never(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
     return iter(())
 
 
+def _up(labels: LabelMaker, status: NodeStatus) -> Iterator[Sample]:
+    yield labels.base, 1 if status.fresh else 0
+
+
+def _info(labels: LabelMaker, status: NodeStatus) -> Iterator[Sample]:
+    yield labels.info, 1
+
+
+def _age(labels: LabelMaker, status: NodeStatus) -> Iterator[Sample]:
+    if status.age is not None:
+        yield labels.base, round(status.age, 3)
+
+
 FAMILIES: tuple[Family, ...] = (
-    Family("llmgw_node_up", "gauge", "1 if the node's last heartbeat is fresh, 0 if stale", _never, True),
-    Family("llmgw_node_info", "gauge", "The node's identity: host name, kernel, agent version, backend", _never, True),
-    Family("llmgw_node_sample_age_seconds", "gauge", "Seconds since the node's last heartbeat arrived", _never, True),
-    Family("llmgw_node_cpus", "gauge", "Online CPUs", _machine("cpus")),
+    Family("llmgw_node_up", "gauge", "1 if the node's last heartbeat is fresh, 0 if stale", _never, _up),
+    Family("llmgw_node_info", "gauge", "The node's identity: host name, kernel, agent version, backend", _never, _info),
+    Family("llmgw_node_sample_age_seconds", "gauge", "Seconds since the node's last heartbeat arrived", _never, _age),
+    Family("llmgw_node_cpus", "gauge", "Online CPUs", _machine("cpus"), charted=True),
     Family("llmgw_node_shards_left_out", "gauge",
            "Engines of the node not exported: beyond the wire's or the control plane's cap (the busiest are kept)",
            _left_out),
     Family("llmgw_node_cpu_utilization_percent", "gauge", "CPU utilisation of all cores, the window's mean",
-           _machine("cpu_percent", "mean")),
+           _machine("cpu_percent", "mean"), charted=True),
     Family("llmgw_node_cpu_utilization_p95_percent", "gauge", "CPU utilisation, p95 of the window's samples",
-           _machine("cpu_percent", "p95")),
+           _machine("cpu_percent", "p95"), charted=True),
     Family("llmgw_node_cpu_utilization_max_percent", "gauge", "CPU utilisation, max of the window's samples",
-           _machine("cpu_percent", "max")),
+           _machine("cpu_percent", "max"), charted=True),
     Family("llmgw_node_cpu_steal_percent", "gauge",
            "Share of the CPUs' time the hypervisor gave to others (steal), the window's mean; not in utilisation",
            _machine("cpu_steal_percent", "mean")),
-    Family("llmgw_node_load", "gauge", "Load average over the window label", _load),
-    Family("llmgw_node_memory_bytes", "gauge", "Memory in total (MemTotal)", _machine("memory_bytes")),
+    Family("llmgw_node_load", "gauge", "Load average over the window label", _load, charted=True),
+    Family("llmgw_node_memory_bytes", "gauge", "Memory in total (MemTotal)", _machine("memory_bytes"), charted=True),
     Family("llmgw_node_memory_used_bytes", "gauge", "Memory used (MemTotal - MemAvailable)",
-           _machine("memory_used_bytes")),
+           _machine("memory_used_bytes"), charted=True),
     Family("llmgw_node_memory_available_bytes", "gauge", "Memory available (MemAvailable)",
            _machine("memory_available_bytes")),
     Family("llmgw_node_pressure_ratio", "gauge",
@@ -163,16 +174,17 @@ FAMILIES: tuple[Family, ...] = (
     Family("llmgw_node_disk_used_bytes", "gauge", "Used space of the filesystem mounted at mount",
            _disks("used_bytes")),
     Family("llmgw_shard_cpu_cores", "gauge", "CPU cores the engine used, the window's mean",
-           _shards("cpu_cores", "mean")),
+           _shards("cpu_cores", "mean"), charted=True),
     Family("llmgw_shard_cpu_cores_max", "gauge", "CPU cores the engine used, max of the window's samples",
-           _shards("cpu_cores", "max")),
-    Family("llmgw_shard_memory_bytes", "gauge", "Resident memory of the engine's processes", _shards("memory_bytes")),
+           _shards("cpu_cores", "max"), charted=True),
+    Family("llmgw_shard_memory_bytes", "gauge", "Resident memory of the engine's processes", _shards("memory_bytes"),
+           charted=True),
     Family("llmgw_shard_gpu_memory_bytes", "gauge", "GPU memory of the engine's processes, on all cards",
-           _shards("gpu_memory_bytes")),
+           _shards("gpu_memory_bytes"), charted=True),
     # A summary: the quantile label is its own (promtool refuses it on a gauge); its
     # running total is the separate counter below, as the dashboards name it.
     Family("llmgw_shard_runqueue_wait_seconds", "summary",
-           "How long the engine's threads waited for a CPU, per wait, quantile of the window", _waits),
+           "How long the engine's threads waited for a CPU, per wait, quantile of the window", _waits, charted=True),
     Family("llmgw_shard_cpu_quota_cores", "gauge", "The engine's CFS CPU quota in cores (absent without one)",
            _shards("cpu_quota_cores")),
     Family("llmgw_shard_cpu_throttled_ratio", "gauge",
@@ -189,11 +201,11 @@ FAMILIES: tuple[Family, ...] = (
            "The engine's share of a GPU's time, max of the window's samples on any of its cards",
            _shards("gpu_utilization_max_percent", per=100)),
     Family("llmgw_shard_requests_waiting", "gauge", "Requests queued in the engine, from its own metrics",
-           _shards("requests_waiting")),
+           _shards("requests_waiting"), charted=True),
     Family("llmgw_shard_requests_running", "gauge", "Requests the engine is running, from its own metrics",
-           _shards("requests_running")),
+           _shards("requests_running"), charted=True),
     Family("llmgw_shard_kv_cache_usage_ratio", "gauge", "The engine's KV-cache use (0-1), from its own metrics",
-           _shards("kv_cache_usage_ratio")),
+           _shards("kv_cache_usage_ratio"), charted=True),
     Family("llmgw_shard_starved", "gauge",
            "1 if the engine was CPU-starved (kind=cpu_starved) or CPU-starved with idle GPUs (kind=host_bound)"
            " in the window, else 0; absent when not judged",
@@ -203,18 +215,18 @@ FAMILIES: tuple[Family, ...] = (
            _shards("runqueue_wait_seconds", "cumulative")),
     Family("llmgw_shard_runqueue_wait_per_slice_seconds", "gauge",
            "Mean wait for a CPU per timeslice in the window (schedstat)",
-           _shards("runqueue_wait_seconds", "mean")),
+           _shards("runqueue_wait_seconds", "mean"), charted=True),
     Family("llmgw_gpu_utilization_percent", "gauge", "GPU utilisation, the window's mean",
-           _gpus("utilization_percent")),
-    Family("llmgw_gpu_memory_used_bytes", "gauge", "GPU memory used", _gpus("memory_used_bytes")),
-    Family("llmgw_gpu_memory_total_bytes", "gauge", "GPU memory in total", _gpus("memory_total_bytes")),
+           _gpus("utilization_percent"), charted=True),
+    Family("llmgw_gpu_memory_used_bytes", "gauge", "GPU memory used", _gpus("memory_used_bytes"), charted=True),
+    Family("llmgw_gpu_memory_total_bytes", "gauge", "GPU memory in total", _gpus("memory_total_bytes"), charted=True),
     Family("llmgw_gpu_memory_bandwidth_utilization_percent", "gauge", "Time the GPU memory was read or written",
            _gpus("memory_bandwidth_percent")),
     Family("llmgw_gpu_sm_clock_hertz", "gauge", "SM clock", _gpus("sm_clock_hz")),
     Family("llmgw_gpu_ecc_uncorrected_errors", "gauge", "Uncorrected ECC errors since the driver loaded",
            _gpus("ecc_uncorrected")),
-    Family("llmgw_gpu_temperature_celsius", "gauge", "GPU temperature", _gpus("temperature_celsius")),
-    Family("llmgw_gpu_power_watts", "gauge", "GPU power draw", _gpus("power_watts")),
+    Family("llmgw_gpu_temperature_celsius", "gauge", "GPU temperature", _gpus("temperature_celsius"), charted=True),
+    Family("llmgw_gpu_power_watts", "gauge", "GPU power draw", _gpus("power_watts"), charted=True),
     Family("llmgw_gpu_energy_joules_total", "counter", "GPU energy since the driver loaded",
            _gpus("energy_joules")),
 )  # fmt: skip
@@ -229,6 +241,7 @@ class SeriesLabels:
     (ten families of a shard made its labels ten times)."""
 
     base: tuple[tuple[str, str], ...] = ()
+    info: tuple[tuple[str, str], ...] = ()  # no charted family is the node's status
 
     def __init__(self) -> None:
         self._made: dict[int, tuple[tuple[str, str], ...]] = {}

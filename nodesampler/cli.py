@@ -84,7 +84,7 @@ def _kernel_headers_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _group(text: str) -> tuple[str, str]:
-    from sampler.selectors import GroupSelector
+    from sampler.selectors import Selector
 
     name, sep, selector = text.partition("=")
     if not sep or not name:
@@ -92,7 +92,7 @@ def _group(text: str) -> tuple[str, str]:
     if not name.isprintable() or len(name) > 128:
         raise argparse.ArgumentTypeError(f"group name must be printable text of at most 128 characters: {name!r}")
     try:
-        GroupSelector.parse(selector)
+        Selector.parse(selector)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return name, selector
@@ -276,7 +276,7 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     from sampler.backend import open_backend
     from sampler.backend_unavailable import BackendUnavailable
     from sampler.nvml import GpuReader
-    from sampler.selectors import GroupSelector, GroupWatch
+    from sampler.selectors import Selector, ShardSpec
     from sampler.window_sampler import WindowSampler
 
     if not proc.is_dir():
@@ -287,26 +287,26 @@ def _make_sampler(  # type: ignore[no-untyped-def]
     if len(set(names)) != len(names):
         _fail(EXIT_USAGE, "--group: each NAME may be given once")
     try:
-        choice, group_sampler = open_backend(backend, proc, kernel_headers, bpf_stats=bpf_stats)
+        choice, shard_sampler = open_backend(backend, proc, kernel_headers, bpf_stats=bpf_stats)
     except BackendUnavailable as e:
         _fail(EXIT_BACKEND, f"backend {backend} unavailable: {e}")
-    finest = group_sampler.finest_hz
+    finest = shard_sampler.finest_hz
     if finest is not None and hz > finest:
         why = (f"the {choice.name} backend's counters move in ticks of up to 10 ms: above {finest:g} samples "
                "a second, a tick early or late is more than a tenth of a busy thread's time")  # fmt: skip
         if backend == choice.name:
-            group_sampler.close()
+            shard_sampler.close()
             _fail(EXIT_USAGE, f"--hz {hz:g}: {why}")
         log.warning("--hz %g capped at %g: %s", hz, finest, why)
         hz = finest
-    watches = [GroupWatch(name, GroupSelector.parse(sel)) for name, sel in groups] or None
-    return WindowSampler(proc, choice, group_sampler, watches, hz=hz, node=node, gpus=GpuReader(),
+    specs = [ShardSpec(name, Selector.parse(sel)) for name, sel in groups] or None
+    return WindowSampler(proc, choice, shard_sampler, specs, hz=hz, node=node, gpus=GpuReader(),
                          gpu_grace=gpu_grace, sleep=sleep or time.sleep, host_root=host_root,
                          kubelet=kubelet)  # fmt: skip
 
 
 def _close(sampler) -> None:  # type: ignore[no-untyped-def]
-    sampler.groups.close()
+    sampler.shard_sampler.close()
     if sampler.kubelet is not None:
         sampler.kubelet.close()
     sampler.runqueue.close()
@@ -460,7 +460,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
                             host_root=args.host_root, kubelet=_kubelet(args, node),
                             bpf_stats=args.bpf_stats)  # fmt: skip
     if config is not None:
-        sampler.watches = config.watches
+        sampler.specs = config.specs
     logging.getLogger().setLevel(logging.INFO)
     try:
         agent = Agent(sampler, args.control_plane, token, node, args.interval, stopping, config, context,

@@ -32,8 +32,15 @@ import aiohttp
 import wire
 from sampler.pods import LABEL_KEY
 from sampler.pods import METRICS_URL as POD_METRICS_URL
-from sampler.selectors import GroupSelector, GroupWatch
+from sampler.selectors import Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
+
+
+def file_stamp(path: Path) -> tuple[int, int, int]:
+    """A file's identity: stat follows the symlink, so a ConfigMap's or a
+    Secret's update, which swaps `..data`, is a new inode."""
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _installed_version() -> str | None:
@@ -60,7 +67,7 @@ class ConfigError(ValueError):
 
 
 
-def parse_config(data: bytes, source: str = "config") -> list[GroupWatch]:
+def parse_config(data: bytes, source: str = "config") -> list[ShardSpec]:
     """The agent's TOML: one [[shard]] table per engine (id, model, replica, select, metrics_url;
     a `k8s:` shard, one per matching pod: model_label, replica_label, and no id)."""
     try:
@@ -70,7 +77,7 @@ def parse_config(data: bytes, source: str = "config") -> list[GroupWatch]:
     shards = doc.get("shard", [])
     if not isinstance(shards, list) or len(shards) > wire.MAX_SHARDS:
         raise ConfigError(f"{source}: 'shard' must be a list of at most {wire.MAX_SHARDS} tables")
-    watches = []
+    specs = []
     for i, s in enumerate(shards):
         where = f"{source}: shard {i + 1}"
         if not isinstance(s, dict):
@@ -78,7 +85,7 @@ def parse_config(data: bytes, source: str = "config") -> list[GroupWatch]:
         if not isinstance(s.get("select"), str):
             raise ConfigError(f"{where}: 'select' must be a selector string")
         try:
-            selector = GroupSelector.parse(s["select"])
+            selector = Selector.parse(s["select"])
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from None
         pods = selector.kind == "k8s"
@@ -107,11 +114,11 @@ def parse_config(data: bytes, source: str = "config") -> list[GroupWatch]:
                               "PORT a number, {port:NAME} or {annotation:KEY}")  # fmt: skip
         if not pods and metrics_url is not None and "{pod_ip}" in metrics_url:
             raise ConfigError(f"{where}: '{{pod_ip}}' is a k8s: shard's alone")
-        watches.append(GroupWatch(sid, selector, model, replica, metrics_url, **labels))
-    ids = [w.id for w in watches]
+        specs.append(ShardSpec(sid, selector, model, replica, metrics_url, **labels))
+    ids = [w.id for w in specs]
     if len(set(ids)) != len(ids):
         raise ConfigError(f"{source}: shard ids must be unique")
-    return watches
+    return specs
 
 
 class ConfigFile:
@@ -123,43 +130,42 @@ class ConfigFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._seen: tuple[int, int, int] | None = None
-        self.watches: list[GroupWatch] | None = None
+        self.specs: list[ShardSpec] | None = None
         try:
-            self.watches = self._load()
+            self.specs = self._load()
         except FileNotFoundError:
             log.info("config %s does not exist (yet): reporting the busiest groups", path)
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
-            st = self.path.stat()  # follows symlinks: a ConfigMap update swaps ..data, a new inode
+            return file_stamp(self.path)
         except FileNotFoundError:
             return None
-        return st.st_ino, st.st_mtime_ns, st.st_size
 
-    def _load(self) -> list[GroupWatch]:
+    def _load(self) -> list[ShardSpec]:
         self._seen = self._stamp()
         if self._seen is None:
             raise FileNotFoundError(self.path)
         return parse_config(self.path.read_bytes(), str(self.path))
 
     def changed(self) -> bool:
-        """Whether `watches` changed: the file changed and parses, appeared, or went away."""
+        """Whether `specs` changed: the file changed and parses, appeared, or went away."""
         try:
             stamp = self._stamp()
             if stamp == self._seen:
                 return False
             if stamp is None:
-                self._seen, self.watches = None, None
+                self._seen, self.specs = None, None
                 log.warning("config %s went away: reporting the busiest groups", self.path)
                 return True
-            self.watches = self._load()
+            self.specs = self._load()
         except FileNotFoundError:
             return False  # gone between stat and read: the next look decides
         except (OSError, ConfigError) as e:
-            kept = "the busiest groups" if self.watches is None else f"{len(self.watches)} shards"
+            kept = "the busiest groups" if self.specs is None else f"{len(self.specs)} shards"
             log.error("config not reloaded, keeping %s: %s", kept, e)
             return False
-        log.info("config loaded: %d shards", len(self.watches))
+        log.info("config loaded: %d shards", len(self.specs))
         return True
 
 
@@ -175,8 +181,7 @@ class TokenFile:
         self.reload()
 
     def reload(self) -> None:
-        st = self.path.stat()
-        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        stamp = file_stamp(self.path)
         if stamp == self._seen:
             return
         token = self.path.read_text().strip()
@@ -387,7 +392,7 @@ class Agent:
         failures = 0
         while not self.stopping.is_set():
             if self.config is not None and self.config.changed():
-                self.sampler.watches = self.config.watches
+                self.sampler.specs = self.config.specs
             try:
                 summary = self.sampler.run_window(self.interval)
                 failures = 0

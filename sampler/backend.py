@@ -1,7 +1,7 @@
 """Choosing the backend that counts engines' CPU time.
 
 `bpf` counts on-CPU time in the kernel (sampler/bpf_sched.py); `proc` reads
-/proc (sampler/proc_groups.py). `auto` uses the kernel backend when it loads
+/proc (sampler/proc_shards.py). `auto` uses the kernel backend when it loads
 and falls back to /proc otherwise, saying why once in the log and in every
 summary's `backend_reason`. `bpf` asked for and unable to load is an error
 carrying the same reason.
@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Protocol
 
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.proc_groups import GroupReading, ProcGroupSampler
-from sampler.selectors import GroupWatch, ProcessTable
+from sampler.proc_shards import ProcShardSampler, ShardReading
+from sampler.selectors import ProcessTable, ShardSpec
 
 CHOICES = ("auto", "bpf", "proc")
 
 log = logging.getLogger(__name__)
 
 
-class GroupSampler(Protocol):
+class ShardSampler(Protocol):
     # The most samples a second whose figures mean something (None: any rate
     # the command line allows): a counter in clock ticks cannot place time
     # finer than a tick.
@@ -34,11 +34,11 @@ class GroupSampler(Protocol):
     tickless_cpus: list[int]
 
     @property
-    def watches(self) -> list[GroupWatch]: ...
-    def discover(self, watches: list[GroupWatch], table: ProcessTable) -> None: ...
-    def sample(self) -> dict[str, GroupReading]: ...
+    def specs(self) -> list[ShardSpec]: ...
+    def discover(self, specs: list[ShardSpec], table: ProcessTable) -> None: ...
+    def sample(self) -> dict[str, ShardReading]: ...
     def memory(self) -> dict[str, int | None]: ...
-    def describe(self, watch_id: str) -> tuple[list[int], str | None]: ...
+    def describe(self, shard_id: str) -> tuple[list[int], str | None]: ...
     def close(self) -> None: ...
     def program_stats(self) -> dict[str, tuple[int, int]]: ...
     def dropped_forks(self) -> int | None: ...
@@ -57,11 +57,11 @@ def open_backend(
     kernel_headers: Path | str | None = None,
     clock: Callable[[], float] = time.monotonic,
     bpf_stats: bool = False,
-) -> tuple[BackendChoice, GroupSampler]:
+) -> tuple[BackendChoice, ShardSampler]:
     if asked not in CHOICES:
         raise ValueError(f"backend {asked!r}: expected one of {', '.join(CHOICES)}")
     if asked == "proc":
-        return BackendChoice("proc", "asked for proc"), ProcGroupSampler(proc, clock)
+        return BackendChoice("proc", "asked for proc"), ProcShardSampler(proc, clock)
     from sampler import bpf_sched
 
     try:
@@ -70,4 +70,4 @@ def open_backend(
         if asked == "bpf":
             raise
         log.warning("kernel backend unavailable, counting from /proc: %s", e)
-        return BackendChoice("proc", str(e)), ProcGroupSampler(proc, clock)
+        return BackendChoice("proc", str(e)), ProcShardSampler(proc, clock)

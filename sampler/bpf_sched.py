@@ -1,9 +1,9 @@
 """The kernel backend for engines: on-CPU time per watched process group,
 counted in the kernel by `bpf/sched_groups.bpf.c` (bcc).
 
-A sample reads one per-CPU counter per watched group: its cost does not depend
+A sample reads one per-CPU counter per shard: its cost does not depend
 on how many processes the machine runs. Userspace's part is membership: once
-per window the walk of /proc says which processes belong to which watch, and
+per window the walk of /proc says which processes belong to which shard, and
 `discover` writes them into the kernel's `task_slot` map; processes forked
 inside a group join it in the kernel, at fork.
 
@@ -31,8 +31,9 @@ import numpy as np
 
 from sampler import bpf_handoff, btf, procfs, tp_btf
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.proc_groups import PAGE_SIZE, GroupReading, within_capacity
-from sampler.selectors import GroupWatch, ProcessTable
+from sampler.cpu_lists import format_cpu_list, parse_cpu_list
+from sampler.proc_shards import PAGE_SIZE, ShardReading, within_capacity
+from sampler.selectors import ProcessTable, ShardSpec
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ SWITCH_PROGRAMS = ("on_switch", "on_switch_raw")
 
 
 @dataclass
-class _Watch:
-    watch: GroupWatch
+class _KernelShard:
+    spec: ShardSpec
     pids: list[int]
     pgids: list[int]
     command: str | None
@@ -351,23 +352,6 @@ def compile_and_attach(
     return Attached(bpf, own_programs, own_attachments, pid_max, cpus, tickless, notes)
 
 
-def parse_cpu_list(text: str) -> list[int]:
-    """A kernel CPU list (`0-3,8,10-11`), as sysfs and the boot line write it."""
-    out: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise ValueError(f"not a CPU list: {text!r}")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return sorted(out)
-
-
-def format_cpu_list(cpus: list[int]) -> str:
-    return ",".join(str(c) for c in cpus)
-
-
 def possible_cpus(sysfs: Path = Path("/sys")) -> int:
     """The highest possible CPU id + 1: the rows of the per-CPU arrays (a CPU
     brought online later has its row already)."""
@@ -411,11 +395,11 @@ def settle(used: float, debt: float) -> tuple[float, float]:
 
 
 class BpfGroupSampler:
-    """Same interface as ProcGroupSampler: discover, sample, memory, describe.
+    """Same interface as ProcShardSampler: discover, sample, memory, describe.
 
-    The kernel counts per slot; a process has one slot. Watches may overlap
-    (two selectors naming one group), so a slot stands for a set of watches:
-    every process watched by exactly the same watches shares one. A watch's
+    The kernel counts per slot; a process has one slot. Shards may overlap
+    (two selectors naming one group), so a slot stands for a set of shards:
+    every process watched by exactly the same shards shares one. A shard's
     CPU time is the sum over the slots whose set holds it, a matrix product.
     """
 
@@ -439,13 +423,13 @@ class BpfGroupSampler:
                                       mmap.PROT_READ)  # fmt: skip
         self._cpu_run = np.frombuffer(self._cpu_run_map, dtype=CPU_RUN)
         self._dropped_table = programs.maps["dropped_forks"]
-        self._watches: dict[str, _Watch] = {}
-        self._slot_of: dict[frozenset[str], int] = {}  # a set of watch ids -> its slot
+        self._specs: dict[str, _KernelShard] = {}
+        self._slot_of: dict[frozenset[str], int] = {}  # a set of shard ids -> its slot
         self._slots = np.zeros(0, dtype=np.int64)  # the slots in use, in a fixed order
         self._prev_ns = np.zeros((0, 2), dtype=np.int64)  # their totals (ns, late ns) at the last reading
         self._index_of_slot = np.full(MAX_SLOTS, -1, dtype=np.int64)  # slot -> its place in _slots
-        self._debt: dict[str, float] = {}  # watch id -> seconds counted ahead of the kernel's own account
-        self._member_of = np.zeros((0, 0))  # [watch, slot] = 1 where the slot counts for the watch
+        self._debt: dict[str, float] = {}  # shard id -> seconds counted ahead of the kernel's own account
+        self._member_of = np.zeros((0, 0))  # [shard, slot] = 1 where the slot counts for the shard
         self._last_at: float | None = None
         self._cpus = os.cpu_count() or 1
         self._stats_fd = _enable_bpf_stats() if bpf_stats else None
@@ -457,11 +441,11 @@ class BpfGroupSampler:
         self._wait_prev_total: list[int] = []
 
     @property
-    def watches(self) -> list[GroupWatch]:
-        return [w.watch for w in self._watches.values()]
+    def specs(self) -> list[ShardSpec]:
+        return [w.spec for w in self._specs.values()]
 
-    def describe(self, watch_id: str) -> tuple[list[int], str | None]:
-        w = self._watches[watch_id]
+    def describe(self, shard_id: str) -> tuple[list[int], str | None]:
+        w = self._specs[shard_id]
         return w.pgids, w.command
 
     def close(self) -> None:
@@ -483,20 +467,20 @@ class BpfGroupSampler:
 
     # --- membership -------------------------------------------------------------
 
-    def discover(self, watches: list[GroupWatch], table: ProcessTable) -> None:
-        old = self._watches
-        new: dict[str, _Watch] = {}
+    def discover(self, specs: list[ShardSpec], table: ProcessTable) -> None:
+        old = self._specs
+        new: dict[str, _KernelShard] = {}
         watches_of: dict[int, set[str]] = {}
-        for gw in watches:
+        for gw in specs:
             prev = old.get(gw.id)
             pids = table.resolve(gw.selector)
             pgids = sorted({table.stats[p].pgrp for p in pids if table.stats[p].pgrp > 0})
             command = table.stats[pgids[0]].comm if len(pgids) == 1 and pgids[0] in table.stats else None
-            same = prev is not None and prev.watch == gw
+            same = prev is not None and prev.spec == gw
             fresh, carried, late = (prev.fresh, prev.carried, prev.late) if prev and same else (True, 0.0, 0.0)
             threads = sum(table.stats[p].threads for p in pids if p in table.stats)
             starts = {p: table.stats[p].start_ticks for p in pids if p in table.stats}
-            new[gw.id] = _Watch(gw, pids, pgids, command, fresh, threads=max(threads, 1), starts=starts,
+            new[gw.id] = _KernelShard(gw, pids, pgids, command, fresh, threads=max(threads, 1), starts=starts,
                                 carried=carried, late=late)  # fmt: skip
             for pid in pids:
                 watches_of.setdefault(pid, set()).add(gw.id)
@@ -510,14 +494,14 @@ class BpfGroupSampler:
         slot_of = {c: s for c, s in self._slot_of.items() if c in classes}
         for c in sorted(classes - slot_of.keys(), key=sorted):
             if not free:
-                log.warning("more than %d distinct watch sets: %s not counted", MAX_SLOTS, sorted(c))
+                log.warning("more than %d distinct shard sets: %s not counted", MAX_SLOTS, sorted(c))
                 continue
             slot_of[c] = free.pop(0)
-        self._watches, self._slot_of = new, slot_of
+        self._specs, self._slot_of = new, slot_of
         want = {pid: slot_of[frozenset(ws)] for pid, ws in watches_of.items() if frozenset(ws) in slot_of}
         if self._sync_map(table, want):
             # A new member already on a CPU is learnt at the next tick: until then
-            # its slice is not counted. Wait that long, so that a new group's
+            # its slice is not counted. Wait that long, so that a new shard's
             # first reading (below) starts from what the kernel now counts.
             time.sleep(TICK_NS / 1e9 + 0.001)
 
@@ -537,8 +521,8 @@ class BpfGroupSampler:
     def _sync_map(self, table: ProcessTable, want: dict[int, int]) -> bool:
         """Make task_slot say what the walk found. Entries the kernel added at
         fork for processes the walk has not seen are kept: they are members
-        born since. Processes the walk saw outside every watch are cleared
-        (they left their group, or their watch went), as are entries of slots
+        born since. Processes the walk saw outside every shard are cleared
+        (they left their group, or their shard went), as are entries of slots
         no longer in use. True when a process was given a slot it lacked."""
         slots = self.task_slot
         # Computed on a copy: the kernel writes the map at every fork and exit,
@@ -561,7 +545,7 @@ class BpfGroupSampler:
         slots[pids] = values
         # A process that exited between the walk and this write had its exit
         # seen while it had no slot: clear it ourselves, or a new process given
-        # that pid would be credited to this group.
+        # that pid would be credited to this shard.
         for pid in added.tolist():
             try:
                 st = procfs.read_pid_stat(self.proc, pid)
@@ -574,7 +558,7 @@ class BpfGroupSampler:
         return bool(len(added))
 
     def task_pids(self) -> set[int]:
-        """The processes the kernel now counts for some watch."""
+        """The processes the kernel now counts for some shard."""
         return set(np.flatnonzero(self.task_slot.copy()).tolist())
 
     def map_size(self) -> int:
@@ -613,7 +597,7 @@ class BpfGroupSampler:
             credited[:, 0] += np.bincount(where[known], weights=ahead[known], minlength=len(credited)).astype(np.int64)
         return credited, now
 
-    def sample(self) -> dict[str, GroupReading]:
+    def sample(self) -> dict[str, ShardReading]:
         current, now = self._read_totals()
         elapsed = None if self._last_at is None else now - self._last_at
         self._last_at = now
@@ -621,7 +605,7 @@ class BpfGroupSampler:
         # runtime when it ends; where the runtime grew less (time stolen by a
         # hypervisor), the difference is taken from the following samples;
         # where it grew more (the scheduler's clock and the tracepoint's are
-        # read microseconds apart at each switch), beyond what the group's
+        # read microseconds apart at each switch), beyond what the shard's
         # threads could have used in the sample, the rest goes to the next.
         # More than SWITCH_SLACK_S beyond is no clock's doing but threads the
         # walk did not see (forked since): counted as measured. Time the kernel
@@ -631,8 +615,8 @@ class BpfGroupSampler:
         previous, self._prev_ns = self._prev_ns, current
         used_s, late_s = (self._member_of @ ((current - previous).astype(np.float64) / 1e9)).T
         out = {}
-        for i, w in enumerate(self._watches.values()):
-            wid = w.watch.id
+        for i, w in enumerate(self._specs.values()):
+            wid = w.spec.id
             late = min(max(0.0, float(late_s[i])), max(0.0, float(used_s[i])))
             used, debt = settle(float(used_s[i]) - late, self._debt.pop(wid, 0.0))
             if debt:
@@ -640,19 +624,19 @@ class BpfGroupSampler:
             valid = elapsed is not None and elapsed > 0 and not w.fresh and bool(w.pids)
             w.fresh = False
             if not valid or not elapsed:
-                out[wid] = GroupReading(None, None, elapsed)
+                out[wid] = ShardReading(None, None, elapsed)
                 continue
             capacity = min(w.threads, self._cpus) * elapsed
             credit, w.carried = within_capacity(used + w.carried, capacity, SWITCH_SLACK_S)
             credit, w.late = place_late(credit, w.late + late, capacity)
-            out[wid] = GroupReading(credit / elapsed, None, elapsed)
+            out[wid] = ShardReading(credit / elapsed, None, elapsed)
         return out
 
     def memory(self) -> dict[str, int | None]:
-        """Resident memory of each group's processes known to userspace, read
+        """Resident memory of each shard's processes known to userspace, read
         once per window (a gauge: its last value is what a window reports)."""
         out: dict[str, int | None] = {}
-        for w in self._watches.values():
+        for w in self._specs.values():
             pages, alive = 0, False
             for pid in w.pids:
                 try:
@@ -663,7 +647,7 @@ class BpfGroupSampler:
                     continue  # the pid was reused since the walk: another process's memory
                 pages += st.rss_pages
                 alive = True
-            out[w.watch.id] = pages * PAGE_SIZE if alive else None
+            out[w.spec.id] = pages * PAGE_SIZE if alive else None
         return out
 
     # --- the programs' own cost ---------------------------------------------------------
@@ -682,7 +666,7 @@ class BpfGroupSampler:
     # --- waiting for a CPU -------------------------------------------------------------
 
     def runqueue_waits(self) -> dict[str, dict[str, float] | None] | None:
-        """Per watch, the waits for a CPU since the last call: p50 and p99 from the
+        """Per shard, the waits for a CPU since the last call: p50 and p99 from the
         kernel's log2 histogram (interpolated within a bucket), total and mean.
         None when this kernel has no run_delay (the caller falls back to schedstat)."""
         if self._wait_log is None:
@@ -706,8 +690,8 @@ class BpfGroupSampler:
         watch_hist = self._member_of @ d_hist
         watch_total = self._member_of @ d_total
         watch_known = (self._member_of @ (~known).astype(np.float64)) == 0
-        for i, wid in enumerate(self._watches):
-            if not watch_known[i] or not self._watches[wid].pids:
+        for i, wid in enumerate(self._specs):
+            if not watch_known[i] or not self._specs[wid].pids:
                 out[wid] = None
                 continue
             counts = watch_hist[i]

@@ -33,6 +33,7 @@ from typing import Any
 
 from sampler import cgroup_view, procfs
 from sampler.cgroup_view import CGROUP_ROOT
+from sampler.cpu_lists import parse_cpu_list
 
 log = logging.getLogger(__name__)
 
@@ -113,19 +114,8 @@ def parse_status_threads(data: bytes) -> tuple[int | None, set[int] | None]:
         if line.startswith(b"Threads:"):
             threads = int(line.split()[1])
         elif line.startswith(b"Cpus_allowed_list:"):
-            cpus = parse_cpu_list(line.split(b":", 1)[1])
+            cpus = set(parse_cpu_list(line.split(b":", 1)[1]))
     return threads, cpus
-
-
-def parse_cpu_list(text: bytes) -> set[int]:
-    """A kernel CPU list ("0-3,8,10-11") as its CPUs."""
-    out: set[int] = set()
-    for part in text.strip().split(b","):
-        if not part:
-            continue
-        lo, _, hi = part.partition(b"-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 class CfsBandwidthReader:

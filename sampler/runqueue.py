@@ -3,7 +3,7 @@
 `/proc/<pid>/task/<tid>/schedstat` holds, per thread, the time spent on a
 CPU, the time spent runnable but waiting on a run queue, and the number of
 times it ran (Linux 2.6.x with CONFIG_SCHED_INFO). Summed over a group's
-threads and differenced between windows, it gives the group's total wait in
+threads and differenced between windows, it gives the shard's total wait in
 the window and its mean wait per timeslice. It cannot give percentiles: that
 needs the kernel-side histogram.
 
@@ -37,7 +37,7 @@ def parse_schedstat(data: bytes) -> tuple[int, int]:
 
 
 @dataclass
-class _GroupWait:
+class _ShardWait:
     threads: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # (pid, tid) -> (wait, slices)
     cumulative_ns: int = 0
     primed: bool = False
@@ -46,7 +46,7 @@ class _GroupWait:
 class RunQueueWaitSampler:
     def __init__(self, proc: Path) -> None:
         self.proc = proc
-        self._groups: dict[str, _GroupWait] = {}
+        self._shards: dict[str, _ShardWait] = {}
         self._taskstats: Any = None  # a pyroute2 TaskStats socket, once schedstat is found missing
         self._unavailable = False
 
@@ -111,28 +111,28 @@ class RunQueueWaitSampler:
             self._taskstats = None
 
     def read(self, members: dict[str, set[int]]) -> dict[str, dict[str, Any] | None]:
-        """Per watch: the window's total wait and mean wait per timeslice, and the
+        """Per shard: the window's total wait and mean wait per timeslice, and the
         wait since this sampler started. None where nothing could be compared yet."""
         out: dict[str, dict[str, Any] | None] = {}
-        for wid in list(self._groups):
+        for wid in list(self._shards):
             if wid not in members:
-                del self._groups[wid]
+                del self._shards[wid]
         for wid, pids in members.items():
-            group = self._groups.setdefault(wid, _GroupWait())
+            shard = self._shards.setdefault(wid, _ShardWait())
             now = self._threads(pids)
             waited = slices = 0
             for key, (wait, count) in now.items():
-                before = group.threads.get(key)
+                before = shard.threads.get(key)
                 if before is not None and wait >= before[0] and count >= before[1]:
                     waited += wait - before[0]
                     slices += count - before[1]
-            primed, group.primed, group.threads = group.primed, bool(now), now
+            primed, shard.primed, shard.threads = shard.primed, bool(now), now
             if not primed or not now:
                 out[wid] = None  # a first reading, or no thread to read: nothing measured
                 continue
-            group.cumulative_ns += waited
+            shard.cumulative_ns += waited
             result: dict[str, Any] = {"total": round(waited / 1e9, 6),
-                                      "cumulative": round(group.cumulative_ns / 1e9, 6)}  # fmt: skip
+                                      "cumulative": round(shard.cumulative_ns / 1e9, 6)}  # fmt: skip
             if slices > 0:
                 result["mean"] = round(waited / slices / 1e9, 9)
             out[wid] = result

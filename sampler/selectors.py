@@ -1,4 +1,4 @@
-"""Which processes make up an engine: group selectors and the process table
+"""Which processes make up an engine: selectors and the process table
 they are resolved against.
 
 A selector names processes the way an operator knows an engine:
@@ -21,7 +21,7 @@ A selector names processes the way an operator knows an engine:
                  path in any v1 hierarchy), e.g. a pod's or a systemd unit's;
 - `k8s:NAMESPACE/LABEL_SELECTOR[#CONTAINER]`  each pod on this node that
                  matches, one shard per pod (sampler/pods.py): the agent turns
-                 it into one `containers:` watch per pod at each walk.
+                 it into one `containers:` shard per pod at each walk.
 
 `containers:ID,ID` (the processes in those containers, by the ids their
 cgroup paths name) is what a pod becomes; it is not for configs.
@@ -67,14 +67,14 @@ def compile_cmdline_pattern(text: str) -> Pattern:
 
 
 @dataclass(frozen=True)
-class GroupSelector:
+class Selector:
     kind: str
     value: str
     pattern: Pattern | None = field(default=None, compare=False)
     pods: PodSelector | None = field(default=None, compare=False)
 
     @classmethod
-    def parse(cls, text: str) -> GroupSelector:
+    def parse(cls, text: str) -> Selector:
         kind, sep, value = text.partition(":")
         if not sep or kind not in KINDS:
             raise ValueError(f"selector {text!r}: expected one of {', '.join(k + ':...' for k in KINDS)}")
@@ -102,18 +102,18 @@ class GroupSelector:
 
 
 @dataclass(frozen=True)
-class GroupWatch:
+class ShardSpec:
     """One engine to report: a shard of the heartbeat."""
 
     id: str
-    selector: GroupSelector
+    selector: Selector
     model: str | None = None
     replica: str | None = None
     metrics_url: str | None = None  # the engine's own Prometheus endpoint: its queue, read once a window
-    # A `k8s:` watch: which pod labels give its pods' model and replica.
+    # A `k8s:` shard: which pod labels give its pods' model and replica.
     model_label: str | None = None
     replica_label: str | None = None
-    # Who the engine is to Kubernetes (a pod's watch): shown and exported as labels.
+    # Who the engine is to Kubernetes (a pod's shard): shown and exported as labels.
     namespace: str | None = None
     pod: str | None = None
     container: str | None = None
@@ -169,7 +169,7 @@ class ProcessTable:
         data = self.cmdline_bytes(pid)
         return None if data is None else procfs.parse_cmdline(data)
 
-    def cmdline_matches(self, pid: int, sel: GroupSelector) -> bool:
+    def cmdline_matches(self, pid: int, sel: Selector) -> bool:
         """Whether the leader's command line prefix matches the `cmdline:` selector.
 
         Only a digest of each prefix is kept, never the text: 2,000 leaders'
@@ -216,7 +216,7 @@ class ProcessTable:
                 cache[pid] = None
         return cache[pid]
 
-    def resolve(self, sel: GroupSelector) -> list[int]:
+    def resolve(self, sel: Selector) -> list[int]:
         """The pids the selector names now."""
         if sel.kind == "pgid":
             return list(self.by_group.get(int(sel.value), ()))
@@ -238,7 +238,7 @@ class ProcessTable:
             wanted = set(sel.value.split(","))
             return [pid for pid, cid in self.container_ids().items() if cid in wanted]
         if sel.kind == "k8s":
-            return []  # a pod selector names pods, each resolved as its `containers:` watch
+            return []  # a pod selector names pods, each resolved as its `containers:` shard
         prefix = "" if sel.value == "/" else sel.value
         return [
             pid
@@ -264,24 +264,24 @@ def busiest_groups(before: dict[int, int], after: dict[int, int], n: int, exclud
     return [g for _, g in used[:n]]
 
 
-def named_by_command(table: ProcessTable, groups: list[int]) -> list[GroupWatch]:
+def named_by_command(table: ProcessTable, groups: list[int]) -> list[ShardSpec]:
     """The busiest groups as shards named by their leaders' command names
     (`comm:NAME`: every group of that name, summed), so that a restarted
     engine, in a new process group, keeps its shard and its series. A group
     whose leader is gone, or whose name is not printable text, keeps `pgid:N`."""
-    out: dict[str, GroupWatch] = {}
+    out: dict[str, ShardSpec] = {}
     for g in groups:
         leader = table.stats.get(g)
         name = leader.comm if leader is not None else ""
         if name and name.isprintable() and "\ufffd" not in name:
-            out.setdefault(f"comm:{name}", GroupWatch(f"comm:{name}", GroupSelector("comm", name)))
+            out.setdefault(f"comm:{name}", ShardSpec(f"comm:{name}", Selector("comm", name)))
         else:
-            out.setdefault(f"pgid:{g}", GroupWatch(f"pgid:{g}", GroupSelector("pgid", str(g))))
+            out.setdefault(f"pgid:{g}", ShardSpec(f"pgid:{g}", Selector("pgid", str(g))))
     return list(out.values())
 
 
-def pod_watches(w: GroupWatch, pods: list[Pod]) -> list[GroupWatch]:
-    """A `k8s:` watch made concrete: one watch per pod it matches, named
+def pod_watches(w: ShardSpec, pods: list[Pod]) -> list[ShardSpec]:
+    """A `k8s:` shard made concrete: one shard per pod it matches, named
     NAMESPACE/POD[/CONTAINER], counting that pod's (or container's) processes.
     A pod whose chosen container is not running is left out until it runs."""
     sel = w.selector.pods
@@ -299,9 +299,9 @@ def pod_watches(w: GroupWatch, pods: list[Pod]) -> list[GroupWatch]:
         model = pod.labels.get(w.model_label) if w.model_label else None
         replica = pod.labels.get(w.replica_label) if w.replica_label else None
         url = pod.metrics_url(w.metrics_url) if w.metrics_url else None
-        out.append(GroupWatch(
+        out.append(ShardSpec(
             pod.key + (f"/{sel.container}" if sel.container else ""),
-            GroupSelector("containers", ",".join(ids)),
+            Selector("containers", ",".join(ids)),
             model or w.model, replica or w.replica, url,
             namespace=pod.namespace, pod=pod.name, container=sel.container,
         ))  # fmt: skip

@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 
 import wire
-from sampler.backend import BackendChoice, GroupSampler
+from sampler.backend import BackendChoice, ShardSampler
 from sampler.cfs import CfsBandwidthReader
 from sampler.cgroup_view import host_cgroup_root
 from sampler.engine_metrics import EngineMetricsReader
 from sampler.kubelet import KubeletPods
 from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from sampler.nvml import GpuReader, GpuReading
-from sampler.proc_groups import USER_HZ, GroupReading
+from sampler.proc_shards import USER_HZ, ShardReading
 from sampler.runqueue import RunQueueWaitSampler
-from sampler.selectors import GroupWatch, ProcessTable, busiest_groups, named_by_command, pod_watches
+from sampler.selectors import ProcessTable, ShardSpec, busiest_groups, named_by_command, pod_watches
 from sampler.window import RateSeries
 from wire import raw as raw_samples
 
@@ -41,8 +41,8 @@ class WindowSampler:
         self,
         proc: Path,
         backend: BackendChoice,
-        groups: GroupSampler,
-        watches: list[GroupWatch] | None = None,
+        shard_sampler: ShardSampler,
+        specs: list[ShardSpec] | None = None,
         hz: float = 10.0,
         node: str | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -58,7 +58,7 @@ class WindowSampler:
             raise ValueError("hz must be positive")
         self.proc = proc
         self.backend = backend
-        self.watches = watches  # None: the busiest groups
+        self.specs = specs  # None: the busiest groups
         self.hz = hz
         self.node = node or socket.gethostname()
         self._clock, self._wall, self._sleep = clock, wall_clock, sleep
@@ -68,14 +68,14 @@ class WindowSampler:
         self.runqueue = RunQueueWaitSampler(proc)
         self.cfs = CfsBandwidthReader(proc, cgroup_root or host_cgroup_root(host_root))
         self.engine_metrics = EngineMetricsReader()
-        self.groups = groups
+        self.shard_sampler = shard_sampler
         self.gpus = gpus
-        self.kubelet = kubelet  # this node's pods, for `k8s:` watches
+        self.kubelet = kubelet  # this node's pods, for `k8s:` shards
         self._said: set[str] = set()  # problems of the config already logged
         # How long a window's end may wait for its GPU reading: 0 for the
         # agent's endless loop; a one-shot `sample` can afford to wait.
         self.gpu_grace = gpu_grace
-        self._members: dict[str, set[int]] = {}  # watch id -> its pids at the last walk, for GPU memory
+        self._members: dict[str, set[int]] = {}  # shard id -> its pids at the last walk, for GPU memory
         self._table: ProcessTable | None = None
         self._group_ticks: dict[int, int] | None = None
         self._last_sample_at: float | None = None
@@ -93,41 +93,41 @@ class WindowSampler:
         """Take the first readings, so that the first window has something to
         compare with; with no configured groups, also learn which groups are
         busy (a walk at each end of `seconds`)."""
-        if self.kubelet is not None and any(w.selector.kind == "k8s" for w in self.watches or ()):
+        if self.kubelet is not None and any(w.selector.kind == "k8s" for w in self.specs or ()):
             self.kubelet.wait_for_poll(0, self.kubelet.deadline_s + 1)  # the first window knows the pods
         self._discover()
         # Stamped where the machine's counters are read, as in run_window: the
         # first window's first sample covers the readings that follow too.
         self._last_sample_at = self._clock()
         self.cpu.sample()
-        self.groups.sample()
+        self.shard_sampler.sample()
         self._waits()  # a first reading, for the first window to compare with
         self.cfs.read(self._members)  # likewise the cgroups' throttling counters
-        if self.watches is None and seconds > 0:
+        if self.specs is None and seconds > 0:
             self._sleep(seconds)
 
     def _discover(self) -> None:
         # The walk before lends its `cmdline:` verdicts: a leader is matched once.
         table = self._table = ProcessTable.walk(self.proc, self._table)
-        watches = self.watches
-        if watches is None:
+        specs = self.specs
+        if specs is None:
             ticks = table.group_ticks()
             top = [] if self._group_ticks is None else busiest_groups(self._group_ticks, ticks, BUSIEST_GROUPS, set())
             self._group_ticks = ticks
-            watches = named_by_command(table, top)
-        elif any(w.selector.kind == "k8s" for w in watches):
-            watches = self._with_pods(watches, table)
-        self.groups.discover(watches, table)
-        self._members = {w.id: set(table.resolve(w.selector)) for w in watches}
+            specs = named_by_command(table, top)
+        elif any(w.selector.kind == "k8s" for w in specs):
+            specs = self._with_pods(specs, table)
+        self.shard_sampler.discover(specs, table)
+        self._members = {w.id: set(table.resolve(w.selector)) for w in specs}
 
-    def _with_pods(self, watches: list[GroupWatch], table: ProcessTable) -> list[GroupWatch]:
-        """Each `k8s:` watch as one watch per pod it matches now; a shard id
+    def _with_pods(self, specs: list[ShardSpec], table: ProcessTable) -> list[ShardSpec]:
+        """Each `k8s:` shard as one shard per pod it matches now; a shard id
         met twice (two selectors matching one pod) is the first's."""
         pods = self.kubelet.pods() if self.kubelet is not None else None
         if self.kubelet is None:
             self._say("no kubelet: k8s: selectors need the agent's --kubelet-url")
         out, ids = [], set()
-        for w in watches:
+        for w in specs:
             for made in [w] if w.selector.kind != "k8s" else pod_watches(w, pods or []):
                 if made.id in ids:
                     self._say(f"shard {made.id} matched by more than one selector: the first counts it")
@@ -153,8 +153,8 @@ class WindowSampler:
         # /proc's counters move in clock ticks: a shorter sample is merged, not made a rate.
         tick = 1.0 / USER_HZ
         machine, steal = RateSeries(n, tick), RateSeries(n, tick)
-        shard_tick = tick if self.groups.finest_hz is not None else 0.0  # counted in ticks
-        shards = {w.id: RateSeries(n, shard_tick) for w in self.groups.watches}
+        shard_tick = tick if self.shard_sampler.finest_hz is not None else 0.0  # counted in ticks
+        shards = {w.id: RateSeries(n, shard_tick) for w in self.shard_sampler.specs}
         # A sample covers the time since the one before it, which may have been
         # the previous window's last: its weight must say so.
         last = start if self._last_sample_at is None else self._last_sample_at
@@ -172,7 +172,7 @@ class WindowSampler:
                 self._sleep(delay)
             now = self._clock()
             cpu = self.cpu.sample()
-            readings = self.groups.sample()
+            readings = self.shard_sampler.sample()
             for wid, r in readings.items():
                 if r.cores is not None and r.cores > self._cpus * 1.01:
                     self._impossible(wid, r)
@@ -185,7 +185,7 @@ class WindowSampler:
                 if self.gpus is not None:
                     self.gpus.request(self._members)
                 # The engines' own queues, read once a window on threads of their own.
-                self.engine_metrics.request((w.id, w.metrics_url) for w in self.groups.watches if w.metrics_url)
+                self.engine_metrics.request((w.id, w.metrics_url) for w in self.shard_sampler.specs if w.metrics_url)
                 gpu_asked = True
             if k >= n:
                 break
@@ -213,9 +213,9 @@ class WindowSampler:
         if pressure is not None:
             m["pressure"] = pressure
         summary["machine"] = m
-        memory = self.groups.memory()
-        summary["shards"] = [self._shard(w, shards[w.id], memory.get(w.id)) for w in self.groups.watches]
-        series_of = {id(s): shards[w.id] for s, w in zip(summary["shards"], self.groups.watches, strict=True)}
+        memory = self.shard_sampler.memory()
+        summary["shards"] = [self._shard(w, shards[w.id], memory.get(w.id)) for w in self.shard_sampler.specs]
+        series_of = {id(s): shards[w.id] for s, w in zip(summary["shards"], self.shard_sampler.specs, strict=True)}
         waits = self._waits()
         bandwidth = self.cfs.read(self._members)  # once a window: cumulative counters
         for shard in summary["shards"]:
@@ -255,7 +255,7 @@ class WindowSampler:
                   for s in summary["shards"]]  # fmt: skip
         return raw_samples.fit_raw(len(wire.dumps(summary)), cpu, gpus, shards)
 
-    def _impossible(self, wid: str, r: GroupReading) -> None:
+    def _impossible(self, wid: str, r: ShardReading) -> None:
         """A sample of more cores than the machine has is a bug in a backend, not
         a burst: said once per engine with what it came from, and kept as measured
         (clipping it would hide the bug and the time it holds)."""
@@ -269,7 +269,7 @@ class WindowSampler:
         """Each engine's waits for a CPU in this window: the kernel histogram where
         the backend has one, else the members' schedstat (once per window: cost
         follows the engines, not the machine)."""
-        kernel = self.groups.runqueue_waits()
+        kernel = self.shard_sampler.runqueue_waits()
         if kernel is None:
             waits = self.runqueue.read(self._members)
         else:
@@ -300,11 +300,11 @@ class WindowSampler:
         """The kernel backend's forks it could not count, and (with
         --bpf-stats) its programs' run count and run time in this window, from
         the kernel's own BPF statistics."""
-        dropped, now = self.groups.dropped_forks(), self.groups.program_stats()
+        dropped, now = self.shard_sampler.dropped_forks(), self.shard_sampler.program_stats()
         if dropped is None and not now:
             return None
         out: dict[str, Any] = {"dropped_forks": dropped}
-        if tickless := self.groups.tickless_cpus:
+        if tickless := self.shard_sampler.tickless_cpus:
             out["tickless_cpus"] = tickless  # a running task is learnt there at its next switch, not at the tick
         if not now:
             return out
@@ -317,8 +317,8 @@ class WindowSampler:
                               "ns_per_run": round(d_ns / d_runs, 1) if d_runs > 0 else None}  # fmt: skip
         return {**out, "programs": programs}
 
-    def _shard(self, w: GroupWatch, cores: RateSeries, memory: int | None) -> dict[str, Any]:
-        pgids, command = self.groups.describe(w.id)
+    def _shard(self, w: ShardSpec, cores: RateSeries, memory: int | None) -> dict[str, Any]:
+        pgids, command = self.shard_sampler.describe(w.id)
         out: dict[str, Any] = {"id": w.id, "selector": str(w.selector)}
         if w.model is not None:
             out["model"] = w.model

@@ -42,7 +42,7 @@ def shared_bpf_groups() -> Iterator[BpfGroupSampler]:
     """One kernel backend for the whole run: a load is a compile (12-20 s in
     an emulated guest of `make vm-test`, over half its time when each test
     loaded its own, a minute a line when each module did), and the agent
-    itself keeps one loaded while its watches change from window to window."""
+    itself keeps one loaded while its shards change from window to window."""
     yield from _bpf_groups(bpf_stats=False)
 
 

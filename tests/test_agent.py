@@ -16,7 +16,7 @@ from controlplane import agent_api, tokens
 from controlplane.registry import NodeRegistry
 from sampler.agent import Agent, Backoff, ConfigError, ConfigFile, NewestSummary, parse_config
 from sampler.backend import BackendChoice
-from sampler.proc_groups import ProcGroupSampler
+from sampler.proc_shards import ProcShardSampler
 from sampler.window_sampler import WindowSampler
 from tests.fakeproc import FakeProc
 
@@ -66,11 +66,11 @@ def test_config_change_is_picked_up_and_a_bad_one_is_not(tmp_path: Path) -> None
     path.write_bytes(b'[[shard]]\nid = "only"\nselect = "pid:1"\n')
     os.utime(path, ns=(1, 1))  # a distinct stamp whatever the filesystem's time resolution
     assert cfg.changed()
-    assert cfg.watches is not None and [w.id for w in cfg.watches] == ["only"]
+    assert cfg.specs is not None and [w.id for w in cfg.specs] == ["only"]
     path.write_bytes(b"[[shard]\n")
     os.utime(path, ns=(2, 2))
     assert not cfg.changed()
-    assert [w.id for w in cfg.watches] == ["only"]
+    assert [w.id for w in cfg.specs] == ["only"]
 
 
 async def test_mailbox_keeps_only_the_newest() -> None:
@@ -128,7 +128,7 @@ async def test_agent_registers_heartbeats_and_registers_again_after_a_restart(tm
     def sleep(seconds: float) -> None:
         stopping.wait(seconds)
 
-    sampler = WindowSampler(proc.root, BackendChoice("proc", None), ProcGroupSampler(proc.root), None, hz=20,
+    sampler = WindowSampler(proc.root, BackendChoice("proc", None), ProcShardSampler(proc.root), None, hz=20,
                             node="n1", sleep=sleep)  # fmt: skip
     agent = Agent(sampler, str(server.make_url("/")), tokens.node_token(SECRET, "n1"), "n1", 0.2, stopping)
     run = asyncio.create_task(agent.run())

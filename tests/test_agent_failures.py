@@ -21,7 +21,7 @@ from sampler import agent as agent_module
 from sampler.agent import Agent, AgentFailed
 from sampler.backend import BackendChoice
 from sampler.machine import MountProbe
-from sampler.proc_groups import ProcGroupSampler
+from sampler.proc_shards import ProcShardSampler
 from sampler.window_sampler import WindowSampler
 from tests.fakeproc import FakeProc
 
@@ -36,7 +36,7 @@ def make_agent(tmp_path: Path, url: str = "http://127.0.0.1:9/") -> Agent:
     def sleep(seconds: float) -> None:
         stopping.wait(seconds)
 
-    sampler = WindowSampler(proc.root, BackendChoice("proc", None), ProcGroupSampler(proc.root), None, hz=20,
+    sampler = WindowSampler(proc.root, BackendChoice("proc", None), ProcShardSampler(proc.root), None, hz=20,
                             node="n1", sleep=sleep)  # fmt: skip
     return Agent(sampler, url, tokens.node_token(SECRET, "n1"), "n1", 0.2, stopping)
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from sampler.backend import BackendChoice, GroupSampler
-from sampler.proc_groups import ProcGroupSampler
-from sampler.selectors import GroupSelector, GroupWatch
+from sampler.backend import BackendChoice, ShardSampler
+from sampler.proc_shards import ProcShardSampler
+from sampler.selectors import Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
 from tests.conftest import AccuracyLog
 from tests.workloads import BURST_PERIOD_S, BURST_THREE, HALF_OF_20MS, PROC, process_cpu_seconds, start_group
@@ -46,15 +46,15 @@ MEAN_BOUND = {"burst3": 0.005}
 
 
 @pytest.fixture(params=["bpf", "proc"])
-def backend(request: pytest.FixtureRequest) -> Iterator[tuple[str, GroupSampler]]:
+def backend(request: pytest.FixtureRequest) -> Iterator[tuple[str, ShardSampler]]:
     if request.param == "proc":
-        yield "proc", ProcGroupSampler(PROC)
+        yield "proc", ProcShardSampler(PROC)
         return
     groups = request.getfixturevalue("bpf_groups")
     yield "bpf", groups
 
 
-def window_against_truth(groups: GroupSampler, name: str, pgid: int, hz: float) -> tuple[dict[str, float], float]:
+def window_against_truth(groups: ShardSampler, name: str, pgid: int, hz: float) -> tuple[dict[str, float], float]:
     """One window's cores, and the kernel's account of the group over the same
     interval: read right after the sampler's own readings at the window's
     two edges (the priming sample, and the sample at or after its last slot)."""
@@ -71,7 +71,7 @@ def window_against_truth(groups: GroupSampler, name: str, pgid: int, hz: float) 
     groups.sample = sample_then_truth  # type: ignore[method-assign]
     try:
         ws = WindowSampler(PROC, BackendChoice(name, None), groups,
-                           [GroupWatch("w", GroupSelector.parse(f"pgid:{pgid}"))], hz=hz, node="bursts")  # fmt: skip
+                           [ShardSpec("w", Selector.parse(f"pgid:{pgid}"))], hz=hz, node="bursts")  # fmt: skip
         ws.prime(0)
         final_slot = time.monotonic() + WINDOW_S
         summary = ws.run_window(WINDOW_S)
@@ -84,7 +84,7 @@ def window_against_truth(groups: GroupSampler, name: str, pgid: int, hz: float) 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_every_rate_keeps_the_mean_and_the_bursts(
-    backend: tuple[str, GroupSampler], workload: str, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
+    backend: tuple[str, ShardSampler], workload: str, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
 ) -> None:
     name, groups = backend
     code, threads, level, burst_s = WORKLOADS[workload]

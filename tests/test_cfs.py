@@ -20,7 +20,6 @@ from sampler.cfs import (
     CfsBandwidthReader,
     CpuStat,
     parse_cfs_quota,
-    parse_cpu_list,
     parse_cpu_max,
     parse_cpu_stat,
     parse_status_threads,
@@ -38,7 +37,6 @@ def test_parsers() -> None:
     v2 = parse_cpu_stat(b"usage_usec 10\nuser_usec 5\nsystem_usec 5\nnr_periods 46\nnr_throttled 44\n"
                         b"throttled_usec 2500000\n")  # fmt: skip
     assert v1 == v2 == CpuStat(46, 44, 2.5)
-    assert parse_cpu_list(b"0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
     assert parse_status_threads(b"Name:\tx\nThreads:\t172\nCpus_allowed_list:\t0-63\n") == (172, set(range(64)))
     for bad in (b"", b"max", b"1 0", b"x 100000"):
         with pytest.raises(ProcParseError):

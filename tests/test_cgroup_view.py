@@ -12,7 +12,7 @@ import pytest
 
 from sampler import cgroup_view
 from sampler.cfs import CfsBandwidthReader
-from sampler.selectors import GroupSelector, ProcessTable
+from sampler.selectors import ProcessTable, Selector
 from tests.fakeproc import FakeProc
 
 AGENT = 4242
@@ -74,7 +74,7 @@ def test_paths_from_a_private_namespace_are_put_under_its_root(tmp_path: Path, v
     assert cgroup_view.host_paths(b"0::/\n" if not v1 else b"4:cpu,cpuacct:/\n") == [CONTAINER]
     # A `cgroup:` selector written with the host's path finds the engine.
     table = ProcessTable.walk(proc.root)
-    sel = GroupSelector.parse("cgroup:/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-podxyz.slice")
+    sel = Selector.parse("cgroup:/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-podxyz.slice")
     assert table.cgroups(500) == [ENGINE] and table.resolve(sel) == [500]
     # The CFS reader finds the engine's quota in the host's tree.
     cfs = CfsBandwidthReader(proc.root, tree)

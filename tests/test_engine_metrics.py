@@ -26,7 +26,7 @@ from sampler.agent import ConfigError, parse_config
 from sampler.backend import BackendChoice
 from sampler.engine_metrics import FAMILIES, EngineMetricsError, EngineMetricsReader, parse, read_text
 from sampler.http_fetch import FetchError, fetch
-from sampler.proc_groups import ProcGroupSampler
+from sampler.proc_shards import ProcShardSampler
 from sampler.window_sampler import WindowSampler
 from tests.conftest import free_port
 from tests.fakeproc import FakeClock, FakeProc
@@ -219,7 +219,7 @@ def test_the_window_carries_the_queue(tmp_path: Path, engines: FakeEngines) -> N
     config = f'[[shard]]\nid = "s0"\nselect = "pgid:100"\nmetrics_url = "{engines.url("vllm")}"\n'
     config += '[[shard]]\nid = "s1"\nselect = "pgid:100"\n'  # no endpoint: no queue figures
     clock = FakeClock()
-    ws = WindowSampler(proc.root, BackendChoice("proc", None), ProcGroupSampler(proc.root, clock),
+    ws = WindowSampler(proc.root, BackendChoice("proc", None), ProcShardSampler(proc.root, clock),
                        parse_config(config.encode()), hz=10, node="n1", clock=clock, wall_clock=clock,
                        sleep=clock.advance, gpu_grace=5.0)  # fmt: skip
     s0, s1 = ws.run_window(1.0)["shards"]

@@ -18,8 +18,8 @@ import pytest
 from sampler import bpf_sched
 from sampler.backend import BackendChoice, open_backend
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.proc_groups import ProcGroupSampler
-from sampler.selectors import GroupSelector, GroupWatch, ProcessTable
+from sampler.proc_shards import ProcShardSampler
+from sampler.selectors import ProcessTable, Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
 from tests.conftest import REQUIRE_BPF, AccuracyLog
 from tests.workloads import (
@@ -42,8 +42,8 @@ WINDOW_S = 5.0
 HZ = 10
 
 
-def watch(pgid: int, wid: str = "w") -> GroupWatch:
-    return GroupWatch(wid, GroupSelector.parse(f"pgid:{pgid}"))
+def spec(pgid: int, wid: str = "w") -> ShardSpec:
+    return ShardSpec(wid, Selector.parse(f"pgid:{pgid}"))
 
 
 def windows_against_truth(
@@ -70,7 +70,7 @@ def windows_against_truth(
         return readings
 
     monkeypatch.setattr(groups, "sample", sample_then_truth)
-    ws = WindowSampler(PROC, BackendChoice("bpf", None), groups, [watch(pgid)], hz=HZ)
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), groups, [spec(pgid)], hz=HZ)
     ws.prime(0)
     assert at_edge is not None
     edges.append(at_edge)
@@ -130,16 +130,16 @@ def test_backends_agree_on_steady_workloads(
 ) -> None:
     p = start_group(code)
     group.append(p)
-    proc_groups = ProcGroupSampler(PROC)
+    proc_shards = ProcShardSampler(PROC)
     table = ProcessTable.walk(PROC)
-    for g in (bpf_groups, proc_groups):
-        g.discover([watch(p.pid)], table)
+    for g in (bpf_groups, proc_shards):
+        g.discover([spec(p.pid)], table)
         g.sample()
     totals = {"bpf": 0.0, "proc": 0.0}
     start = time.monotonic()
     for k in range(1, 31):  # 3 s at 10 Hz, both backends at the same instants
         time.sleep(max(0.0, start + k / 10 - time.monotonic()))
-        for name, g in (("bpf", bpf_groups), ("proc", proc_groups)):
+        for name, g in (("bpf", bpf_groups), ("proc", proc_shards)):
             cores = g.sample()["w"].cores
             assert cores is not None
             totals[name] += cores
@@ -153,7 +153,7 @@ def test_a_task_that_never_switches_out_is_credited_at_every_sample(
 ) -> None:
     p = start_group(BURN_ONE_CORE)
     group.append(p)
-    bpf_groups.discover([watch(p.pid)], ProcessTable.walk(PROC))
+    bpf_groups.discover([spec(p.pid)], ProcessTable.walk(PROC))
     bpf_groups.sample()
     truth = GroupTruth(p.pid)
     start = last = truth.at
@@ -198,7 +198,7 @@ def test_pid_churn_leaves_the_task_map_bounded(bpf_groups_with_stats: bpf_sched.
     assert p.stdin is not None and p.stdout is not None
     try:
         assert p.stdout.readline() == "ready\n"
-        bpf_groups.discover([watch(p.pid)], ProcessTable.walk(PROC))
+        bpf_groups.discover([spec(p.pid)], ProcessTable.walk(PROC))
         assert bpf_groups.map_size() == 1
         forks_before = bpf_groups.program_stats()["raw_tracepoint__sched_process_fork"][1]
         p.stdin.write("go\n")
@@ -249,7 +249,7 @@ def test_reused_pid_is_not_credited_to_its_previous_group(
     assert leader.stdin is not None and leader.stdout is not None
     try:
         assert leader.stdout.readline() == "ready\n"
-        bpf_groups.discover([watch(leader.pid)], ProcessTable.walk(PROC))
+        bpf_groups.discover([spec(leader.pid)], ProcessTable.walk(PROC))
         bpf_groups.sample()
         leader.stdin.write("fork\n")
         leader.stdin.flush()
@@ -281,8 +281,8 @@ def test_overlapping_watches_each_get_the_whole_group(
 ) -> None:
     p = start_group(BURN_ONE_CORE)
     group.append(p)
-    watches = [watch(p.pid, "by-pgid"), GroupWatch("by-pid", GroupSelector.parse(f"pid:{p.pid}"))]
-    bpf_groups.discover(watches, ProcessTable.walk(PROC))
+    specs = [spec(p.pid, "by-pgid"), ShardSpec("by-pid", Selector.parse(f"pid:{p.pid}"))]
+    bpf_groups.discover(specs, ProcessTable.walk(PROC))
     bpf_groups.sample()
     time.sleep(0.5)
     r = bpf_groups.sample()
@@ -415,7 +415,7 @@ def auto_with_bcc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) 
     (tmp_path / "bcc" / "__init__.py").write_text(source)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     choice, groups = open_backend("auto", PROC)
-    assert choice.name == "proc" and isinstance(groups, ProcGroupSampler) and choice.reason is not None
+    assert choice.name == "proc" and isinstance(groups, ProcShardSampler) and choice.reason is not None
     return choice
 
 
@@ -624,10 +624,10 @@ def test_waits_for_a_cpu_from_the_kernel_histogram(
     group.append(a)
 
     def window(pgids: list[int]) -> tuple[dict[str, dict[str, float] | None], dict[str, Any]]:
-        watches = [watch(p, f"g{p}") for p in pgids]
+        specs = [spec(p, f"g{p}") for p in pgids]
         table = ProcessTable.walk(PROC)
-        bpf_groups.discover(watches, table)
-        members = {w.id: set(table.resolve(w.selector)) for w in watches}
+        bpf_groups.discover(specs, table)
+        members = {w.id: set(table.resolve(w.selector)) for w in specs}
         schedstat = RunQueueWaitSampler(PROC)
         bpf_groups.runqueue_waits()
         schedstat.read(members)

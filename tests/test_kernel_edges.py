@@ -18,7 +18,7 @@ import pytest
 
 from sampler import bpf_sched
 from sampler.backend import BackendChoice
-from sampler.selectors import GroupSelector, GroupWatch, ProcessTable
+from sampler.selectors import ProcessTable, Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
 from tests.conftest import AccuracyLog, unavailable
 from tests.test_kernel_backend import start_with_pid
@@ -27,8 +27,8 @@ from tests.workloads import PROC, process_cpu_seconds, start_group
 pytestmark = pytest.mark.kernel
 
 
-def watch(pgid: int) -> GroupWatch:
-    return GroupWatch("w", GroupSelector.parse(f"pgid:{pgid}"))
+def spec(pgid: int) -> ShardSpec:
+    return ShardSpec("w", Selector.parse(f"pgid:{pgid}"))
 
 
 # A worker burns a core; the main thread, told to, leaves by pthread_exit
@@ -66,7 +66,7 @@ def test_a_process_whose_main_thread_exited_stays_a_member(
     group.append(p)
     assert p.stdout is not None and p.stdin is not None
     assert p.stdout.readline() == "ready\n"
-    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, [watch(p.pid)], hz=10)
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, [spec(p.pid)], hz=10)
     ws.prime(0)
     p.stdin.write("go\n")
     p.stdin.flush()
@@ -116,7 +116,7 @@ def test_a_wait_over_four_seconds_is_measured_whole(
         unavailable("one CPU: a hog on it would hold the test too")
     worker = start_group(RT_WORKER.replace("{CPU}", str(cpu)))
     group.append(worker)
-    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, [watch(worker.pid)], hz=10)
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, [spec(worker.pid)], hz=10)
     ws.prime(0)
     ws.run_window(0.3)  # the worker's first switches: its baseline
     # RT throttling (or the fair server) leaves other tasks their share of the
@@ -134,7 +134,7 @@ def test_memory_of_a_reused_pid_is_not_the_groups(
 ) -> None:
     member = start_group("import sys\nprint('ready', flush=True)\nsys.stdin.readline()\n")
     group.append(member)
-    bpf_groups.discover([watch(member.pid)], ProcessTable.walk(PROC))
+    bpf_groups.discover([spec(member.pid)], ProcessTable.walk(PROC))
     assert bpf_groups.memory()["w"] is not None
     pid = member.pid
     os.killpg(pid, signal.SIGKILL)
@@ -167,7 +167,7 @@ def test_a_fork_storm_while_discovery_and_sampling_run(
 ) -> None:
     storm = start_group(FORK_STORM)
     group.append(storm)
-    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, [watch(storm.pid)], hz=100)
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, [spec(storm.pid)], hz=100)
     ws.prime(0)
     end = time.monotonic() + 20
     windows = 0

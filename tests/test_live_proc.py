@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from sampler.backend import BackendChoice
-from sampler.proc_groups import ProcGroupSampler
-from sampler.selectors import GroupSelector, GroupWatch
+from sampler.proc_shards import ProcShardSampler
+from sampler.selectors import Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
 from tests.workloads import (
     BURN_ONE_CORE,
@@ -39,8 +39,8 @@ WINDOW_S = 3.0
 
 def measure(pgid: int, selector: str) -> tuple[float, float]:
     """The sampler's window mean and the truth over the same interval, in cores."""
-    watches = [GroupWatch("w", GroupSelector.parse(selector))]
-    sampler = WindowSampler(PROC, BackendChoice("proc", None), ProcGroupSampler(PROC), watches)
+    specs = [ShardSpec("w", Selector.parse(selector))]
+    sampler = WindowSampler(PROC, BackendChoice("proc", None), ProcShardSampler(PROC), specs)
     sampler.prime(0)
     truth = GroupTruth(pgid)
     summary = sampler.run_window(WINDOW_S)
@@ -115,8 +115,8 @@ def window_with_a_stall(groups: Any, backend: str, pgid: int) -> tuple[dict[str,
         return readings
 
     groups.sample = stalling
-    watches = [GroupWatch("w", GroupSelector.parse(f"pgid:{pgid}"))]
-    sampler = WindowSampler(PROC, BackendChoice(backend, None), groups, watches, hz=10)
+    specs = [ShardSpec("w", Selector.parse(f"pgid:{pgid}"))]
+    sampler = WindowSampler(PROC, BackendChoice(backend, None), groups, specs, hz=10)
     sampler.prime(0)
     final_slot = time.monotonic() + WINDOW_S
     summary = sampler.run_window(WINDOW_S)
@@ -131,6 +131,6 @@ def test_a_300_ms_stall_on_the_real_clock(group: list[subprocess.Popen[str]]) ->
     than they can use; the mean stays the kernel's account."""
     p = start_group(QUARTER_WORKERS)
     group.append(p)
-    stats, truth = window_with_a_stall(ProcGroupSampler(PROC), "proc", p.pid)
+    stats, truth = window_with_a_stall(ProcShardSampler(PROC), "proc", p.pid)
     assert stats["mean"] == pytest.approx(truth, rel=0.10)
     assert stats["p95"] <= 1.5 and stats["max"] <= 1.5, stats  # 0.75 a sample, give or take the ticks

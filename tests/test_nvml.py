@@ -15,8 +15,8 @@ import pytest
 from sampler.backend import BackendChoice
 from sampler.nvml import GpuReader, GpuReading
 from sampler.pods import Pod
-from sampler.proc_groups import ProcGroupSampler
-from sampler.selectors import GroupSelector, GroupWatch
+from sampler.proc_shards import ProcShardSampler
+from sampler.selectors import Selector, ShardSpec
 from sampler.summary_text import render
 from sampler.window_sampler import WindowSampler
 from tests.fakenvml import OLD_DRIVER, FakeCard, FakeNvml, GiB, h200_node
@@ -212,8 +212,8 @@ def window_sampler(tmp_path: Path, nvml: FakeNvml, readers: list[GpuReader]) -> 
     clock = FakeClock()
     time = GpuTime(clock)
     gpus = time.gpus = open_reader(nvml, readers)
-    watches = [GroupWatch("llama", GroupSelector.parse("pgid:100"))]
-    ws = WindowSampler(proc.root, BackendChoice("proc", None), ProcGroupSampler(proc.root, clock), watches,
+    specs = [ShardSpec("llama", Selector.parse("pgid:100"))]
+    ws = WindowSampler(proc.root, BackendChoice("proc", None), ProcShardSampler(proc.root, clock), specs,
                        hz=10, node="n1", clock=clock, wall_clock=clock, sleep=time.sleep, gpus=gpus)  # fmt: skip
     return ws, time
 
@@ -370,8 +370,8 @@ def test_gpu_memory_and_share_by_pod(tmp_path: Path, readers: list[GpuReader]) -
     gpus = time.gpus = open_reader(nvml, readers)
     pods = _Pods([Pod("llm", "engine-0", "u0", {"app": "vllm"}, {"vllm": a}),
                   Pod("llm", "engine-1", "u1", {"app": "vllm"}, {"vllm": b})])  # fmt: skip
-    watches = [GroupWatch("k8s:0", GroupSelector.parse("k8s:llm/app=vllm"))]
-    ws = WindowSampler(proc.root, BackendChoice("proc", None), ProcGroupSampler(proc.root, clock), watches,
+    specs = [ShardSpec("k8s:0", Selector.parse("k8s:llm/app=vllm"))]
+    ws = WindowSampler(proc.root, BackendChoice("proc", None), ProcShardSampler(proc.root, clock), specs,
                        hz=10, node="n1", clock=clock, wall_clock=clock, sleep=time.sleep, gpus=gpus,
                        kubelet=pods)  # type: ignore[arg-type]  # fmt: skip
     shards = {s["id"]: s for s in ws.run_window(1.0)["shards"]}

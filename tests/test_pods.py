@@ -1,6 +1,6 @@
 """Pods as the agent finds them: container ids in cgroup paths of every
 runtime and driver, Kubernetes' label selector syntax, the kubelet's
-PodList (pending, terminating, restarted, hostile), a `k8s:` watch made
+PodList (pending, terminating, restarted, hostile), a `k8s:` shard made
 concrete per pod, and a kubelet over TLS that answers, fails or hangs."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from sampler import container_ids
 from sampler.agent import ConfigError, parse_config
 from sampler.kubelet import KubeletPods
 from sampler.pods import PodSelector, parse_label_selector, parse_pod_list
-from sampler.selectors import GroupSelector, GroupWatch, pod_watches
+from sampler.selectors import Selector, ShardSpec, pod_watches
 from tests.certs import TestCA, kubelet_serving_name
 from tests.fakekubelet import FakeKubelet, pod_doc
 
@@ -157,8 +157,8 @@ def test_a_kubelet_answer_that_is_no_pod_list_is_refused(body: bytes) -> None:
         parse_pod_list(body, lambda why: None)
 
 
-def k8s_watch(text: str, **kwargs: object) -> GroupWatch:
-    return GroupWatch("k8s:0", GroupSelector.parse(text), **kwargs)  # type: ignore[arg-type]
+def k8s_watch(text: str, **kwargs: object) -> ShardSpec:
+    return ShardSpec("k8s:0", Selector.parse(text), **kwargs)  # type: ignore[arg-type]
 
 
 def test_a_pod_selector_is_one_shard_per_pod() -> None:
@@ -171,7 +171,7 @@ def test_a_pod_selector_is_one_shard_per_pod() -> None:
     made = pod_watches(k8s_watch("k8s:llm/app=vllm", model_label="model", replica_label="replica",
                                  metrics_url="http://{pod_ip}:8000/metrics"), pods)  # fmt: skip
     assert [w.id for w in made] == ["llm/engine-0", "llm/engine-1"]
-    assert made[0].selector == GroupSelector("containers", ",".join(sorted([A, B])))
+    assert made[0].selector == Selector("containers", ",".join(sorted([A, B])))
     assert (made[0].model, made[0].replica, made[0].namespace, made[0].pod) == ("llama-3-8b", "r0", "llm", "engine-0")
     assert made[1].model is None and made[0].metrics_url == "http://10.244.1.7:8000/metrics"
     # The endpoint's port: fixed, a container port's name, or an annotation.

@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
-from sampler.backend import BackendChoice, GroupSampler
+from sampler.backend import BackendChoice, ShardSampler
 from sampler.kubelet import KubeletPods
-from sampler.proc_groups import ProcGroupSampler
-from sampler.selectors import GroupSelector, GroupWatch
+from sampler.proc_shards import ProcShardSampler
+from sampler.selectors import Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
 from tests.conftest import CGROUP, AccuracyLog, unavailable
 from tests.fakekubelet import FakeKubelet, pod_doc
@@ -91,9 +91,9 @@ def pod_cgroups() -> Iterator[PodCgroups]:
 
 
 @pytest.fixture(params=["bpf", "proc"])
-def backend(request: pytest.FixtureRequest) -> Iterator[tuple[str, GroupSampler]]:
+def backend(request: pytest.FixtureRequest) -> Iterator[tuple[str, ShardSampler]]:
     if request.param == "proc":
-        yield "proc", ProcGroupSampler(PROC)
+        yield "proc", ProcShardSampler(PROC)
         return
     yield "bpf", request.getfixturevalue("bpf_groups")
 
@@ -122,7 +122,7 @@ class EdgeTruth:
     work, tens of milliseconds in an emulated guest): a pod busy a quarter of
     the time was 5.7% off in the 6.12 guest once."""
 
-    def __init__(self, groups: GroupSampler, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, groups: ShardSampler, monkeypatch: pytest.MonkeyPatch) -> None:
         self.pids: dict[str, int] = {}
         self.last: dict[str, tuple[float, float]] | None = None  # each pod (when, seconds), stamped as read
         sample = groups.sample
@@ -144,7 +144,7 @@ class EdgeTruth:
         return {s["id"]: s for s in summary["shards"]}, cores
 
 
-def test_pods_of_a_deployment_on_both_backends(backend: tuple[str, GroupSampler], pod_cgroups: PodCgroups,
+def test_pods_of_a_deployment_on_both_backends(backend: tuple[str, ShardSampler], pod_cgroups: PodCgroups,
                                                kubelet: FakeKubelet, accuracy: AccuracyLog,
                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     name, groups = backend
@@ -160,9 +160,9 @@ def test_pods_of_a_deployment_on_both_backends(backend: tuple[str, GroupSampler]
                   "router-0": {"app": "router"}}  # fmt: skip
         kubelet.pods = [pod_doc("llm", pod, {"vllm": ids[pod]}, labels[pod], uid=uids[pod]) for pod in duties]
         pods = KubeletPods(kubelet.url, kubelet.token_file, kubelet.ca_file, poll_s=3600, refresh_s=0)
-        watch = GroupWatch("k8s:0", GroupSelector.parse("k8s:llm/app=vllm"), model_label="model",
+        spec = ShardSpec("k8s:0", Selector.parse("k8s:llm/app=vllm"), model_label="model",
                            replica_label="replica")  # fmt: skip
-        sampler = WindowSampler(PROC, BackendChoice(name, None), groups, [watch], hz=20, node="n1", kubelet=pods)
+        sampler = WindowSampler(PROC, BackendChoice(name, None), groups, [spec], hz=20, node="n1", kubelet=pods)
         try:
             truth_of.pids = {p: pids[p] for p in ("engine-0", "engine-1")}
             sampler.prime(0)

@@ -12,9 +12,9 @@ import pytest
 
 from sampler import procfs
 from sampler.backend import BackendChoice
-from sampler.proc_groups import ProcGroupSampler
+from sampler.proc_shards import ProcShardSampler
 from sampler.runqueue import RunQueueWaitSampler, parse_schedstat
-from sampler.selectors import GroupSelector, GroupWatch
+from sampler.selectors import Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
 from tests.workloads import PROC, start_group
 
@@ -52,8 +52,8 @@ def pinned_burner(cpu: int) -> subprocess.Popen[str]:
 
 
 def wait_of(p: subprocess.Popen[str]) -> dict[str, float]:
-    ws = WindowSampler(PROC, BackendChoice("proc", None), ProcGroupSampler(PROC),
-                       [GroupWatch("w", GroupSelector.parse(f"pgid:{p.pid}"))], hz=10)  # fmt: skip
+    ws = WindowSampler(PROC, BackendChoice("proc", None), ProcShardSampler(PROC),
+                       [ShardSpec("w", Selector.parse(f"pgid:{p.pid}"))], hz=10)  # fmt: skip
     ws.prime(0)
     [shard] = ws.run_window(2.0)["shards"]
     wait: dict[str, float] = shard["runqueue_wait_seconds"]

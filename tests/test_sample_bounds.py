@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from sampler.backend import BackendChoice
 from sampler.bpf_sched import place_late, settle
-from sampler.proc_groups import GroupReading, ProcGroupSampler, within_capacity
-from sampler.selectors import GroupSelector, GroupWatch
+from sampler.proc_shards import ProcShardSampler, ShardReading, within_capacity
+from sampler.selectors import Selector, ShardSpec
 from sampler.window import RateSeries
 from sampler.window_sampler import WindowSampler
 from tests.fakeproc import FakeClock, FakeProc
@@ -72,11 +72,11 @@ def test_time_counted_ahead_is_paid_back_never_below_zero(used: list[float]) -> 
     assert math.isclose(sum(reported) - debt, sum(used), abs_tol=1e-9)
 
 
-class _Impossible(ProcGroupSampler):
+class _Impossible(ProcShardSampler):
     """A backend with a bug: every sample reads 1,000 cores."""
 
-    def sample(self) -> dict[str, GroupReading]:
-        return {wid: GroupReading(1000.0, None, 0.1) for wid in self._states}
+    def sample(self) -> dict[str, ShardReading]:
+        return {wid: ShardReading(1000.0, None, 0.1) for wid in self._states}
 
 
 def test_a_sample_above_the_machine_is_a_bug_said_once_and_kept(tmp_path: Path,
@@ -85,7 +85,7 @@ def test_a_sample_above_the_machine_is_a_bug_said_once_and_kept(tmp_path: Path,
     proc.add(100, rss=1)
     clock = FakeClock()
     w = WindowSampler(proc.root, BackendChoice("proc", None), _Impossible(proc.root, clock),
-                      [GroupWatch("s0", GroupSelector.parse("pgid:100"))], hz=10, node="n1", clock=clock,
+                      [ShardSpec("s0", Selector.parse("pgid:100"))], hz=10, node="n1", clock=clock,
                       wall_clock=clock, sleep=clock.advance)  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="sampler.window_sampler"):
         w.run_window(1.0)

@@ -25,7 +25,7 @@ import wire
 from controlplane.starvation import StarvationRules, judge_heartbeat
 from sampler import bpf_sched
 from sampler.backend import BackendChoice
-from sampler.selectors import GroupSelector, GroupWatch
+from sampler.selectors import Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
 from tests.conftest import AccuracyLog, CpuCgroup, unavailable
 from tests.workloads import PROC, busy_threads, start_group
@@ -40,8 +40,8 @@ def judged_window(groups: bpf_sched.BpfGroupSampler, engines: dict[str, int],
     """One window of the agent's loop over the engines (id -> pgid), through
     the wire format, judged as the control plane judges it. `after_cfs` runs
     right after each of the sampler's cgroup readings (its window's two edges)."""
-    watches = [GroupWatch(sid, GroupSelector.parse(f"pgid:{pgid}")) for sid, pgid in engines.items()]
-    ws = WindowSampler(PROC, BackendChoice("bpf", None), groups, watches, hz=10, node="starved-test")
+    specs = [ShardSpec(sid, Selector.parse(f"pgid:{pgid}")) for sid, pgid in engines.items()]
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), groups, specs, hz=10, node="starved-test")
     if after_cfs is not None:
         read = ws.cfs.read
 

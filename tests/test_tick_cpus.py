@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from sampler.bpf_sched import parse_cpu_list, tick_cpus
+from sampler.bpf_sched import tick_cpus
+from sampler.cpu_lists import parse_cpu_list
 
 
 @pytest.mark.parametrize("text, cpus", [
     ("0-3\n", [0, 1, 2, 3]), ("0,2,4-5\n", [0, 2, 4, 5]), ("\n", []), ("7", [7]), ("0-1,1-2", [0, 1, 2]),
+    (b"0-3,8,10-11\n", [0, 1, 2, 3, 8, 10, 11]),
 ])  # fmt: skip
-def test_cpu_lists(text: str, cpus: list[int]) -> None:
+def test_cpu_lists(text: str | bytes, cpus: list[int]) -> None:
     assert parse_cpu_list(text) == cpus
 
 

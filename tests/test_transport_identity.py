@@ -128,11 +128,11 @@ def test_token_file_rotation_is_picked_up(tmp_path: Path) -> None:
 def test_a_config_that_appears_later_is_picked_up(tmp_path: Path) -> None:
     path = tmp_path / "agent.toml"
     cfg = ConfigFile(path)
-    assert cfg.watches is None and not cfg.changed()  # no file: the busiest groups
+    assert cfg.specs is None and not cfg.changed()  # no file: the busiest groups
     path.write_text('[[shard]]\nid = "s0"\nselect = "pid:1"\n')
-    assert cfg.changed() and cfg.watches is not None and [w.id for w in cfg.watches] == ["s0"]
+    assert cfg.changed() and cfg.specs is not None and [w.id for w in cfg.specs] == ["s0"]
     path.unlink()
-    assert cfg.changed() and cfg.watches is None
+    assert cfg.changed() and cfg.specs is None
 
 
 def test_disks_come_from_pid_1s_mount_table_through_its_root(tmp_path: Path) -> None:

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from sampler.backend import BackendChoice
-from sampler.proc_groups import PAGE_SIZE, USER_HZ, GroupReading, ProcGroupSampler
-from sampler.selectors import GroupSelector, GroupWatch
+from sampler.proc_shards import PAGE_SIZE, USER_HZ, ProcShardSampler, ShardReading
+from sampler.selectors import Selector, ShardSpec
 from sampler.window import RateSeries
 from sampler.window_sampler import WindowSampler
 from tests.fakeproc import FakeClock, FakeProc
@@ -92,9 +92,9 @@ def test_window_summary_shape(tmp_path: Path) -> None:
     w = WindowSampler(
         proc.root,
         BackendChoice("proc", "asked for proc"),
-        ProcGroupSampler(proc.root, clock),
-        [GroupWatch("s0", GroupSelector.parse("pgid:100"), model="llama", replica="r1"),
-         GroupWatch("gone", GroupSelector.parse("pgid:999"))],
+        ProcShardSampler(proc.root, clock),
+        [ShardSpec("s0", Selector.parse("pgid:100"), model="llama", replica="r1"),
+         ShardSpec("gone", Selector.parse("pgid:999"))],
         hz=10,
         node="n1",
         clock=clock,
@@ -126,7 +126,7 @@ def test_busiest_groups_are_found_by_priming(tmp_path: Path) -> None:
     proc.add(200, comm="idle")
     clock = FakeClock()
     script = ScriptedProc(proc, clock, comm="engine")
-    groups = ProcGroupSampler(proc.root, clock)
+    groups = ProcShardSampler(proc.root, clock)
     w = WindowSampler(proc.root, BackendChoice("proc", None), groups, None, hz=10, node="n1",
                       clock=clock, wall_clock=clock, sleep=script.sleep)
     w.prime(1.0)
@@ -159,7 +159,7 @@ def test_busiest_groups_are_named_by_command_and_outlive_a_restart(tmp_path: Pat
 
     for pid, comm in running.items():
         proc.add(pid, comm=comm, rss=10)
-    groups = ProcGroupSampler(proc.root, clock)
+    groups = ProcShardSampler(proc.root, clock)
     w = WindowSampler(proc.root, BackendChoice("proc", None), groups, None, hz=10, node="n1",
                       clock=clock, wall_clock=clock, sleep=sleep)  # fmt: skip
     w.prime(1.0)
@@ -189,7 +189,7 @@ def test_a_300_ms_stall_keeps_every_figure(tmp_path: Path) -> None:
     proc.add(100, rss=1)
     clock = FakeClock()
     script = ScriptedProc(proc, clock)
-    groups = ProcGroupSampler(proc.root, clock)
+    groups = ProcShardSampler(proc.root, clock)
     sleeps = 0
 
     def stalling_sleep(seconds: float) -> None:
@@ -198,7 +198,7 @@ def test_a_300_ms_stall_keeps_every_figure(tmp_path: Path) -> None:
         script.sleep(seconds + (0.3 if sleeps == 15 else 0.0))  # the process runs on while the sampler stalls
 
     w = WindowSampler(proc.root, BackendChoice("proc", None), groups,
-                      [GroupWatch("s0", GroupSelector.parse("pgid:100"))], hz=10, node="n1", clock=clock,
+                      [ShardSpec("s0", Selector.parse("pgid:100"))], hz=10, node="n1", clock=clock,
                       wall_clock=clock, sleep=stalling_sleep)  # fmt: skip
     w.run_window(1.0)
     stalled = w.run_window(1.0)
@@ -226,16 +226,16 @@ def test_the_first_sample_is_weighted_from_the_machines_first_reading(tmp_path: 
         proc.set_cpu(**ticks)
 
     proc.set_cpu(**ticks)
-    groups = ProcGroupSampler(proc.root, clock)
+    groups = ProcShardSampler(proc.root, clock)
     read_groups = groups.sample
 
-    def slow_read() -> dict[str, GroupReading]:
+    def slow_read() -> dict[str, ShardReading]:
         run(0.1, busy=2.0)
         return read_groups()
 
     groups.sample = slow_read  # type: ignore[method-assign]
     w = WindowSampler(proc.root, BackendChoice("proc", None), groups,
-                      [GroupWatch("s0", GroupSelector.parse("pgid:100"))], hz=10, node="n1", clock=clock,
+                      [ShardSpec("s0", Selector.parse("pgid:100"))], hz=10, node="n1", clock=clock,
                       wall_clock=clock, sleep=lambda s: run(s, busy=1.0))  # fmt: skip
     w.prime(0)
     groups.sample = read_groups  # type: ignore[method-assign]

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import wire
 from sampler.backend import BackendChoice
-from sampler.proc_groups import ProcGroupSampler
-from sampler.selectors import GroupSelector, GroupWatch
+from sampler.proc_shards import ProcShardSampler
+from sampler.selectors import Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
 from tests.fakeproc import FakeClock, FakeProc
 
@@ -67,14 +67,14 @@ def _mounts(proc: FakeProc, where: Path, names: list[str]) -> None:
     (proc.root / "filesystems").write_text("nodev\ttmpfs\n\text4\n")
 
 
-def _window(proc: FakeProc, watches: list[GroupWatch] | None) -> dict[str, Any]:
+def _window(proc: FakeProc, specs: list[ShardSpec] | None) -> dict[str, Any]:
     clock = FakeClock()
 
     def sleep(seconds: float) -> None:
         clock.advance(seconds)
 
-    sampler = WindowSampler(proc.root, BackendChoice("proc", "a test tree"), ProcGroupSampler(proc.root, clock),
-                            watches, hz=10, node="n1", clock=clock, sleep=sleep)  # fmt: skip
+    sampler = WindowSampler(proc.root, BackendChoice("proc", "a test tree"), ProcShardSampler(proc.root, clock),
+                            specs, hz=10, node="n1", clock=clock, sleep=sleep)  # fmt: skip
     sampler.prime(1.0)
     return sampler.run_window(1.0)
 
@@ -99,8 +99,8 @@ def test_hostile_trees_are_accepted_whole(tmp_path_factory: Any, comms: list[str
     summary = _window(proc, None)  # the busiest groups, named by their hostile commands
     parsed = _accepted_whole(summary)
     assert all(s.get("command", "x").isprintable() for s in parsed["shards"])
-    watches = [GroupWatch(f"w{i}", GroupSelector.parse(f"pid:{100 + i}")) for i in range(len(comms))]
-    _accepted_whole(_window(proc, watches))
+    specs = [ShardSpec(f"w{i}", Selector.parse(f"pid:{100 + i}")) for i in range(len(comms))]
+    _accepted_whole(_window(proc, specs))
 
 
 def test_a_crowded_hostile_machine_is_accepted_whole(tmp_path: Path) -> None:
@@ -114,8 +114,8 @@ def test_a_crowded_hostile_machine_is_accepted_whole(tmp_path: Path) -> None:
         proc.add(1000 + i, comm=f"e{c}{i % 97}", cmdline=f"engine{c} --id {i}", utime=i % 500)
     names = [f"vol{chr(9 + i % 5)}{'x' * (i % 300)}\u00a0{i}" for i in range(500)]
     _mounts(proc, tmp_path / "mnt", [n[:200] for n in names])
-    watches = [GroupWatch(f"shard-{i}", GroupSelector.parse(f"pid:{1000 + i * 7}")) for i in range(300)]
-    summary = _window(proc, watches)
+    specs = [ShardSpec(f"shard-{i}", Selector.parse(f"pid:{1000 + i * 7}")) for i in range(300)]
+    summary = _window(proc, specs)
     parsed = _accepted_whole(summary)
     assert len(parsed["shards"]) == wire.MAX_SHARDS and parsed["shards_left_out"] == 300 - wire.MAX_SHARDS
     disks = parsed["machine"]["disks"]

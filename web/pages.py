@@ -20,14 +20,13 @@ import jinja2
 from aiohttp import web
 
 import wire
-from controlplane.history import ChartSpec, EmbeddedHistory, History, HistoryError, PrometheusHistory, Series
-from controlplane.keys import REGISTRY
+from controlplane.history import ChartSpec, EmbeddedHistory, HistoryError, PrometheusHistory, Series
+from controlplane.keys import HISTORY, REGISTRY
 from controlplane.live import LIVE
 from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
 from controlplane.registry import NodeRegistry, NodeState
 from web.charts import columns, format_value, svg_chart
 
-HISTORY = web.AppKey("history", object)  # a History (embedded or Prometheus)
 PROMETHEUS_URL = web.AppKey("prometheus_url", str)
 TEMPLATES = web.AppKey("templates", jinja2.Environment)
 
@@ -125,7 +124,7 @@ def _draw(read: list[tuple[str, list[Series], str, float | None]], now: float) -
 async def _charts(app: web.Application, specs: Specs, now: float) -> tuple[list[str], list[str]]:
     """SVG for each chart; the reasons history could not be read, if any. The
     drawing, and the embedded history's reading, are done on the page thread."""
-    history: History = app[HISTORY]  # type: ignore[assignment]
+    history = app[HISTORY]
     if isinstance(history, EmbeddedHistory):
         return await app[PAGE_WORKER].run(_embedded_charts, history, specs, now)
     read, errors = [], []

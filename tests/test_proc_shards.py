@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 
 from sampler.agent import ConfigError, parse_config
-from sampler.proc_groups import PAGE_SIZE, USER_HZ, GroupReading, ProcGroupSampler
-from sampler.selectors import CMDLINE_PREFIX_BYTES, GroupSelector, GroupWatch, ProcessTable, busiest_groups
+from sampler.proc_shards import PAGE_SIZE, USER_HZ, ProcShardSampler, ShardReading
+from sampler.selectors import CMDLINE_PREFIX_BYTES, ProcessTable, Selector, ShardSpec, busiest_groups
 from tests.fakeproc import FakeClock, FakeProc
 
 
@@ -13,25 +13,25 @@ def proc(tmp_path: Path) -> FakeProc:
     return FakeProc(tmp_path / "proc")
 
 
-def watch(text: str, wid: str = "s0") -> GroupWatch:
-    return GroupWatch(wid, GroupSelector.parse(text))
+def spec(text: str, wid: str = "s0") -> ShardSpec:
+    return ShardSpec(wid, Selector.parse(text))
 
 
-def sampler_for(proc: FakeProc, *watches: GroupWatch) -> tuple[ProcGroupSampler, FakeClock]:
+def sampler_for(proc: FakeProc, *specs: ShardSpec) -> tuple[ProcShardSampler, FakeClock]:
     clock = FakeClock()
-    s = ProcGroupSampler(proc.root, clock)
-    s.discover(list(watches), ProcessTable.walk(proc.root))
+    s = ProcShardSampler(proc.root, clock)
+    s.discover(list(specs), ProcessTable.walk(proc.root))
     return s, clock
 
 
-def step(s: ProcGroupSampler, clock: FakeClock, seconds: float = 1.0, wid: str = "s0") -> GroupReading:
+def step(s: ProcShardSampler, clock: FakeClock, seconds: float = 1.0, wid: str = "s0") -> ShardReading:
     clock.advance(seconds)
     return s.sample()[wid]
 
 
 def test_first_sample_reports_no_cores(proc: FakeProc) -> None:
     proc.add(100, utime=50, rss=10)
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     r = step(s, clock)
     assert r.cores is None
     assert r.memory_bytes == 10 * PAGE_SIZE  # a gauge needs no previous reading
@@ -42,7 +42,7 @@ def test_all_processes_of_the_group_count_together(proc: FakeProc) -> None:
     proc.add(101, pgrp=100, ppid=100, utime=0, rss=20)
     proc.add(102, pgrp=100, ppid=100, stime=0, rss=30)
     proc.add(200, utime=0)  # another group
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock)
     proc.set(101, pgrp=100, ppid=100, utime=USER_HZ, rss=20)
     proc.set(102, pgrp=100, ppid=100, stime=USER_HZ // 2, rss=30)
@@ -55,7 +55,7 @@ def test_all_processes_of_the_group_count_together(proc: FakeProc) -> None:
 def test_vanished_process_is_skipped(proc: FakeProc) -> None:
     proc.add(100)
     proc.add(101, pgrp=100, ppid=1)
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock)
     proc.remove(101)
     proc.set(100, utime=USER_HZ)
@@ -65,21 +65,21 @@ def test_vanished_process_is_skipped(proc: FakeProc) -> None:
 def test_reused_pid_is_a_new_process_not_a_member(proc: FakeProc) -> None:
     proc.add(100)
     proc.add(101, pgrp=100, ppid=1, utime=10, start=1000)
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock)
     # 101 exited; a new process got pid 101, in the same group, with more CPU time.
     proc.set(101, pgrp=100, ppid=1, utime=5000, start=2000)
     r = step(s, clock)
     assert r.cores == pytest.approx(0.0)
     # The next walk makes it a member, from its reading at that walk on.
-    s.discover([watch("pgid:100")], ProcessTable.walk(proc.root))
+    s.discover([spec("pgid:100")], ProcessTable.walk(proc.root))
     proc.set(101, pgrp=100, ppid=1, utime=5000 + USER_HZ, start=2000)
     assert step(s, clock).cores == pytest.approx(1.0)
 
 
 def test_counter_going_backwards_reports_nothing_for_that_sample(proc: FakeProc) -> None:
     proc.add(100, utime=1000)
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock)
     proc.set(100, utime=500)
     assert step(s, clock).cores is None
@@ -90,7 +90,7 @@ def test_counter_going_backwards_reports_nothing_for_that_sample(proc: FakeProc)
 def test_half_written_member_stat_reports_nothing_for_that_sample(proc: FakeProc) -> None:
     proc.add(100)
     proc.add(101, pgrp=100)
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock)
     proc.write_raw(101, b"101 (pyth")
     proc.set(100, utime=USER_HZ)
@@ -101,7 +101,7 @@ def test_reaped_children_count(proc: FakeProc) -> None:
     """Children forked and reaped between two samples are never seen; their
     time reaches the group through the reaper's cutime and cstime."""
     proc.add(100)
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock)
     proc.set(100, utime=USER_HZ // 10, cutime=USER_HZ // 2, cstime=USER_HZ // 4)
     assert step(s, clock).cores == pytest.approx(0.85)
@@ -110,7 +110,7 @@ def test_reaped_children_count(proc: FakeProc) -> None:
 def test_reaping_a_watched_child_does_not_count_its_life_twice(proc: FakeProc) -> None:
     proc.add(100)
     proc.add(101, pgrp=100, ppid=100, utime=3600 * USER_HZ)  # a worker that ran for an hour
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock)
     proc.set(101, pgrp=100, ppid=100, utime=3600 * USER_HZ + USER_HZ)
     assert step(s, clock).cores == pytest.approx(1.0)
@@ -125,7 +125,7 @@ def test_reap_seen_after_the_exit(proc: FakeProc) -> None:
     next (the reap raced the reading): counted once, when it shows."""
     proc.add(100)
     proc.add(101, pgrp=100, ppid=100, utime=1000)
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock)
     proc.remove(101)
     assert step(s, clock).cores == pytest.approx(0.0)
@@ -136,7 +136,7 @@ def test_reap_seen_after_the_exit(proc: FakeProc) -> None:
 def test_process_that_left_the_group_is_not_counted(proc: FakeProc) -> None:
     proc.add(100)
     proc.add(101, pgrp=100)
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock)
     proc.set(101, pgrp=101, utime=10 * USER_HZ)  # setsid()
     assert step(s, clock).cores == pytest.approx(0.0)
@@ -144,24 +144,24 @@ def test_process_that_left_the_group_is_not_counted(proc: FakeProc) -> None:
 
 def test_group_that_is_gone_reports_nothing(proc: FakeProc) -> None:
     proc.add(100)
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock)
     proc.remove(100)
-    assert step(s, clock) == GroupReading(None, None)
+    assert step(s, clock) == ShardReading(None, None)
 
 
 def test_missing_proc_reports_nothing(tmp_path: Path) -> None:
-    s = ProcGroupSampler(tmp_path / "absent")
-    s.discover([watch("pgid:1")], ProcessTable.walk(tmp_path / "absent"))
-    assert s.sample()["s0"] == GroupReading(None, None)
+    s = ProcShardSampler(tmp_path / "absent")
+    s.discover([spec("pgid:1")], ProcessTable.walk(tmp_path / "absent"))
+    assert s.sample()["s0"] == ShardReading(None, None)
 
 
 def test_members_keep_their_baseline_across_walks(proc: FakeProc) -> None:
     proc.add(100)
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock)
     proc.set(100, utime=USER_HZ)
-    s.discover([watch("pgid:100")], ProcessTable.walk(proc.root))  # a walk between two samples
+    s.discover([spec("pgid:100")], ProcessTable.walk(proc.root))  # a walk between two samples
     assert step(s, clock).cores == pytest.approx(1.0)
 
 
@@ -173,7 +173,7 @@ def test_selectors_resolve(proc: FakeProc) -> None:
     t = ProcessTable.walk(proc.root)
 
     def pids(text: str) -> list[int]:
-        return sorted(t.resolve(GroupSelector.parse(text)))
+        return sorted(t.resolve(Selector.parse(text)))
 
     assert pids("pgid:100") == [100, 101]
     assert pids("pid:101") == [100, 101]
@@ -190,7 +190,7 @@ def test_selectors_resolve(proc: FakeProc) -> None:
 )
 def test_bad_selectors(text: str) -> None:
     with pytest.raises(ValueError, match="selector"):
-        GroupSelector.parse(text)
+        Selector.parse(text)
 
 
 def test_a_command_line_is_judged_on_its_first_32_kib(proc: FakeProc) -> None:
@@ -200,7 +200,7 @@ def test_a_command_line_is_judged_on_its_first_32_kib(proc: FakeProc) -> None:
     proc.add(100, cmdline=f"vllm serve {padding[:-20]} llama-70b")  # ends inside the prefix
     proc.add(200, cmdline=f"vllm serve {padding} llama-70b " + "y" * 2_000_000)  # starts past it
     t = ProcessTable.walk(proc.root)
-    assert sorted(t.resolve(GroupSelector.parse("cmdline:vllm serve .*llama-70b"))) == [100]
+    assert sorted(t.resolve(Selector.parse("cmdline:vllm serve .*llama-70b"))) == [100]
     line = t.cmdline(200)
     assert line is not None and len(line) == CMDLINE_PREFIX_BYTES
 
@@ -209,7 +209,7 @@ def test_a_leader_is_matched_once_while_its_command_line_stays(proc: FakeProc) -
     """The walk before lends its verdicts: an unchanged leader is not searched
     again; a new command line, or a new process on the same pid, is."""
     searched: list[str] = []
-    real = GroupSelector.parse("cmdline:llama")
+    real = Selector.parse("cmdline:llama")
     assert real.pattern is not None
     pattern = real.pattern
 
@@ -218,7 +218,7 @@ def test_a_leader_is_matched_once_while_its_command_line_stays(proc: FakeProc) -
             searched.append(text)
             return pattern.search(text)
 
-    sel = GroupSelector("cmdline", "llama", Counting())
+    sel = Selector("cmdline", "llama", Counting())
     proc.add(100, cmdline="vllm serve llama")
     proc.add(200, cmdline="sshd -D")
     first = ProcessTable.walk(proc.root)
@@ -255,7 +255,7 @@ def test_ticks_a_sample_could_not_hold_are_carried_to_the_next(proc: FakeProc) -
     one-thread process are time of the samples around it. No sample reads
     more than its threads can use; nothing is dropped."""
     proc.add(100, utime=0, threads=1)
-    s, clock = sampler_for(proc, watch("pgid:100"))
+    s, clock = sampler_for(proc, spec("pgid:100"))
     step(s, clock, 0.01)  # the first reading
     proc.set(100, utime=3, threads=1)  # 30 ms of CPU shows up at once
     readings = [step(s, clock, 0.01).cores for _ in range(4)]

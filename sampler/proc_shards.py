@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sampler import procfs
-from sampler.selectors import GroupWatch, ProcessTable
+from sampler.selectors import ProcessTable, ShardSpec
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,8 @@ class _Member:
 
 
 @dataclass
-class _WatchState:
-    watch: GroupWatch
+class _ShardState:
+    spec: ShardSpec
     members: dict[int, _Member] = field(default_factory=dict)
     # pid of a member parent -> seconds of its exited children already credited
     reap_credit: dict[int, float] = field(default_factory=dict)
@@ -111,17 +111,17 @@ def within_capacity(used: float, capacity: float, slack: float = math.inf) -> tu
 
 
 @dataclass(frozen=True, slots=True)
-class GroupReading:
-    """One sample of one watched group. None: not measured in this sample."""
+class ShardReading:
+    """One sample of one shard. None: not measured in this sample."""
 
     cores: float | None
     memory_bytes: int | None
-    # The time the rate covers, by the group sampler's own clock: the weight
+    # The time the rate covers, by the shard sampler's own clock: the weight
     # of this sample, whatever delayed it (a stall inside the read included).
     seconds: float | None = None
 
 
-class ProcGroupSampler:
+class ProcShardSampler:
     def __init__(self, proc: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.proc = proc
         self._clock = clock
@@ -130,21 +130,21 @@ class ProcGroupSampler:
         self.finest_hz: float | None = FINEST_HZ
         self.tickless_cpus: list[int] = []  # /proc needs no tick of ours
         self._cpus = os.cpu_count() or 1
-        self._states: dict[str, _WatchState] = {}
+        self._states: dict[str, _ShardState] = {}
         self._last_at: float | None = None
         self._memory: dict[str, int | None] = {}
 
     @property
-    def watches(self) -> list[GroupWatch]:
-        return [s.watch for s in self._states.values()]
+    def specs(self) -> list[ShardSpec]:
+        return [s.spec for s in self._states.values()]
 
-    def discover(self, watches: list[GroupWatch], table: ProcessTable) -> None:
-        """Point each watch at the members the walk found. Members already
+    def discover(self, specs: list[ShardSpec], table: ProcessTable) -> None:
+        """Point each shard at the members the walk found. Members already
         watched keep their last reading; new ones start from the walk's."""
         states = {}
-        for w in watches:
+        for w in specs:
             old = self._states.get(w.id)
-            state = _WatchState(w) if old is None or old.watch != w else old
+            state = _ShardState(w) if old is None or old.spec != w else old
             members = {}
             for pid in table.resolve(w.selector):
                 st = table.stats[pid]
@@ -169,12 +169,12 @@ class ProcGroupSampler:
             states[w.id] = state
         self._states = states
 
-    def describe(self, watch_id: str) -> tuple[list[int], str | None]:
-        """The process groups a watch found, and their leader's command name."""
-        s = self._states[watch_id]
+    def describe(self, shard_id: str) -> tuple[list[int], str | None]:
+        """The process groups a shard found, and their leader's command name."""
+        s = self._states[shard_id]
         return s.pgids, s.command
 
-    def sample(self) -> dict[str, GroupReading]:
+    def sample(self) -> dict[str, ShardReading]:
         now = self._clock()
         elapsed = None if self._last_at is None else now - self._last_at
         self._last_at = now
@@ -183,7 +183,7 @@ class ProcGroupSampler:
         return readings
 
     def memory(self) -> dict[str, int | None]:
-        """Each group's resident memory at the last sample (read with its CPU time)."""
+        """Each shard's resident memory at the last sample (read with its CPU time)."""
         return {wid: self._memory.get(wid) for wid in self._states}
 
     def close(self) -> None:
@@ -198,7 +198,7 @@ class ProcGroupSampler:
     def runqueue_waits(self) -> dict[str, dict[str, float] | None] | None:
         return None  # no kernel histogram: the window sampler reads schedstat
 
-    def _sample_one(self, state: _WatchState, elapsed: float | None) -> GroupReading:
+    def _sample_one(self, state: _ShardState, elapsed: float | None) -> ShardReading:
         used = 0.0
         valid = elapsed is not None and elapsed > 0 and not state.fresh
         state.fresh = False
@@ -215,13 +215,13 @@ class ProcGroupSampler:
                 self._member_gone(state, pid, m)
                 continue
             except procfs.ProcParseError as e:
-                log.debug("group %s: %s", state.watch.id, e)
-                valid = False  # a member unread: the group's sum would be short
+                log.debug("shard %s: %s", state.spec.id, e)
+                valid = False  # a member unread: the shard's sum would be short
                 continue
             if st.start_ticks != m.start_ticks:
                 self._member_gone(state, pid, m)  # pid reused: the member exited
                 continue
-            if st.pgrp != m.pgrp and state.watch.selector.kind not in ("cgroup", "containers"):
+            if st.pgrp != m.pgrp and state.spec.selector.kind not in ("cgroup", "containers"):
                 del state.members[pid]  # left the group (setpgid/setsid): no longer ours
                 continue
             alive += 1
@@ -231,7 +231,7 @@ class ProcGroupSampler:
                 self_s = st.self_ticks / USER_HZ
             d_self, d_child = self_s - m.self_s, st.child_ticks - m.child_ticks
             if d_self < 0 or d_child < 0:
-                log.debug("group %s: pid %d counters went backwards", state.watch.id, pid)
+                log.debug("shard %s: pid %d counters went backwards", state.spec.id, pid)
                 valid = False
             else:
                 used += d_self
@@ -243,16 +243,16 @@ class ProcGroupSampler:
                 state.reap_credit[pid] = credit - grown  # the reap is still to come
             used += max(0, grown - credit)
         if alive == 0:
-            return GroupReading(None, None)
+            return ShardReading(None, None)
         memory = rss_pages * PAGE_SIZE
         if not valid:
-            return GroupReading(None, memory)
+            return ShardReading(None, memory)
         assert elapsed is not None
         credit, state.carried = within_capacity(used + state.carried, min(max(threads, 1), self._cpus) * elapsed)
-        return GroupReading(credit / elapsed, memory, elapsed)
+        return ShardReading(credit / elapsed, memory, elapsed)
 
     @staticmethod
-    def _member_gone(state: _WatchState, pid: int, m: _Member) -> None:
+    def _member_gone(state: _ShardState, pid: int, m: _Member) -> None:
         del state.members[pid]
         if m.ppid in state.members:
             state.reap_credit[m.ppid] = state.reap_credit.get(m.ppid, 0.0) + m.self_s + m.child_ticks / USER_HZ
