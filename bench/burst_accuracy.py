@@ -58,9 +58,9 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     backends: list[tuple[str, object]] = [("proc", ProcShardSampler(PROC))]
     try:
-        from sampler import bpf_sched
+        from sampler.kernel import sched
 
-        backends.insert(0, ("bpf", bpf_sched.load(PROC)))
+        backends.insert(0, ("bpf", sched.load(PROC)))
     except BackendUnavailable as e:
         print(f"kernel backend not measured: {e}")
     print(f"{'workload':<8} {'backend':<7} {'hz':>5} {'mean':>6} {'truth':>6} {'err%':>6} {'p95':>6} {'max':>6}"

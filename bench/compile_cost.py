@@ -29,9 +29,9 @@ CHILD = """
 import json, sys, time
 t0 = time.monotonic()
 from pathlib import Path
-from sampler import bpf_sched
+from sampler.kernel import sched
 t1 = time.monotonic()
-sampler = bpf_sched.load(Path("/proc"), kernel_headers=sys.argv[1] or None)
+sampler = sched.load(Path("/proc"), kernel_headers=sys.argv[1] or None)
 t2 = time.monotonic()
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "peak_kib": hwm,

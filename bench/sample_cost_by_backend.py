@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from proc_sampler_cost import naive_walk, process_count, settle, spawn, stop  # noqa: E402
 
-from sampler import bpf_sched  # noqa: E402
+from sampler.kernel import sched  # noqa: E402
 from sampler.proc_shards import ProcShardSampler  # noqa: E402
 from sampler.selectors import ProcessTable, Selector, ShardSpec  # noqa: E402
 
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
 
-    bpf = bpf_sched.load(PROC)
+    bpf = sched.load(PROC)
     proc = ProcShardSampler(PROC)
     watched = spawn(19)
     base = process_count()

@@ -39,7 +39,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from sampler import bpf_sched
+from sampler.kernel import sched
 from sampler.selectors import ProcessTable, Selector, ShardSpec
 
 PROC = Path("/proc")
@@ -55,7 +55,7 @@ def build(tmp: Path) -> Path:
     return exe
 
 
-def pingpong(exe: Path, trips: int, groups: bpf_sched.BpfGroupSampler | None = None) -> tuple[int, float]:
+def pingpong(exe: Path, trips: int, groups: sched.KernelShardSampler | None = None) -> tuple[int, float]:
     """(switches, ns per switch). With `groups`, the ping-pong is watched: its
     shell is made a member before it execs the ping-pong, whose child then
     joins at fork, as an engine's workers do."""
@@ -71,13 +71,13 @@ def pingpong(exe: Path, trips: int, groups: bpf_sched.BpfGroupSampler | None = N
     return int(switches), float(ns)
 
 
-def program_cost(groups: bpf_sched.BpfGroupSampler, exe: Path, trips: int, watched: bool) -> tuple[float, float]:
+def program_cost(groups: sched.KernelShardSampler, exe: Path, trips: int, watched: bool) -> tuple[float, float]:
     """(programs' ns per switch, ping-pong's ns per switch with them loaded)."""
     before = groups.program_stats()
     switches, ns = pingpong(exe, trips, groups if watched else None)
     after = groups.program_stats()
     run_ns = sum(after[n][0] - before[n][0] for n in after)
-    [switch] = [n for n in bpf_sched.SWITCH_PROGRAMS if n in after]
+    [switch] = [n for n in sched.SWITCH_PROGRAMS if n in after]
     runs = after[switch][1] - before[switch][1]
     # The ping-pong's switches dominate; the machine's others are in the count too.
     return run_ns / max(runs, switches), ns
@@ -94,7 +94,7 @@ def empty_program(exe: Path, trips: int, raw: bool) -> tuple[float, float]:
     then the run time the statistics report for it (their floor)."""
     from bcc import BPF
 
-    from sampler import tp_btf
+    from sampler.kernel import tp_btf
 
     b, fds = None, []
     try:
@@ -105,13 +105,13 @@ def empty_program(exe: Path, trips: int, raw: bool) -> tuple[float, float]:
             fd, link = tp_btf.load_and_attach(EMPTY_INSNS, "empty", "sched_switch")
             fds = [link, fd]
         outside = pingpong(exe, trips)[1]
-        stats = bpf_sched._enable_bpf_stats()
+        stats = sched._enable_bpf_stats()
         if stats is None:
             raise SystemExit("switch_cost: the kernel's BPF statistics cannot be turned on (BPF_ENABLE_STATS)")
         fds.append(stats)
-        before = bpf_sched._program_stats(fd)
+        before = sched._program_stats(fd)
         pingpong(exe, trips)
-        after = bpf_sched._program_stats(fd)
+        after = sched._program_stats(fd)
     finally:
         for f in fds:
             os.close(f)
@@ -124,11 +124,11 @@ def empty_program(exe: Path, trips: int, raw: bool) -> tuple[float, float]:
 def compare(exe: Path, trips: int, runs: int, other: Path) -> None:
     """The programs' run time per switch, this version against `other`, each
     loaded in turn `runs` times."""
-    sources = {"this program": bpf_sched.SOURCE, str(other): other}
+    sources = {"this program": sched.SOURCE, str(other): other}
     cost: dict[str, dict[bool, list[float]]] = {name: {False: [], True: []} for name in sources}
     for _ in range(runs):
         for name, source in sources.items():
-            groups = bpf_sched.load(PROC, bpf_stats=True, source=source)
+            groups = sched.load(PROC, bpf_stats=True, source=source)
             try:
                 for watched in (False, True):
                     cost[name][watched].append(program_cost(groups, exe, trips, watched)[0])
@@ -162,7 +162,7 @@ def main() -> None:
         for _ in range(args.runs):
             bare.append(pingpong(exe, args.round_trips)[1])
             for raw in (False, True):
-                groups = bpf_sched.load(PROC, raw_switch=raw)
+                groups = sched.load(PROC, raw_switch=raw)
                 try:
                     for watched in (False, True):
                         outside.setdefault((raw, watched), []).append(
@@ -172,7 +172,7 @@ def main() -> None:
                 floor, empty_outside = empty_program(exe, args.round_trips, raw)
                 floors[raw].append(floor)
                 outside.setdefault((raw, None), []).append(empty_outside)
-                groups = bpf_sched.load(PROC, bpf_stats=True, raw_switch=raw)
+                groups = sched.load(PROC, bpf_stats=True, raw_switch=raw)
                 try:
                     for watched in (False, True):
                         costs.setdefault((raw, watched), []).append(program_cost(groups, exe, args.round_trips,

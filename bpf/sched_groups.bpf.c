@@ -1,6 +1,6 @@
 /*
  * sched_groups.bpf.c: on-CPU nanoseconds per watched process group.
- * Loaded by sampler/bpf_sched.py (bcc), which sets the constants below as
+ * Loaded by sampler/kernel/sched.py (bcc), which sets the constants below as
  * -D cflags and writes the watched processes into `task_slot`.
  *
  * The scheduler already accounts each task's on-CPU time

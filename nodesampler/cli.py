@@ -316,16 +316,15 @@ def _close(sampler) -> None:  # type: ignore[no-untyped-def]
 
 def _print_bpf(proc: Path) -> int:
     """What the kernel backend compiles: its flags, from this kernel's BTF, and its source."""
-    from sampler import bpf_sched, btf
     from sampler.backend_unavailable import BackendUnavailable
+    from sampler.kernel import btf, sched
 
     try:
-        flags = " ".join(bpf_sched.compile_flags(btf.task_offsets(), bpf_sched.read_pid_max(proc),
-                                                 bpf_sched.possible_cpus()))
+        flags = " ".join(sched.compile_flags(btf.task_offsets(), sched.read_pid_max(proc), sched.possible_cpus()))
     except (btf.BtfError, BackendUnavailable, OSError, ValueError) as e:
         flags = f"(unknown: {e})"
-    print(f"// {bpf_sched.SOURCE}\n// cflags: {flags}\n")
-    print(bpf_sched.SOURCE.read_text(), end="")
+    print(f"// {sched.SOURCE}\n// cflags: {flags}\n")
+    print(sched.SOURCE.read_text(), end="")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Choosing the backend that counts engines' CPU time.
 
-`bpf` counts on-CPU time in the kernel (sampler/bpf_sched.py); `proc` reads
+`bpf` counts on-CPU time in the kernel (sampler/kernel/sched.py); `proc` reads
 /proc (sampler/proc_shards.py). `auto` uses the kernel backend when it loads
 and falls back to /proc otherwise, saying why once in the log and in every
 summary's `backend_reason`. `bpf` asked for and unable to load is an error
@@ -62,10 +62,10 @@ def open_backend(
         raise ValueError(f"backend {asked!r}: expected one of {', '.join(CHOICES)}")
     if asked == "proc":
         return BackendChoice("proc", "asked for proc"), ProcShardSampler(proc, clock)
-    from sampler import bpf_sched
+    from sampler.kernel import sched
 
     try:
-        return BackendChoice("bpf", None), bpf_sched.load(proc, kernel_headers, clock=clock, bpf_stats=bpf_stats)
+        return BackendChoice("bpf", None), sched.load(proc, kernel_headers, clock=clock, bpf_stats=bpf_stats)
     except BackendUnavailable as e:
         if asked == "bpf":
             raise

@@ -21,7 +21,7 @@ from sampler.cfs import parse_cpu_stat
 from tests.workloads import PROC
 
 if TYPE_CHECKING:
-    from sampler.bpf_sched import BpfGroupSampler
+    from sampler.kernel.sched import KernelShardSampler
 
 # CI sets it: a kernel test that cannot run is a failure, not a skip.
 REQUIRE_BPF = os.environ.get("NODESAMPLER_REQUIRE_BPF") == "1"
@@ -38,7 +38,7 @@ def group() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 @pytest.fixture(scope="session")
-def shared_bpf_groups() -> Iterator[BpfGroupSampler]:
+def shared_bpf_groups() -> Iterator[KernelShardSampler]:
     """One kernel backend for the whole run: a load is a compile (12-20 s in
     an emulated guest of `make vm-test`, over half its time when each test
     loaded its own, a minute a line when each module did), and the agent
@@ -47,7 +47,7 @@ def shared_bpf_groups() -> Iterator[BpfGroupSampler]:
 
 
 @pytest.fixture
-def bpf_groups(shared_bpf_groups: BpfGroupSampler) -> Iterator[BpfGroupSampler]:
+def bpf_groups(shared_bpf_groups: KernelShardSampler) -> Iterator[KernelShardSampler]:
     """The kernel backend loaded into this kernel, shared by every test that
     asks for it: each starts watching nothing and leaves nothing watched."""
     from sampler.selectors import ProcessTable
@@ -58,29 +58,29 @@ def bpf_groups(shared_bpf_groups: BpfGroupSampler) -> Iterator[BpfGroupSampler]:
 
 
 @pytest.fixture
-def bpf_groups_alone() -> Iterator[BpfGroupSampler]:
+def bpf_groups_alone() -> Iterator[KernelShardSampler]:
     """A kernel backend of the test's own, for a test that closes it or reads
     its programs' own statistics; closed after the test."""
     yield from _bpf_groups(bpf_stats=False)
 
 
 @pytest.fixture
-def bpf_groups_with_stats() -> Iterator[BpfGroupSampler]:
+def bpf_groups_with_stats() -> Iterator[KernelShardSampler]:
     """The same, with the kernel's BPF statistics on (--bpf-stats)."""
     yield from _bpf_groups(bpf_stats=True)
 
 
 @pytest.fixture
-def bpf_groups_raw_switch() -> Iterator[BpfGroupSampler]:
+def bpf_groups_raw_switch() -> Iterator[KernelShardSampler]:
     """With sched_switch attached as a raw tracepoint, the fallback where tp_btf cannot load."""
     yield from _bpf_groups(bpf_stats=False, raw_switch=True)
 
 
-def _bpf_groups(bpf_stats: bool, raw_switch: bool = False) -> Iterator[BpfGroupSampler]:
-    from sampler import bpf_sched
+def _bpf_groups(bpf_stats: bool, raw_switch: bool = False) -> Iterator[KernelShardSampler]:
+    from sampler.kernel import sched
 
     try:
-        sampler = bpf_sched.load(PROC, bpf_stats=bpf_stats, raw_switch=raw_switch)
+        sampler = sched.load(PROC, bpf_stats=bpf_stats, raw_switch=raw_switch)
     except BackendUnavailable as e:
         if REQUIRE_BPF:
             pytest.fail(f"NODESAMPLER_REQUIRE_BPF=1 and the kernel backend cannot load: {e}")

@@ -235,4 +235,4 @@ def test_the_wheel_carries_the_kernel_programs(tmp_path: Path) -> None:
                     str(tmp_path), str(root)], check=True, capture_output=True)  # fmt: skip
     [wheel] = tmp_path.glob("nodesampler-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "bpf/sched_groups.bpf.c" in names and "sampler/bpf_sched.py" in names
+    assert "bpf/sched_groups.bpf.c" in names and "sampler/kernel/sched.py" in names

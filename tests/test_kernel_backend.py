@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from sampler import bpf_sched
 from sampler.backend import BackendChoice, open_backend
 from sampler.backend_unavailable import BackendUnavailable
+from sampler.kernel import sched
 from sampler.proc_shards import ProcShardSampler
 from sampler.selectors import ProcessTable, Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
@@ -47,7 +47,7 @@ def spec(pgid: int, wid: str = "w") -> ShardSpec:
 
 
 def windows_against_truth(
-    groups: bpf_sched.BpfGroupSampler, pgid: int, n: int, monkeypatch: pytest.MonkeyPatch
+    groups: sched.KernelShardSampler, pgid: int, n: int, monkeypatch: pytest.MonkeyPatch
 ) -> list[tuple[float, float]]:
     """(window mean, truth) for n consecutive windows. The truth is read right
     after the sampler's own reading at each window's edge (the priming sample,
@@ -87,7 +87,7 @@ def windows_against_truth(
 
 @pytest.mark.parametrize("code", [BURN_ONE_CORE, QUARTER_WORKERS], ids=["one-core", "three-quarter-workers"])
 def test_steady_workloads_every_window_after_the_first_within_3_percent(
-    bpf_groups: bpf_sched.BpfGroupSampler,
+    bpf_groups: sched.KernelShardSampler,
     group: list[subprocess.Popen[str]],
     code: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -105,7 +105,7 @@ def test_steady_workloads_every_window_after_the_first_within_3_percent(
 
 
 def test_forked_children_are_counted_from_their_first_slice(
-    bpf_groups: bpf_sched.BpfGroupSampler,
+    bpf_groups: sched.KernelShardSampler,
     group: list[subprocess.Popen[str]],
     monkeypatch: pytest.MonkeyPatch,
     accuracy: AccuracyLog,
@@ -122,7 +122,7 @@ def test_forked_children_are_counted_from_their_first_slice(
 
 @pytest.mark.parametrize("code", [BURN_ONE_CORE, QUARTER_WORKERS], ids=["one-core", "three-quarter-workers"])
 def test_backends_agree_on_steady_workloads(
-    bpf_groups: bpf_sched.BpfGroupSampler,
+    bpf_groups: sched.KernelShardSampler,
     group: list[subprocess.Popen[str]],
     code: str,
     accuracy: AccuracyLog,
@@ -149,7 +149,7 @@ def test_backends_agree_on_steady_workloads(
 
 
 def test_a_task_that_never_switches_out_is_credited_at_every_sample(
-    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
 ) -> None:
     p = start_group(BURN_ONE_CORE)
     group.append(p)
@@ -191,7 +191,7 @@ sys.stdin.readline()
 """
 
 
-def test_pid_churn_leaves_the_task_map_bounded(bpf_groups_with_stats: bpf_sched.BpfGroupSampler) -> None:
+def test_pid_churn_leaves_the_task_map_bounded(bpf_groups_with_stats: sched.KernelShardSampler) -> None:
     bpf_groups = bpf_groups_with_stats  # the fork program's run count proves the churn happened
     p = subprocess.Popen([sys.executable, "-c", FORK_CHURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, process_group=0)  # fmt: skip
@@ -242,7 +242,7 @@ def start_with_pid(pid: int, code: str) -> subprocess.Popen[str] | None:
 
 
 def test_reused_pid_is_not_credited_to_its_previous_group(
-    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]]
 ) -> None:
     leader = subprocess.Popen([sys.executable, "-c", CHILD_ON_DEMAND], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, process_group=0)  # fmt: skip
@@ -277,7 +277,7 @@ def test_reused_pid_is_not_credited_to_its_previous_group(
 
 
 def test_overlapping_watches_each_get_the_whole_group(
-    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]]
 ) -> None:
     p = start_group(BURN_ONE_CORE)
     group.append(p)
@@ -290,19 +290,19 @@ def test_overlapping_watches_each_get_the_whole_group(
     assert r["by-pgid"].cores is not None and r["by-pgid"].cores > 0.5
 
 
-def test_program_cost_is_in_the_summary_when_asked_for(bpf_groups_with_stats: bpf_sched.BpfGroupSampler) -> None:
+def test_program_cost_is_in_the_summary_when_asked_for(bpf_groups_with_stats: sched.KernelShardSampler) -> None:
     ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups_with_stats, None, hz=10)
     ws.prime(0)
     summary = ws.run_window(0.5)
     assert summary["backend"] == "bpf"
     programs = summary["bpf"]["programs"]
-    assert set(programs) == set(bpf_sched.PROGRAMS)
+    assert set(programs) == set(sched.PROGRAMS)
     tick = programs["on_tick"]
     assert tick["runs"] > 0 and tick["run_time_ns"] > 0 and tick["ns_per_run"] > 0
     assert summary["bpf"]["dropped_forks"] == 0
 
 
-def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups_alone: bpf_sched.BpfGroupSampler) -> None:
+def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups_alone: sched.KernelShardSampler) -> None:
     """BPF_ENABLE_STATS times every BPF program on the host: not ours to turn on by default."""
     bpf_groups = bpf_groups_alone  # loaded after any test that held them on
     ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, None, hz=10)
@@ -312,13 +312,13 @@ def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups_alone: bpf_sched.Bp
     enabled = Path("/proc/sys/kernel/bpf_stats_enabled")
     if enabled.exists() and enabled.read_text().strip() == "0":  # nobody else holds them on either
         # The kernel counted no run of ours: statistics were off all along.
-        assert bpf_sched._program_stats(bpf_groups.programs.programs["on_tick"]) == (0, 0)
+        assert sched._program_stats(bpf_groups.programs.programs["on_tick"]) == (0, 0)
 
 
 # --- how sched_switch is attached ----------------------------------------------------
 
 
-def test_sched_switch_is_attached_typed_where_the_kernel_names_it(bpf_groups: bpf_sched.BpfGroupSampler) -> None:
+def test_sched_switch_is_attached_typed_where_the_kernel_names_it(bpf_groups: sched.KernelShardSampler) -> None:
     """Every kernel we run on (5.10 and later, with BTF) names the tracepoint
     in its BTF: the switch program is tp_btf, whose reads of the tasks are
     plain loads, and no fallback was noted."""
@@ -327,7 +327,7 @@ def test_sched_switch_is_attached_typed_where_the_kernel_names_it(bpf_groups: bp
 
 
 def test_the_raw_tracepoint_fallback_counts_the_same(
-    bpf_groups_raw_switch: bpf_sched.BpfGroupSampler,
+    bpf_groups_raw_switch: sched.KernelShardSampler,
     group: list[subprocess.Popen[str]],
     monkeypatch: pytest.MonkeyPatch,
     accuracy: AccuracyLog,
@@ -357,7 +357,7 @@ def test_a_tp_btf_program_the_verifier_refuses_says_why() -> None:
     first try is refused for RLIMIT_MEMLOCK, the maps this process's tests
     hold counting against it: the loader lifts it and tries again.)"""
     need_root()
-    from sampler import tp_btf
+    from sampler.kernel import tp_btf
 
     insns = REFUSED_INSNS
     fds_before = set(os.listdir("/proc/self/fd"))
@@ -390,7 +390,7 @@ def test_a_switch_program_refused_as_tp_btf_is_attached_raw_with_the_reason() ->
     note for the agent's log carries the verifier's reason."""
     need_root()
     compiled = CompiledRefused()
-    programs, attachments, note = bpf_sched.attach_switch(compiled, raw=False)
+    programs, attachments, note = sched.attach_switch(compiled, raw=False)
     assert programs == {} and attachments == []
     assert compiled.raw_attached == [(b"sched_switch", b"on_switch_raw")]
     assert note is not None
@@ -403,7 +403,7 @@ def test_a_switch_program_refused_as_tp_btf_is_attached_raw_with_the_reason() ->
 
 def loads_or_says_why(**kwargs: object) -> str:
     with pytest.raises(BackendUnavailable) as e:
-        s = bpf_sched.load(PROC, **kwargs)  # type: ignore[arg-type]
+        s = sched.load(PROC, **kwargs)  # type: ignore[arg-type]
         s.close()
     return str(e.value)
 
@@ -438,8 +438,8 @@ def test_a_loader_that_dies_is_a_reason_to_fall_back(tmp_path: Path, monkeypatch
 AGENT_AFTER_LOAD = """
 import sys
 from pathlib import Path
-from sampler import bpf_sched
-sampler = bpf_sched.load(Path("/proc"))
+from sampler.kernel import sched
+sampler = sched.load(Path("/proc"))
 maps = open("/proc/self/maps").read()
 print(sorted(m for m in sys.modules if m == "bcc" or m.startswith("bcc.")))
 print(sorted({line.split()[-1].rsplit("/", 1)[-1] for line in maps.splitlines()
@@ -458,10 +458,10 @@ def test_the_agent_never_holds_the_compiler() -> None:
     assert r.returncode == 0, r.stderr
     modules, libraries, programs = r.stdout.splitlines()
     assert modules == "[]" and libraries == "[]", r.stdout
-    assert programs == str(sorted(bpf_sched.PROGRAMS))
+    assert programs == str(sorted(sched.PROGRAMS))
 
 
-def program_ids(sampler: bpf_sched.BpfGroupSampler) -> list[int]:
+def program_ids(sampler: sched.KernelShardSampler) -> list[int]:
     ids = []
     for fd in sampler.programs.programs.values():
         fdinfo = Path(f"/proc/self/fdinfo/{fd}").read_text()
@@ -469,17 +469,17 @@ def program_ids(sampler: bpf_sched.BpfGroupSampler) -> list[int]:
     return ids
 
 
-def test_closing_the_backend_unloads_its_programs(bpf_groups_alone: bpf_sched.BpfGroupSampler) -> None:
+def test_closing_the_backend_unloads_its_programs(bpf_groups_alone: sched.KernelShardSampler) -> None:
     """The agent holds the only references the child handed over (no pins in
     bpffs): once it closes them, the kernel has none of the programs left."""
     import ctypes
     import errno
 
-    from sampler.libbpf import libbpf
+    from sampler.kernel.libbpf import libbpf
 
     bpf_groups = bpf_groups_alone
     ids = program_ids(bpf_groups)
-    assert len(ids) == len(bpf_sched.PROGRAMS)
+    assert len(ids) == len(sched.PROGRAMS)
     lib = libbpf()
     lib.bpf_prog_get_fd_by_id.restype = ctypes.c_int
     fd = lib.bpf_prog_get_fd_by_id(ctypes.c_uint32(ids[0]))
@@ -530,11 +530,11 @@ WITHOUT_HEADERS = (
 LOAD = """
 import logging, sys
 from pathlib import Path
-from sampler import bpf_sched
+from sampler.kernel import sched
 from sampler.backend_unavailable import BackendUnavailable
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 try:
-    bpf_sched.load(Path("/proc"), kernel_headers=sys.argv[1] or None).close()
+    sched.load(Path("/proc"), kernel_headers=sys.argv[1] or None).close()
 except BackendUnavailable as e:
     print(e)
 """
@@ -568,17 +568,17 @@ def test_loads_against_the_installed_headers_when_asked(caplog: pytest.LogCaptur
         if os.environ.get("NODESAMPLER_REQUIRE_HEADERS") == "1":
             pytest.fail(f"NODESAMPLER_REQUIRE_HEADERS=1 and no headers in /lib/modules/{release}/build")
         pytest.skip(f"no kernel headers installed for {release}")
-    caplog.set_level("INFO", logger="sampler.bpf_sched")
-    bpf_sched.load(PROC, kernel_headers="installed").close()
+    caplog.set_level("INFO", logger="sampler.kernel.sched")
+    sched.load(PROC, kernel_headers="installed").close()
     assert f"kernel backend compiled against the installed headers in /lib/modules/{release}" in caplog.text
 
 
 def test_kernel_version_code_from_a_release() -> None:
-    assert bpf_sched.kernel_version_code("6.1.0-18-amd64") == (6 << 16) + (1 << 8)
-    assert bpf_sched.kernel_version_code("5.10.209") == (5 << 16) + (10 << 8) + 209
-    assert bpf_sched.kernel_version_code("6.18.44-fc-v857") == (6 << 16) + (18 << 8) + 44
-    assert bpf_sched.kernel_version_code("4.19.300") == (4 << 16) + (19 << 8) + 255  # sublevel capped, as the kernel
-    assert bpf_sched.kernel_version_code("6.13-rc1") == (6 << 16) + (13 << 8)
+    assert sched.kernel_version_code("6.1.0-18-amd64") == (6 << 16) + (1 << 8)
+    assert sched.kernel_version_code("5.10.209") == (5 << 16) + (10 << 8) + 209
+    assert sched.kernel_version_code("6.18.44-fc-v857") == (6 << 16) + (18 << 8) + 44
+    assert sched.kernel_version_code("4.19.300") == (4 << 16) + (19 << 8) + 255  # sublevel capped, as the kernel
+    assert sched.kernel_version_code("6.13-rc1") == (6 << 16) + (13 << 8)
 
 
 def test_program_that_fails_to_compile_does_not_crash_auto(tmp_path: Path) -> None:
@@ -610,7 +610,7 @@ def test_missing_capabilities_fall_back() -> None:
 
 
 def test_waits_for_a_cpu_from_the_kernel_histogram(
-    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
 ) -> None:
     """Two busy groups pinned to one CPU wait about half the window, of the
     order of a slice a wait; one alone next to nothing in all (its few waits,
@@ -651,7 +651,7 @@ def test_waits_for_a_cpu_from_the_kernel_histogram(
 
 
 def test_a_300_ms_stall_on_the_real_clock(
-    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
 ) -> None:
     from tests.test_live_proc import window_with_a_stall
 

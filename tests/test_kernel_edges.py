@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from sampler import bpf_sched
 from sampler.backend import BackendChoice
+from sampler.kernel import sched
 from sampler.selectors import ProcessTable, Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
 from tests.conftest import AccuracyLog, unavailable
@@ -59,7 +59,7 @@ def process_state(pid: int) -> str:
 
 
 def test_a_process_whose_main_thread_exited_stays_a_member(
-    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
 ) -> None:
     p = subprocess.Popen([sys.executable, "-c", MAIN_THREAD_EXITS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, process_group=0)  # fmt: skip
@@ -109,7 +109,7 @@ while time.monotonic() < end:
 
 
 def test_a_wait_over_four_seconds_is_measured_whole(
-    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]]
 ) -> None:
     cpu = max(os.sched_getaffinity(0))
     if cpu == 0:
@@ -130,7 +130,7 @@ def test_a_wait_over_four_seconds_is_measured_whole(
 
 
 def test_memory_of_a_reused_pid_is_not_the_groups(
-    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]]
 ) -> None:
     member = start_group("import sys\nprint('ready', flush=True)\nsys.stdin.readline()\n")
     group.append(member)
@@ -163,7 +163,7 @@ while True:
 
 
 def test_a_fork_storm_while_discovery_and_sampling_run(
-    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]]
 ) -> None:
     storm = start_group(FORK_STORM)
     group.append(storm)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sampler.backend import BackendChoice
-from sampler.bpf_sched import place_late, settle
+from sampler.kernel.sched import place_late, settle
 from sampler.proc_shards import ProcShardSampler, ShardReading, within_capacity
 from sampler.selectors import Selector, ShardSpec
 from sampler.window import RateSeries

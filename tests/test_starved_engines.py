@@ -23,8 +23,8 @@ import pytest
 
 import wire
 from controlplane.starvation import StarvationRules, judge_heartbeat
-from sampler import bpf_sched
 from sampler.backend import BackendChoice
+from sampler.kernel import sched
 from sampler.selectors import Selector, ShardSpec
 from sampler.window_sampler import WindowSampler
 from tests.conftest import AccuracyLog, CpuCgroup, unavailable
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.kernel
 WINDOW_S = 3.0
 
 
-def judged_window(groups: bpf_sched.BpfGroupSampler, engines: dict[str, int],
+def judged_window(groups: sched.KernelShardSampler, engines: dict[str, int],
                   after_cfs: Callable[[], None] | None = None) -> dict[str, dict[str, Any]]:  # fmt: skip
     """One window of the agent's loop over the engines (id -> pgid), through
     the wire format, judged as the control plane judges it. `after_cfs` runs
@@ -58,7 +58,7 @@ def judged_window(groups: bpf_sched.BpfGroupSampler, engines: dict[str, int],
 
 
 def test_an_engine_capped_at_half_a_core_is_throttled_and_starved(
-    bpf_groups: bpf_sched.BpfGroupSampler, cpu_cgroup: CpuCgroup, group: list[subprocess.Popen[str]],
+    bpf_groups: sched.KernelShardSampler, cpu_cgroup: CpuCgroup, group: list[subprocess.Popen[str]],
     accuracy: AccuracyLog,
 ) -> None:  # fmt: skip
     cpu_cgroup.cap(0.5)
@@ -82,7 +82,7 @@ def test_an_engine_capped_at_half_a_core_is_throttled_and_starved(
 
 
 def test_the_same_engine_sized_to_the_machine_and_uncapped_is_not_starved(
-    bpf_groups: bpf_sched.BpfGroupSampler, cpu_cgroup: CpuCgroup, group: list[subprocess.Popen[str]]
+    bpf_groups: sched.KernelShardSampler, cpu_cgroup: CpuCgroup, group: list[subprocess.Popen[str]]
 ) -> None:
     # One CPU left for the test and the kernel's own work: the engine fits.
     p = start_group(busy_threads(max(1, len(os.sched_getaffinity(0)) - 1)))
@@ -96,7 +96,7 @@ def test_the_same_engine_sized_to_the_machine_and_uncapped_is_not_starved(
 
 
 def test_an_engine_sharing_one_cpu_with_a_busier_one_waits_and_is_starved(
-    bpf_groups: bpf_sched.BpfGroupSampler, group: list[subprocess.Popen[str]]
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]]
 ) -> None:
     if len(os.sched_getaffinity(0)) < 2:
         unavailable("needs two CPUs: one to share, one for the test")

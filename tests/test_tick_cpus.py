@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sampler.bpf_sched import tick_cpus
 from sampler.cpu_lists import parse_cpu_list
+from sampler.kernel.sched import tick_cpus
 
 
 @pytest.mark.parametrize("text, cpus", [

@@ -52,10 +52,10 @@ loops=$(sed -n 's/.*nodesampler\.load_loop=\([0-9][0-9]*\).*/\1/p' /proc/cmdline
 if [ -n "$loops" ]; then
     $python -c 'import sys, time
 from pathlib import Path
-from sampler import bpf_sched
+from sampler.kernel import sched
 for i in range(int(sys.argv[1])):
     t = time.monotonic()
-    bpf_sched.load(Path("/proc")).close()
+    sched.load(Path("/proc")).close()
     print(f"NODESAMPLER-LOAD={i + 1} {time.monotonic() - t:.1f} s", flush=True)' "$loops" 2>&1
     echo "NODESAMPLER-EXIT=$?"
     echo 1 >/proc/sys/kernel/sysrq

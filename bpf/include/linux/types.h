@@ -2,7 +2,7 @@
  * The kernel's fixed-width types, as bcc's helpers and our programs use them.
  *
  * bpf/include/ is the whole kernel tree bcc compiles against when the agent is
- * not given one (sampler/bpf_sched.py sets BCC_KERNEL_SOURCE to bpf/): the
+ * not given one (sampler/kernel/sched.py sets BCC_KERNEL_SOURCE to bpf/): the
  * programs read no kernel struct through headers (every offset comes from the
  * running kernel's BTF), so bcc's own helpers are all that needs headers, and
  * these few files are what they include. The same set serves every kernel.

@@ -1,6 +1,6 @@
-"""The loader child's entry point (`python -m sampler.bpf_loader_child`):
+"""The loader child's entry point (`python -m sampler.kernel.loader_child`):
 compiles and attaches the kernel programs with bcc, hands their descriptors
-to the agent over the socket it was given (sampler/bpf_handoff.py), and exits
+to the agent over the socket it was given (sampler/kernel/handoff.py), and exits
 without bcc's cleanup, which would detach them."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import socket
 import sys
 from typing import Any
 
-from sampler import bpf_sched
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.bpf_handoff import FDS_PER_MESSAGE, MAPS
+from sampler.kernel import sched
+from sampler.kernel.handoff import FDS_PER_MESSAGE, MAPS
 
 
 def _send(sock: socket.socket, header: dict[str, Any], fds: list[int]) -> None:
@@ -25,7 +25,7 @@ def _send(sock: socket.socket, header: dict[str, Any], fds: list[int]) -> None:
 
 def _child(options: dict[str, Any], sock: socket.socket) -> None:
     try:
-        attached = bpf_sched.compile_and_attach(**options)
+        attached = sched.compile_and_attach(**options)
     except BackendUnavailable as e:
         _send(sock, {"error": str(e)}, [])
         return

@@ -21,7 +21,7 @@ import platform
 import resource
 from typing import Any
 
-from sampler import libbpf
+from sampler.kernel import libbpf
 
 BPF_PROG_LOAD, BPF_RAW_TRACEPOINT_OPEN = 5, 17
 BPF_PROG_TYPE_TRACING, BPF_TRACE_RAW_TP = 26, 23

@@ -1,6 +1,6 @@
 """libbpf, the C library bcc is built on (a few hundred KiB), through ctypes:
 what the agent reads the kernel programs' maps with once they run, without
-bcc's compiler in the process (sampler/bpf_handoff.py)."""
+bcc's compiler in the process (sampler/kernel/handoff.py)."""
 
 from __future__ import annotations
 

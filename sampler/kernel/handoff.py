@@ -4,7 +4,7 @@ and handed to the agent as file descriptors.
 bcc brings LLVM and clang into the process that compiles: about 60 MiB
 resident once imported, 90 while compiling, and they stay mapped for the
 process's life. The agent needs none of it once the programs run. So a child
-(`python -m sampler.bpf_loader_child`) does everything bcc is needed for, sends
+(`python -m sampler.kernel.loader_child`) does everything bcc is needed for, sends
 the agent the descriptors of the maps, the programs and their attachments
 (raw tracepoints, cpu-clock perf events) over a Unix socket (SCM_RIGHTS), and
 exits without bcc's cleanup, which would detach them. The agent holds the
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.libbpf import BpfMap, libbpf
+from sampler.kernel.libbpf import BpfMap, libbpf
 
 MAPS = ("task_slot", "slot_ns", "cpu_run", "dropped_forks", "wait_log")
 FDS_PER_MESSAGE = 200  # the kernel takes at most 253 descriptors in one message (SCM_MAX_FD)
@@ -64,18 +64,18 @@ def scratch_file(name: str) -> BinaryIO:
 
 
 def load_programs(options: dict[str, Any]) -> LoadedPrograms:
-    """Runs the child with `options` (bpf_sched.compile_and_attach's
+    """Runs the child with `options` (sched.compile_and_attach's
     arguments, as JSON) and receives the programs, or BackendUnavailable with
     the child's reason."""
     libbpf()  # what this process reads the maps with: missing, nothing is loaded
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one message, one read
-    package_root = str(Path(__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     # The child's stderr goes to a file, not a pipe: read only on failure, a
     # pipe it filled would stall the hand-off.
     with parent, scratch_file("loader-stderr") as err:
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "sampler.bpf_loader_child", json.dumps(options),
+            proc = subprocess.Popen([sys.executable, "-m", "sampler.kernel.loader_child", json.dumps(options),
                                      str(child.fileno())], pass_fds=(child.fileno(),), env=env,
                                     stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
         finally:

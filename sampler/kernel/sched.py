@@ -29,15 +29,16 @@ from typing import Any
 
 import numpy as np
 
-from sampler import bpf_handoff, btf, procfs, tp_btf
+from sampler import procfs
 from sampler.backend_unavailable import BackendUnavailable
 from sampler.cpu_lists import format_cpu_list, parse_cpu_list
+from sampler.kernel import btf, handoff, tp_btf
 from sampler.proc_shards import PAGE_SIZE, ShardReading, within_capacity
 from sampler.selectors import ProcessTable, ShardSpec
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent.parent / "bpf" / "sched_groups.bpf.c"
+SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "sched_groups.bpf.c"
 # A kernel tree of the few headers bcc's helpers include (bpf/include/).
 BUNDLED_HEADERS = SOURCE.parent
 MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
@@ -206,7 +207,7 @@ def _compile(bpf_class: Any, source: Path, cflags: list[str], env: dict[str, str
         else:
             os.environ[k] = v
     saved_fd = os.dup(2)
-    with bpf_handoff.scratch_file("clang-stderr") as err:
+    with handoff.scratch_file("clang-stderr") as err:
         os.dup2(err.fileno(), 2)
         try:
             return bpf_class(src_file=str(source).encode(), cflags=cflags)
@@ -235,9 +236,9 @@ def load(
     bpf_stats: bool = False,
     sysfs: Path = Path("/sys"),
     raw_switch: bool = False,
-) -> BpfGroupSampler:
+) -> KernelShardSampler:
     """The programs compiled, loaded and attached (by a child process, so that
-    this one never holds the compiler: sampler/bpf_handoff.py). With
+    this one never holds the compiler: sampler/kernel/handoff.py). With
     `bpf_stats`, the kernel's BPF statistics are turned on while the sampler
     lives (they time every BPF program on the host, not ours alone) and each
     window reports the programs' runs and run time. `raw_switch`: sched_switch
@@ -246,10 +247,10 @@ def load(
     headers = ["tree", str(kernel_headers)] if isinstance(kernel_headers, Path) else kernel_headers
     options = {"proc": str(proc), "kernel_headers": headers, "source": str(source), "btf_path": str(btf_path),
                "sysfs": str(sysfs), "raw_switch": raw_switch}  # fmt: skip
-    programs = bpf_handoff.load_programs(options)
+    programs = handoff.load_programs(options)
     for note in programs.notes:
         log.info("%s", note)
-    return BpfGroupSampler(programs, proc, clock, bpf_stats)
+    return KernelShardSampler(programs, proc, clock, bpf_stats)
 
 
 @dataclass
@@ -394,7 +395,7 @@ def settle(used: float, debt: float) -> tuple[float, float]:
     return max(0.0, used - debt), max(0.0, debt - used)
 
 
-class BpfGroupSampler:
+class KernelShardSampler:
     """Same interface as ProcShardSampler: discover, sample, memory, describe.
 
     The kernel counts per slot; a process has one slot. Shards may overlap
@@ -403,7 +404,7 @@ class BpfGroupSampler:
     CPU time is the sum over the slots whose set holds it, a matrix product.
     """
 
-    def __init__(self, programs: bpf_handoff.LoadedPrograms, proc: Path, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, programs: handoff.LoadedPrograms, proc: Path, clock: Callable[[], float] = time.monotonic,
                  bpf_stats: bool = False) -> None:  # fmt: skip
         self.programs, self.proc, self._clock = programs, proc, clock
         self.finest_hz: float | None = None  # nanoseconds, up to each sample
