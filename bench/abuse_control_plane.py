@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from heartbeat_throughput import SECRET, free_port, gpu_node_heartbeat  # noqa: E402
 
-from controlplane import tokens  # noqa: E402
+from controlplane.ingest import tokens  # noqa: E402
 from tests.agent_fleet import web_config_file  # noqa: E402
 from tests.test_controlplane_api import registration  # noqa: E402
 

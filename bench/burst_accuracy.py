@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sampler.backend import BackendChoice  # noqa: E402
 from sampler.backend_unavailable import BackendUnavailable  # noqa: E402
-from sampler.proc_shards import ProcShardSampler  # noqa: E402
-from sampler.selectors import Selector, ShardSpec  # noqa: E402
-from sampler.window_sampler import WindowSampler  # noqa: E402
+from sampler.shards.proc_shards import ProcShardSampler  # noqa: E402
+from sampler.shards.selectors import Selector, ShardSpec  # noqa: E402
+from sampler.window.sampler import WindowSampler  # noqa: E402
 from tests.workloads import BURST_PERIOD_S, BURST_THREE, HALF_OF_20MS, PROC, process_cpu_seconds, start_group  # noqa: E402
 
 BUSY = "print('ready', flush=True)\nwhile True:\n    pass\n"

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from heartbeat_throughput import SECRET, free_port, gpu_node_heartbeat, lua_heartbeats, lua_string  # noqa: E402
 
-from controlplane import tokens  # noqa: E402
+from controlplane.ingest import tokens  # noqa: E402
 from tests.test_controlplane_api import registration  # noqa: E402
 
 INTERVAL_S = 5.0

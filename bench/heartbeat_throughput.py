@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controlplane import tokens  # noqa: E402
+from controlplane.ingest import tokens  # noqa: E402
 from tests.issuer import ISSUER, TestIssuer  # noqa: E402
 from tests.test_controlplane_api import heartbeat, registration  # noqa: E402
 

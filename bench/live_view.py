@@ -43,8 +43,8 @@ from fleet_control_plane import register_fleet  # noqa: E402
 from heartbeat_throughput import SECRET, free_port, gpu_node_heartbeat  # noqa: E402
 
 import wire  # noqa: E402
-from controlplane import tokens  # noqa: E402
-from sampler.window import RateSeries  # noqa: E402
+from controlplane.ingest import tokens  # noqa: E402
+from sampler.window.series import RateSeries  # noqa: E402
 from wire import raw as raw_samples  # noqa: E402
 
 INTERVAL_S = 5.0

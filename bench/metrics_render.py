@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from prometheus_client.registry import Collector  # noqa: E402
 
 import wire  # noqa: E402
-from controlplane.exposition import FleetExposition  # noqa: E402
-from controlplane.registry import NodeRegistry  # noqa: E402
+from controlplane.export.exposition import FleetExposition  # noqa: E402
+from controlplane.state.registry import NodeRegistry  # noqa: E402
 from tests.test_controlplane_api import registration  # noqa: E402
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sampler.nvml import GpuReader  # noqa: E402
+from sampler.gpu.nvml import GpuReader  # noqa: E402
 from tests.fakenvml import GiB, h200_node  # noqa: E402
 
 

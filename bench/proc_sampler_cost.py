@@ -29,9 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sampler.backend import BackendChoice
-from sampler.proc_shards import ProcShardSampler
-from sampler.selectors import ProcessTable, Selector, ShardSpec
-from sampler.window_sampler import WindowSampler
+from sampler.shards.proc_shards import ProcShardSampler
+from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
 
 PROC = Path("/proc")
 HZ = 10.0

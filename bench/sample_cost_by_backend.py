@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proc_sampler_cost import naive_walk, process_count, settle, spawn, stop  # noqa: E402
 
 from sampler.kernel import sched  # noqa: E402
-from sampler.proc_shards import ProcShardSampler  # noqa: E402
-from sampler.selectors import ProcessTable, Selector, ShardSpec  # noqa: E402
+from sampler.shards.proc_shards import ProcShardSampler  # noqa: E402
+from sampler.shards.selectors import ProcessTable, Selector, ShardSpec  # noqa: E402
 
 PROC = Path("/proc")
 

@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 from sampler.kernel import sched
-from sampler.selectors import ProcessTable, Selector, ShardSpec
+from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
 
 PROC = Path("/proc")
 SOURCE = Path(__file__).resolve().parent / "pingpong.c"

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import aiohttp
 import numpy as np
 
-from controlplane.series import series_of
+from controlplane.export.series import series_of
 
 Json = dict[str, Any]
 Labels = tuple[tuple[str, str], ...]

@@ -2,11 +2,11 @@
 
 from aiohttp import web
 
-from controlplane.exposition import FleetExposition
+from controlplane.export.exposition import FleetExposition
+from controlplane.export.own_metrics import ControlPlaneMetrics
 from controlplane.history import EmbeddedHistory, History
-from controlplane.node_identity import NodeAuthenticator
-from controlplane.own_metrics import ControlPlaneMetrics
-from controlplane.registry import NodeRegistry
+from controlplane.ingest.node_identity import NodeAuthenticator
+from controlplane.state.registry import NodeRegistry
 
 REGISTRY = web.AppKey("registry", NodeRegistry)
 AUTHENTICATOR = web.AppKey("authenticator", NodeAuthenticator)

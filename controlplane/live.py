@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from controlplane.keys import REGISTRY
-from controlplane.page_access import USER
+from controlplane.listen.page_access import USER
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ LIVE = web.AppKey("live", LiveSamples)
 
 def streams(handler: Callable[[web.Request], Any]) -> Callable[[web.Request], Any]:
     """Marks a handler whose answer lasts as long as its reader: the request
-    deadline stops once it has started (controlplane/connection_limits.py)."""
+    deadline stops once it has started (controlplane/listen/connection_limits.py)."""
     handler.streams = True  # type: ignore[attr-defined]
     return handler
 

@@ -15,17 +15,17 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from controlplane import registry_state
-from controlplane.agent_api import no_tracebacks
-from controlplane.exposition import FleetExposition
+from controlplane.export.exposition import FleetExposition
+from controlplane.export.own_metrics import ControlPlaneMetrics
 from controlplane.history import EmbeddedHistory
+from controlplane.ingest.agent_api import no_tracebacks
 from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
+from controlplane.listen.page_access import PAGE_ACCESS, PageAccess, add_headers, may_change_fleet, page_access
 from controlplane.live import LIVE, LiveSamples, live_stream
-from controlplane.own_metrics import ControlPlaneMetrics
-from controlplane.page_access import PAGE_ACCESS, PageAccess, add_headers, may_change_fleet, page_access
 from controlplane.page_worker import PAGE_WORKER, PageWorker, SharedAnswers, page_worker_ctx, shared
-from controlplane.registry import NodeRegistry
-from controlplane.registry_state import STATE_FILE
+from controlplane.state import registry_state
+from controlplane.state.registry import NodeRegistry
+from controlplane.state.registry_state import STATE_FILE
 
 PRUNE_EVERY_S = 60.0
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ async def forget_node(request: web.Request) -> web.Response:
     """DELETE /api/nodes/NODE: an operator removes a node that is gone for good
     (its series leave /metrics, so its NodeDown resolves). Only a user the
     web config names, or `nodesampler forget` through the admin socket
-    (controlplane/page_access.py): a loopback peer is no operator."""
+    (controlplane/listen/page_access.py): a loopback peer is no operator."""
     if not may_change_fleet(request):
         raise web.HTTPForbidden(text="forgetting a node needs a user of --web-config-file's basic_auth_users, "
                                      "or `nodesampler forget NODE` on the control plane's machine (--admin-socket)\n")

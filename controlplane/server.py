@@ -1,6 +1,6 @@
 """`nodesampler controlplane`: the two listeners in one process, sharing one
 registry (and the embedded history), until SIGTERM or SIGINT. The
-composition is here: the agents' app (controlplane/agent_api.py), the pages'
+composition is here: the agents' app (controlplane/ingest/agent_api.py), the pages'
 app with /metrics (controlplane/pages_api.py), their keys
 (controlplane/keys.py) and lifecycles; the pages (web/) add their routes to
 the pages' app through `add_routes`."""
@@ -18,23 +18,24 @@ from pathlib import Path
 
 from aiohttp import web
 
-from controlplane import agent_api, pages_api
-from controlplane.connection_limits import (
+from controlplane import pages_api
+from controlplane.export.own_metrics import ControlPlaneMetrics
+from controlplane.history import EmbeddedHistory
+from controlplane.ingest import agent_api
+from controlplane.ingest.node_identity import NodeAuthenticator
+from controlplane.listen.connection_limits import (
     GUARD,
     ConnectionGuard,
     ConnectionLimits,
     end_turn_when_answering,
     within_deadline,
 )
-from controlplane.history import EmbeddedHistory
+from controlplane.listen.page_access import PageAccess, listen_admin_socket
+from controlplane.listen.tls_files import ReloadingServerTLS
+from controlplane.listen.web_config import ReloadingWebConfig
 from controlplane.live import LiveSamples
-from controlplane.node_identity import NodeAuthenticator
-from controlplane.own_metrics import ControlPlaneMetrics
-from controlplane.page_access import PageAccess, listen_admin_socket
-from controlplane.registry import MAX_SHARDS_PER_NODE, NodeRegistry
-from controlplane.starvation import StarvationRules
-from controlplane.tls_files import ReloadingServerTLS
-from controlplane.web_config import ReloadingWebConfig
+from controlplane.state.registry import MAX_SHARDS_PER_NODE, NodeRegistry
+from controlplane.state.starvation import StarvationRules
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                 web_config: ReloadingWebConfig | None = None, pages_hosts: Iterable[str] = (),
                 admin_socket: Path | None = None) -> None:  # fmt: skip
     """`tls` is the agent listener's (--tls-cert, or the web config's); the
-    pages listener takes the web config's TLS and users (controlplane/page_access.py)."""
+    pages listener takes the web config's TLS and users (controlplane/listen/page_access.py)."""
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
         log.warning("agent listener %s has no TLS: bearer tokens cross the network in clear text "
                     "(--tls-cert and --tls-key, or --web-config-file)", agent_listen)  # fmt: skip
@@ -112,7 +113,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
             ("agents", agents, agent_listen, tls.context if tls else None),
             ("pages", pages, pages_listen, pages_tls.context if pages_tls else None),
         ):
-            # Every connection through a guard (controlplane/connection_limits.py):
+            # Every connection through a guard (controlplane/listen/connection_limits.py):
             # aiohttp's own sites would time out neither half a request nor none,
             # and asyncio's TLS server counts no handshake; the guard does the TLS.
             is_pages = name == "pages"
@@ -127,7 +128,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
             host, port = split_address(address)
             assert runner.server is not None  # set up
             servers.append(await loop.create_server(guard.protocol_factory(runner.server), host, port))
-        if admin_socket is not None:  # the pages' routes to this machine's operator (controlplane/page_access.py)
+        if admin_socket is not None:  # the pages' routes to the operator (listen/page_access.py)
             servers.append(await listen_admin_socket(runners[1], admin_socket))
         if auth.service_accounts is not None:
             await auth.service_accounts.keys.refresh()  # a failure is logged; tokens are refused until keys load

@@ -84,7 +84,7 @@ def _kernel_headers_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _group(text: str) -> tuple[str, str]:
-    from sampler.selectors import Selector
+    from sampler.shards.selectors import Selector
 
     name, sep, selector = text.partition("=")
     if not sep or not name:
@@ -123,7 +123,7 @@ def _bpf_stats_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _kubelet(args: argparse.Namespace, node: str):  # type: ignore[no-untyped-def]
-    from sampler.kubelet import KubeletPods
+    from sampler.shards.kubelet import KubeletPods
 
     url = args.kubelet_url or f"https://{os.environ.get('NODE_IP') or '127.0.0.1'}:10250"
     token = args.kubelet_token_file
@@ -221,14 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a node keeps sending every sample after its last live viewer left (default 60)")
     c.add_argument("--prometheus", default=None, metavar="URL",
                    help="draw the pages' charts from this Prometheus (default: the embedded history)")
-    # Connections held to account (controlplane/connection_limits.py).
+    # Connections held to account (controlplane/listen/connection_limits.py).
     c.add_argument("--request-deadline", type=_positive(3600), default=10.0, metavar="S",
                    help="seconds a request has, from its first byte, to arrive whole and be answered (default 10)")
     c.add_argument("--idle-timeout", type=_positive(86400), default=60.0, metavar="S",
                    help="seconds a connection may stay open with no request under way (default 60)")
     c.add_argument("--max-connections-per-peer", type=_count(1_000_000), default=256, metavar="N",
                    help="connections one peer address may hold on each listener; 0: no cap (default 256)")
-    # The verdict's thresholds (controlplane/starvation.py, docs/metrics.md).
+    # The verdict's thresholds (controlplane/state/starvation.py, docs/metrics.md).
     c.add_argument("--starved-throttled-ratio", type=_within(0, 1), default=0.25, metavar="R",
                    help="CPU-starved above this share of CFS periods throttled in a window (default 0.25)")
     c.add_argument("--starved-wait-ratio", type=_within(0, 1e6), default=0.5, metavar="R",
@@ -275,9 +275,9 @@ def _make_sampler(  # type: ignore[no-untyped-def]
 ):
     from sampler.backend import open_backend
     from sampler.backend_unavailable import BackendUnavailable
-    from sampler.nvml import GpuReader
-    from sampler.selectors import Selector, ShardSpec
-    from sampler.window_sampler import WindowSampler
+    from sampler.gpu.nvml import GpuReader
+    from sampler.shards.selectors import Selector, ShardSpec
+    from sampler.window.sampler import WindowSampler
 
     if not proc.is_dir():
         _fail(EXIT_USAGE, f"--proc-root {proc}: not a directory")
@@ -336,9 +336,9 @@ def _stop_on_sigterm() -> None:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from sampler import host_view
     from sampler.agent import default_node
-    from sampler.summary_text import render
+    from sampler.sources import host_view
+    from sampler.window.summary_text import render
 
     if args.print_bpf:
         return _print_bpf(args.proc_root)
@@ -364,8 +364,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     import subprocess
     import tempfile
 
+    from controlplane.ingest.tokens import node_token
     from controlplane.server import split_address
-    from controlplane.tokens import node_token
     from sampler.agent import default_node
 
     try:
@@ -418,8 +418,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     import threading
 
     import wire
-    from sampler import host_view
     from sampler.agent import Agent, AgentFailed, ConfigError, ConfigFile, TokenFile, default_node
+    from sampler.sources import host_view
 
     logging.getLogger().setLevel(logging.INFO)
     # First, while this is the only thread: later threads inherit the host's cgroup paths.
@@ -475,8 +475,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _authenticator(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from controlplane import node_identity as ni
-    from controlplane.tokens import TokenError, read_secret
+    from controlplane.ingest import node_identity as ni
+    from controlplane.ingest.tokens import TokenError, read_secret
 
     if args.secret_file is None and args.k8s_jwks is None:
         _fail(EXIT_USAGE, "--secret-file or --k8s-jwks (or both) is needed: nodes must prove who they are")
@@ -508,12 +508,12 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     import gc
     import ssl
 
-    from controlplane.connection_limits import ConnectionLimits
+    from controlplane.listen.connection_limits import ConnectionLimits
+    from controlplane.listen.tls_files import ReloadingServerTLS, TlsSettings
+    from controlplane.listen.web_config import ReloadingWebConfig, WebConfigError
     from controlplane.live import LiveSamples
     from controlplane.server import serve, split_address
-    from controlplane.starvation import StarvationRules
-    from controlplane.tls_files import ReloadingServerTLS, TlsSettings
-    from controlplane.web_config import ReloadingWebConfig, WebConfigError
+    from controlplane.state.starvation import StarvationRules
     from web.pages import add_pages
 
     if args.state_file is not None and not args.state_file.parent.is_dir():
@@ -601,7 +601,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    from controlplane.tokens import TokenError, node_token, read_secret
+    from controlplane.ingest.tokens import TokenError, node_token, read_secret
 
     try:
         print(node_token(read_secret(args.secret_file), args.node))

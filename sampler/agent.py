@@ -30,10 +30,10 @@ from typing import Any
 import aiohttp
 
 import wire
-from sampler.pods import LABEL_KEY
-from sampler.pods import METRICS_URL as POD_METRICS_URL
-from sampler.selectors import Selector, ShardSpec
-from sampler.window_sampler import WindowSampler
+from sampler.shards.pods import LABEL_KEY
+from sampler.shards.pods import METRICS_URL as POD_METRICS_URL
+from sampler.shards.selectors import Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
 
 
 def file_stamp(path: Path) -> tuple[int, int, int]:

@@ -1,7 +1,7 @@
 """Choosing the backend that counts engines' CPU time.
 
 `bpf` counts on-CPU time in the kernel (sampler/kernel/sched.py); `proc` reads
-/proc (sampler/proc_shards.py). `auto` uses the kernel backend when it loads
+/proc (sampler/shards/proc_shards.py). `auto` uses the kernel backend when it loads
 and falls back to /proc otherwise, saying why once in the log and in every
 summary's `backend_reason`. `bpf` asked for and unable to load is an error
 carrying the same reason.
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Protocol
 
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.proc_shards import ProcShardSampler, ShardReading
-from sampler.selectors import ProcessTable, ShardSpec
+from sampler.shards.proc_shards import ProcShardSampler, ShardReading
+from sampler.shards.selectors import ProcessTable, ShardSpec
 
 CHOICES = ("auto", "bpf", "proc")
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 import pytest
 
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.cfs import parse_cpu_stat
+from sampler.sources.cfs import parse_cpu_stat
 from tests.workloads import PROC
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def shared_bpf_groups() -> Iterator[KernelShardSampler]:
 def bpf_groups(shared_bpf_groups: KernelShardSampler) -> Iterator[KernelShardSampler]:
     """The kernel backend loaded into this kernel, shared by every test that
     asks for it: each starts watching nothing and leaves nothing watched."""
-    from sampler.selectors import ProcessTable
+    from sampler.shards.selectors import ProcessTable
 
     shared_bpf_groups.discover([], ProcessTable.walk(PROC))
     yield shared_bpf_groups

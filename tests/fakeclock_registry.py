@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import wire
-from controlplane.registry import NodeRegistry
+from controlplane.state.registry import NodeRegistry
 from tests.fakeproc import FakeClock
 
 GiB = 1024**3

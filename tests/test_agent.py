@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
-from controlplane import agent_api, tokens
-from controlplane.registry import NodeRegistry
+from controlplane.ingest import agent_api, tokens
+from controlplane.state.registry import NodeRegistry
 from sampler.agent import Agent, Backoff, ConfigError, ConfigFile, NewestSummary, parse_config
 from sampler.backend import BackendChoice
-from sampler.proc_shards import ProcShardSampler
-from sampler.window_sampler import WindowSampler
+from sampler.shards.proc_shards import ProcShardSampler
+from sampler.window.sampler import WindowSampler
 from tests.fakeproc import FakeProc
 
 SECRET = b"a cluster secret of some length"

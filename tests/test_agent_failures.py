@@ -15,14 +15,14 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from controlplane import tokens
+from controlplane.ingest import tokens
 from nodesampler import cli
 from sampler import agent as agent_module
 from sampler.agent import Agent, AgentFailed
 from sampler.backend import BackendChoice
-from sampler.machine import MountProbe
-from sampler.proc_shards import ProcShardSampler
-from sampler.window_sampler import WindowSampler
+from sampler.shards.proc_shards import ProcShardSampler
+from sampler.sources.machine import MountProbe
+from sampler.window.sampler import WindowSampler
 from tests.fakeproc import FakeProc
 
 SECRET = b"a cluster secret of some length"
@@ -180,8 +180,8 @@ def test_registration_reads_no_disk_on_the_event_loop(tmp_path: Path) -> None:
 
 
 async def test_a_refusal_is_said_as_a_refusal_not_unreachable(tmp_path: Path, caplog: Any) -> None:
-    from controlplane import agent_api
-    from controlplane.registry import NodeRegistry
+    from controlplane.ingest import agent_api
+    from controlplane.state.registry import NodeRegistry
 
     server = TestServer(agent_api.create_app(NodeRegistry(60), b"another cluster's secret, long"))
     await server.start_server()
@@ -201,9 +201,9 @@ async def test_a_resent_window_the_control_plane_has_is_not_a_failure(tmp_path: 
     """The answer to a heartbeat is lost and the agent sends it again: the
     real control plane refuses the replay (409), and the agent takes that for
     delivered: no warning, no backoff, the next window goes on."""
-    from controlplane import agent_api
+    from controlplane.ingest import agent_api
     from controlplane.keys import METRICS
-    from controlplane.registry import NodeRegistry
+    from controlplane.state.registry import NodeRegistry
 
     registry = NodeRegistry(60)
     server = TestServer(agent_api.create_app(registry, SECRET))

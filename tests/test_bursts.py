@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from sampler.backend import BackendChoice, ShardSampler
-from sampler.proc_shards import ProcShardSampler
-from sampler.selectors import Selector, ShardSpec
-from sampler.window_sampler import WindowSampler
+from sampler.shards.proc_shards import ProcShardSampler
+from sampler.shards.selectors import Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
 from tests.conftest import AccuracyLog
 from tests.workloads import BURST_PERIOD_S, BURST_THREE, HALF_OF_20MS, PROC, process_cpu_seconds, start_group
 

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wire
-from sampler import procfs
-from sampler.cfs import (
+from sampler.sources import procfs
+from sampler.sources.cfs import (
     CPU_STAT_READS,
     CfsBandwidthReader,
     CpuStat,
@@ -25,7 +25,7 @@ from sampler.cfs import (
     parse_status_threads,
     read_cpu_stat,
 )
-from sampler.procfs import ProcParseError
+from sampler.sources.procfs import ProcParseError
 from tests.fakeproc import FakeProc
 from tests.test_controlplane_api import heartbeat
 
@@ -184,7 +184,7 @@ def test_more_throttled_periods_than_periods_is_logged_and_left_out(
     reader = CfsBandwidthReader(proc.root, root)
     reader.read({"e": {100}})
     _cgroup(root, "/pod", "50000 100000", (20, 19, 200))  # 10 periods, 11 throttled
-    with caplog.at_level(logging.WARNING, logger="sampler.cfs"):
+    with caplog.at_level(logging.WARNING, logger="sampler.sources.cfs"):
         shard = reader.read({"e": {100}})["e"]
     assert "cpu_throttled_ratio" not in shard and shard["cpu_throttled_seconds"] == 0.0001
     assert shard["cpu_quota_cores"] == 0.5  # the rest of the reading stands

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from sampler import cgroup_view
-from sampler.cfs import CfsBandwidthReader
-from sampler.selectors import ProcessTable, Selector
+from sampler.shards.selectors import ProcessTable, Selector
+from sampler.sources import cgroup_view
+from sampler.sources.cfs import CfsBandwidthReader
 from tests.fakeproc import FakeProc
 
 AGENT = 4242

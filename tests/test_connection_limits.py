@@ -177,7 +177,7 @@ async def test_page_requests_take_turns_and_the_scrape_goes_at_once() -> None:
     answer that starts to leave gives its turn to the next request."""
     from aiohttp import web
 
-    from controlplane.connection_limits import GUARD, ConnectionGuard, ConnectionLimits, end_turn_when_answering
+    from controlplane.listen.connection_limits import GUARD, ConnectionGuard, ConnectionLimits, end_turn_when_answering
     from controlplane.server import FIRST_IN_LINE
 
     entered: list[int] = []

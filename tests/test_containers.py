@@ -33,7 +33,7 @@ import pytest
 import yaml
 
 from nodesampler import __version__
-from sampler.machine import MachineGaugeReader
+from sampler.sources.machine import MachineGaugeReader
 from tests import podman_pods as pods
 from tests.agent_fleet import PASSWORD, basic
 from tests.certs import TestCA, kubelet_serving_name

@@ -19,13 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wire
-from controlplane import agent_api, pages_api, tokens
-from controlplane.exposition import FleetExposition
+from controlplane import pages_api
+from controlplane.export.exposition import FleetExposition
 from controlplane.history import EmbeddedHistory
+from controlplane.ingest import agent_api, tokens
+from controlplane.ingest.node_identity import JwksSource, NodeAuthenticator, ServiceAccountRules, ServiceAccountVerifier
 from controlplane.keys import METRICS
 from controlplane.live import LiveSamples
-from controlplane.node_identity import JwksSource, NodeAuthenticator, ServiceAccountRules, ServiceAccountVerifier
-from controlplane.registry import NodeRegistry, UnknownNode
+from controlplane.state.registry import NodeRegistry, UnknownNode
 from tests.fakeproc import FakeClock
 from tests.issuer import ISSUER, TestIssuer
 from web import pages
@@ -202,7 +203,7 @@ async def test_a_node_cannot_grow_the_control_planes_own_series(
     live.watch("gpu-17")
     await post(client, "/v1/register", registration())
     reasons = set()
-    with caplog.at_level(logging.WARNING, logger="controlplane.agent_api"):
+    with caplog.at_level(logging.WARNING, logger="controlplane.ingest.agent_api"):
         for n in range(1, 301):
             clock.advance(1.0)  # within the node's heartbeat rate
             body = heartbeat(seq=n)

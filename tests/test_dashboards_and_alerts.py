@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from controlplane.series import FAMILY_NAMES
+from controlplane.export.series import FAMILY_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 METRIC = re.compile(r"\bllmgw_[a-z0-9_]+")

@@ -182,7 +182,7 @@ def test_the_pages_are_served_over_tls_to_users_and_scraped_so() -> None:
     files where the Deployment mounts them; the probes speak HTTPS; the
     ServiceMonitor scrapes with TLS and a user; the admin socket is on a
     volume of the pod's own."""
-    from controlplane.web_config import parse
+    from controlplane.listen.web_config import parse
 
     pod = find("Deployment", "nodesampler-controlplane")["spec"]["template"]["spec"]
     [cp] = pod["containers"]

@@ -24,10 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sampler.agent import ConfigError, parse_config
 from sampler.backend import BackendChoice
-from sampler.engine_metrics import FAMILIES, EngineMetricsError, EngineMetricsReader, parse, read_text
-from sampler.http_fetch import FetchError, fetch
-from sampler.proc_shards import ProcShardSampler
-from sampler.window_sampler import WindowSampler
+from sampler.shards.engine_metrics import FAMILIES, EngineMetricsError, EngineMetricsReader, parse, read_text
+from sampler.shards.http_fetch import FetchError, fetch
+from sampler.shards.proc_shards import ProcShardSampler
+from sampler.window.sampler import WindowSampler
 from tests.conftest import free_port
 from tests.fakeproc import FakeClock, FakeProc
 
@@ -184,7 +184,7 @@ def test_each_engine_read_and_each_failure_costs_its_own_figures(
                                                  "drip")}  # fmt: skip
     urls["down"] = f"http://127.0.0.1:{free_port()}/metrics"
     reader = EngineMetricsReader(deadline_s=1.0, max_bytes=4 << 20)
-    with caplog.at_level(logging.WARNING, logger="sampler.engine_metrics"):
+    with caplog.at_level(logging.WARNING, logger="sampler.shards.engine_metrics"):
         first = read_window(reader, urls)
         second = read_window(reader, urls)
     for got in (first, second):
@@ -193,7 +193,7 @@ def test_each_engine_read_and_each_failure_costs_its_own_figures(
         # Each failed shard carries its reason, and no figures.
         assert set(got) == {"huge", "malformed", "error", "slow", "drip", "down"}
         assert all(list(v) == ["metrics_error"] for v in got.values()), got
-    records = [r for r in caplog.records if r.name == "sampler.engine_metrics"]
+    records = [r for r in caplog.records if r.name == "sampler.shards.engine_metrics"]
     said = {r.getMessage().split(":", 1)[0]: r.getMessage() for r in records}
     assert set(said) == {f"engine {n}" for n in ("huge", "malformed", "error", "slow", "drip", "down")}
     assert "more than 4 MiB" in said["engine huge"] and "not Prometheus text" in said["engine malformed"]

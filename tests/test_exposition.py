@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane import agent_api, pages_api
-from controlplane.exposition import FleetExposition
+from controlplane import pages_api
+from controlplane.export.exposition import FleetExposition
+from controlplane.export.series import FAMILIES, FAMILY_NAMES, series_of
 from controlplane.history import EmbeddedHistory
+from controlplane.ingest import agent_api
 from controlplane.keys import METRICS
-from controlplane.registry import NodeRegistry
-from controlplane.series import FAMILIES, FAMILY_NAMES, series_of
+from controlplane.state.registry import NodeRegistry
 from tests.fakeclock_registry import fleet_registry
 from tests.fakeproc import FakeClock
 from web import pages
@@ -199,7 +200,7 @@ def test_label_sets_of_engines_gone_for_an_hour_are_dropped() -> None:
 
 
 def test_the_history_keeps_exactly_what_the_exposition_exports_of_its_families() -> None:
-    """One map (controlplane/series.py): for every node of the golden fleet, the
+    """One map (controlplane/export/series.py): for every node of the golden fleet, the
     series the embedded history records are the exposition's samples of the
     charted families, label for label and value for value."""
     registry, _ = fleet_registry()

@@ -18,9 +18,9 @@ import pytest
 from sampler.backend import BackendChoice, open_backend
 from sampler.backend_unavailable import BackendUnavailable
 from sampler.kernel import sched
-from sampler.proc_shards import ProcShardSampler
-from sampler.selectors import ProcessTable, Selector, ShardSpec
-from sampler.window_sampler import WindowSampler
+from sampler.shards.proc_shards import ProcShardSampler
+from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
 from tests.conftest import REQUIRE_BPF, AccuracyLog
 from tests.workloads import (
     BURN_ONE_CORE,
@@ -616,7 +616,7 @@ def test_waits_for_a_cpu_from_the_kernel_histogram(
     order of a slice a wait; one alone next to nothing in all (its few waits,
     behind the tests' own threads, can each be as long as a contended one under
     emulation); the histogram's mean agrees with schedstat's."""
-    from sampler.runqueue import RunQueueWaitSampler
+    from sampler.sources.runqueue import RunQueueWaitSampler
     from tests.test_runqueue import pinned_burner
 
     cpu = max(os.sched_getaffinity(0))

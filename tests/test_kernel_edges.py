@@ -18,8 +18,8 @@ import pytest
 
 from sampler.backend import BackendChoice
 from sampler.kernel import sched
-from sampler.selectors import ProcessTable, Selector, ShardSpec
-from sampler.window_sampler import WindowSampler
+from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
 from tests.conftest import AccuracyLog, unavailable
 from tests.test_kernel_backend import start_with_pid
 from tests.workloads import PROC, process_cpu_seconds, start_group

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from sampler.backend import BackendChoice
-from sampler.proc_shards import ProcShardSampler
-from sampler.selectors import Selector, ShardSpec
-from sampler.window_sampler import WindowSampler
+from sampler.shards.proc_shards import ProcShardSampler
+from sampler.shards.selectors import Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
 from tests.workloads import (
     BURN_ONE_CORE,
     FORKER,

@@ -23,10 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wire
-from controlplane import agent_api, pages_api
+from controlplane import pages_api
+from controlplane.ingest import agent_api
 from controlplane.live import BEHIND, MAX_BYTES_PER_NODE, MAX_VIEWERS_PER_PEER, VIEWER_QUEUE, LiveRefused, LiveSamples
-from controlplane.registry import NodeRegistry
-from sampler.window import RateSeries
+from controlplane.state.registry import NodeRegistry
+from sampler.window.series import RateSeries
 from tests.agent_fleet import INTERVAL, Fleet, fresh_with_seq
 from tests.conftest import unavailable
 from tests.fakeproc import FakeClock
@@ -37,7 +38,7 @@ from wire import raw as raw_samples
 
 def p95_fits(series: dict[str, Any], p95: float) -> bool:
     """Whether `p95` is the time-weighted 95th percentile of the series as the
-    summary defines it (sampler/window.py): the samples below it cover at most
+    summary defines it (sampler/window/series.py): the samples below it cover at most
     95% of the measured time and those at or below it at least 95%, within
     the wire's rounding (values to 1e-4, lengths to 0.5 us each)."""
     us = np.array(series["us"], dtype=float)
@@ -393,7 +394,7 @@ def test_a_viewer_gets_every_sample_and_the_agent_stops_when_it_leaves(tmp_path:
                 assert max(v for v in s["v"] if v is not None) == pytest.approx(s["summary"]["max"], abs=6e-5)
                 # Every sample, not a summary of them: the kernel backend's series are the
                 # window's samples one for one; /proc's and the machine's merge a sample
-                # shorter than a clock tick into the next (sampler/window.py).
+                # shorter than a clock tick into the next (sampler/window/series.py).
                 if s["key"].startswith("shard:") and backend == "bpf":
                     assert len(s["us"]) == event["samples"], s["key"]
                 else:

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
+from sampler.sources.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from tests.fakeproc import FakeProc
 
 
@@ -140,7 +140,7 @@ def test_a_disk_mounted_after_150_tmpfs_mounts_is_reported(tmp_path: Path) -> No
     view.mkdir()
     (view / "self").symlink_to("/proc/self")
     (view / "filesystems").symlink_to("/proc/filesystems")
-    probe = ("import json, os, sys; from pathlib import Path; from sampler.machine import MachineGaugeReader; "
+    probe = ("import json, os, sys; from pathlib import Path; from sampler.sources.machine import MachineGaugeReader; "
              f"d = {{x['mount']: x for x in MachineGaugeReader(Path('{view}')).read_disks()}}; "
              "st = os.statvfs(sys.argv[1]); "
              "print(json.dumps([d.get(sys.argv[1]), st.f_blocks * st.f_frsize]))")  # fmt: skip

@@ -13,8 +13,8 @@ import jwt
 import pytest
 from aiohttp import web
 
-from controlplane import tokens
-from controlplane.node_identity import (
+from controlplane.ingest import tokens
+from controlplane.ingest.node_identity import (
     REFETCH_EVERY_S,
     REREAD_EVERY_S,
     Forbidden,

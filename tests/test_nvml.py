@@ -13,12 +13,12 @@ import pynvml
 import pytest
 
 from sampler.backend import BackendChoice
-from sampler.nvml import GpuReader, GpuReading
-from sampler.pods import Pod
-from sampler.proc_shards import ProcShardSampler
-from sampler.selectors import Selector, ShardSpec
-from sampler.summary_text import render
-from sampler.window_sampler import WindowSampler
+from sampler.gpu.nvml import GpuReader, GpuReading
+from sampler.shards.pods import Pod
+from sampler.shards.proc_shards import ProcShardSampler
+from sampler.shards.selectors import Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
+from sampler.window.summary_text import render
 from tests.fakenvml import OLD_DRIVER, FakeCard, FakeNvml, GiB, h200_node
 from tests.fakeproc import FakeClock, FakeProc
 
@@ -112,7 +112,7 @@ def test_old_driver_leaves_its_missing_fields_absent(
     nvml = FakeNvml([FakeCard(0, fails=dict(OLD_DRIVER)), FakeCard(1)])
     nvml.cards[1].samples = [(5, 40)]
     r = open_reader(nvml, readers)
-    with caplog.at_level(logging.INFO, logger="sampler.nvml"):
+    with caplog.at_level(logging.INFO, logger="sampler.gpu.nvml"):
         old, new = read_gpus(r)
         read(r)
     for key in ("utilization_percent", "utilization_p95_percent", "utilization_max_percent",
@@ -141,7 +141,7 @@ def test_lost_gpu_is_absent_the_rest_go_on_and_it_comes_back(readers: list[GpuRe
 
 
 def test_no_nvml_is_not_measured_not_no_gpus(readers: list[GpuReader], caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="sampler.nvml"):
+    with caplog.at_level(logging.INFO, logger="sampler.gpu.nvml"):
         r = open_reader(FakeNvml([], library=False), readers)
         for _ in range(3):
             reading = read(r, {"s0": {1}})
@@ -259,7 +259,7 @@ def test_a_call_hung_in_the_driver_does_not_hold_the_process_at_exit(tmp_path: P
 
     code = (
         "import threading\n"
-        "from sampler.nvml import GpuReader\n"
+        "from sampler.gpu.nvml import GpuReader\n"
         "from tests.fakenvml import h200_node\n"
         "nvml = h200_node(1)\n"
         "r = GpuReader(nvml)\n"

@@ -19,7 +19,7 @@ import pytest
 import wire
 from controlplane import pages_api
 from controlplane.history import ChartSpec, EmbeddedHistory, Series, promql
-from controlplane.registry import NodeRegistry
+from controlplane.state.registry import NodeRegistry
 from tests.fakeclock_registry import fleet_registry
 from tests.fakeproc import FakeClock
 from web.charts import bin_columns, svg_chart

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from sampler import container_ids
 from sampler.agent import ConfigError, parse_config
-from sampler.kubelet import KubeletPods
-from sampler.pods import PodSelector, parse_label_selector, parse_pod_list
-from sampler.selectors import Selector, ShardSpec, pod_watches
+from sampler.shards import container_ids
+from sampler.shards.kubelet import KubeletPods
+from sampler.shards.pods import PodSelector, parse_label_selector, parse_pod_list
+from sampler.shards.selectors import Selector, ShardSpec, pod_watches
 from tests.certs import TestCA, kubelet_serving_name
 from tests.fakekubelet import FakeKubelet, pod_doc
 
@@ -229,7 +229,7 @@ def test_the_kubelet_over_tls_with_the_token(kubelet: FakeKubelet, caplog: pytes
         for mode, said in (("error", "HTTP 500"), ("garbage", "not a PodList"), ("slow", "not whole within 0.5 s")):
             kubelet.mode = mode
             pods.deadline_s = 0.5
-            with caplog.at_level(logging.WARNING, logger="sampler.kubelet"):
+            with caplog.at_level(logging.WARNING, logger="sampler.shards.kubelet"):
                 pods.refresh()
                 n = pods.wait_for_poll(n, 10)
             assert [p.key for p in pods.pods() or []] == ["llm/engine-0"]
@@ -287,7 +287,7 @@ def test_a_self_signed_kubelet_is_read_only_by_the_loud_opt_out(
 ) -> None:
     kubelet.pods = [pod_doc("llm", "engine-0", {"vllm": A})]
     verified = KubeletPods(kubelet.url, kubelet.token_file, node="n1")  # the system's trust store: not the kubelet's CA
-    with caplog.at_level(logging.WARNING, logger="sampler.kubelet"):
+    with caplog.at_level(logging.WARNING, logger="sampler.shards.kubelet"):
         unverified = KubeletPods(kubelet.url, kubelet.token_file, node="n1", verify=False)
         try:
             verified.wait_for_poll(0, 10)

@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 
 from sampler.backend import BackendChoice, ShardSampler
-from sampler.kubelet import KubeletPods
-from sampler.proc_shards import ProcShardSampler
-from sampler.selectors import Selector, ShardSpec
-from sampler.window_sampler import WindowSampler
+from sampler.shards.kubelet import KubeletPods
+from sampler.shards.proc_shards import ProcShardSampler
+from sampler.shards.selectors import Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
 from tests.conftest import CGROUP, AccuracyLog, unavailable
 from tests.fakekubelet import FakeKubelet, pod_doc
 from tests.workloads import PROC, busy_threads, process_cpu_seconds, stamped, start_group

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sampler import cgroup_view, procfs
+from sampler.sources import cgroup_view, procfs
 from tests.fakeproc import pid_stat_line
 
 
@@ -121,7 +121,7 @@ def test_whole_files_over_a_page_are_read_to_their_end(tmp_path: Path) -> None:
     script = (
         "set -e; for i in $(seq 150); do mkdir -p $0/m$i; mount -t tmpfs -o size=4k t$i $0/m$i; done; "
         "cat /proc/self/mountinfo > $0/expected; "
-        f"{sys.executable} -c 'import sys; from sampler import procfs; "
+        f"{sys.executable} -c 'import sys; from sampler.sources import procfs; "
         "sys.stdout.buffer.write(procfs.read_bytes(\"/proc/self/mountinfo\"))' > $0/got"
     )
     subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(tmp_path)], check=True,

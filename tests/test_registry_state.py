@@ -15,11 +15,12 @@ import bcrypt
 import pytest
 
 import wire
-from controlplane import agent_api, pages_api, server
+from controlplane import pages_api, server
 from controlplane.history import ChartSpec, EmbeddedHistory
-from controlplane.page_access import PageAccess
-from controlplane.registry import NodeRegistry
-from controlplane.web_config import ReloadingWebConfig
+from controlplane.ingest import agent_api
+from controlplane.listen.page_access import PageAccess
+from controlplane.listen.web_config import ReloadingWebConfig
+from controlplane.state.registry import NodeRegistry
 from tests.test_controlplane_api import SECRET, auth, heartbeat, post, registration
 
 
@@ -162,7 +163,7 @@ async def test_saves_take_turns_and_the_last_state_is_what_stays(aiohttp_client:
     """The period's save, DELETEs' and the exit's, all at once: never two
     writers of `PATH.tmp`, and the file ends as the registry ends (a node
     forgotten meanwhile does not come back)."""
-    from controlplane import registry_state
+    from controlplane.state import registry_state
 
     path = tmp_path / "registry.json"
     registry = NodeRegistry(stale_after=60)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from sampler import procfs
 from sampler.backend import BackendChoice
-from sampler.proc_shards import ProcShardSampler
-from sampler.runqueue import RunQueueWaitSampler, parse_schedstat
-from sampler.selectors import Selector, ShardSpec
-from sampler.window_sampler import WindowSampler
+from sampler.shards.proc_shards import ProcShardSampler
+from sampler.shards.selectors import Selector, ShardSpec
+from sampler.sources import procfs
+from sampler.sources.runqueue import RunQueueWaitSampler, parse_schedstat
+from sampler.window.sampler import WindowSampler
 from tests.workloads import PROC, start_group
 
 

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from sampler.backend import BackendChoice
 from sampler.kernel.sched import place_late, settle
-from sampler.proc_shards import ProcShardSampler, ShardReading, within_capacity
-from sampler.selectors import Selector, ShardSpec
-from sampler.window import RateSeries
-from sampler.window_sampler import WindowSampler
+from sampler.shards.proc_shards import ProcShardSampler, ShardReading, within_capacity
+from sampler.shards.selectors import Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
+from sampler.window.series import RateSeries
 from tests.fakeproc import FakeClock, FakeProc
 
 TICK = 0.01
@@ -87,7 +87,7 @@ def test_a_sample_above_the_machine_is_a_bug_said_once_and_kept(tmp_path: Path,
     w = WindowSampler(proc.root, BackendChoice("proc", None), _Impossible(proc.root, clock),
                       [ShardSpec("s0", Selector.parse("pgid:100"))], hz=10, node="n1", clock=clock,
                       wall_clock=clock, sleep=clock.advance)  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="sampler.window_sampler"):
+    with caplog.at_level(logging.WARNING, logger="sampler.window.sampler"):
         w.run_window(1.0)
         summary = w.run_window(1.0)
     said = [r.getMessage() for r in caplog.records if "more than the machine" in r.getMessage()]

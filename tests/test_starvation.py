@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 import wire
-from controlplane.registry import NodeRegistry
-from controlplane.starvation import StarvationRules, judge, judge_heartbeat
+from controlplane.state.registry import NodeRegistry
+from controlplane.state.starvation import StarvationRules, judge, judge_heartbeat
 
 RULES = StarvationRules(throttled_ratio=0.25, wait_ratio=0.5, min_wait=0.05, gpu_utilization=0.5)
 
@@ -127,7 +127,7 @@ def test_host_bound_through_the_fake_nvml(tmp_path: Path, gpu_percent: int, thro
                                           host_bound: int) -> None:  # fmt: skip
     """The GPU side as the agent measures it (NVML's per-process samples, through
     the window and the wire); the CPU side as its cgroup would say."""
-    from sampler.nvml import GpuReader
+    from sampler.gpu.nvml import GpuReader
     from tests.fakenvml import GiB, h200_node
     from tests.test_nvml import window_sampler
 

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 import wire
-from controlplane.starvation import StarvationRules, judge_heartbeat
+from controlplane.state.starvation import StarvationRules, judge_heartbeat
 from sampler.backend import BackendChoice
 from sampler.kernel import sched
-from sampler.selectors import Selector, ShardSpec
-from sampler.window_sampler import WindowSampler
+from sampler.shards.selectors import Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
 from tests.conftest import AccuracyLog, CpuCgroup, unavailable
 from tests.workloads import PROC, busy_threads, start_group
 

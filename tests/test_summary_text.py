@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sampler.summary_text import render
+from sampler.window.summary_text import render
 
 
 def summary(*shards: dict[str, Any]) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sampler.cpu_lists import parse_cpu_list
 from sampler.kernel.sched import tick_cpus
+from sampler.sources.cpu_lists import parse_cpu_list
 
 
 @pytest.mark.parametrize("text, cpus", [

@@ -18,12 +18,12 @@ import pytest
 from aiohttp import web
 from cryptography import x509
 
-from controlplane import agent_api, tokens
-from controlplane.node_identity import JwksSource, NodeAuthenticator, ServiceAccountRules, ServiceAccountVerifier
-from controlplane.registry import NodeRegistry
-from controlplane.tls_files import ReloadingServerTLS, TlsSettings
+from controlplane.ingest import agent_api, tokens
+from controlplane.ingest.node_identity import JwksSource, NodeAuthenticator, ServiceAccountRules, ServiceAccountVerifier
+from controlplane.listen.tls_files import ReloadingServerTLS, TlsSettings
+from controlplane.state.registry import NodeRegistry
 from sampler.agent import ConfigFile, DeliveryError, HeartbeatClient, TokenFile
-from sampler.machine import MachineGaugeReader
+from sampler.sources.machine import MachineGaugeReader
 from tests.certs import TestCA
 from tests.issuer import ISSUER, TestIssuer
 from tests.test_controlplane_api import SECRET, heartbeat, registration

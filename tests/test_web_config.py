@@ -11,8 +11,8 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from controlplane.page_access import PasswordChecker, basic_credentials, host_name
-from controlplane.web_config import ReloadingWebConfig, WebConfigError, load, parse
+from controlplane.listen.page_access import PasswordChecker, basic_credentials, host_name
+from controlplane.listen.web_config import ReloadingWebConfig, WebConfigError, load, parse
 from tests.agent_fleet import web_config_file
 
 HASH = bcrypt.hashpw(b"pw", bcrypt.gensalt(4)).decode()
@@ -116,7 +116,7 @@ async def test_client_certificates_are_asked_for_as_the_file_says(tmp_path: Path
     one another CA signed, gets no answer; one the file's CA signed does."""
     from aiohttp import web
 
-    from controlplane.connection_limits import ConnectionGuard, ConnectionLimits
+    from controlplane.listen.connection_limits import ConnectionGuard, ConnectionLimits
     from tests.certs import TestCA
 
     clients, strangers = TestCA("clients CA"), TestCA("another CA")

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from sampler.backend import BackendChoice
-from sampler.proc_shards import PAGE_SIZE, USER_HZ, ProcShardSampler, ShardReading
-from sampler.selectors import Selector, ShardSpec
-from sampler.window import RateSeries
-from sampler.window_sampler import WindowSampler
+from sampler.shards.proc_shards import PAGE_SIZE, USER_HZ, ProcShardSampler, ShardReading
+from sampler.shards.selectors import Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
+from sampler.window.series import RateSeries
 from tests.fakeproc import FakeClock, FakeProc
 
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import wire
 from sampler.backend import BackendChoice
-from sampler.proc_shards import ProcShardSampler
-from sampler.selectors import Selector, ShardSpec
-from sampler.window_sampler import WindowSampler
+from sampler.shards.proc_shards import ProcShardSampler
+from sampler.shards.selectors import Selector, ShardSpec
+from sampler.window.sampler import WindowSampler
 from tests.fakeproc import FakeClock, FakeProc
 
 

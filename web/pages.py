@@ -24,7 +24,7 @@ from controlplane.history import ChartSpec, EmbeddedHistory, HistoryError, Prome
 from controlplane.keys import HISTORY, REGISTRY
 from controlplane.live import LIVE
 from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
-from controlplane.registry import NodeRegistry, NodeState
+from controlplane.state.registry import NodeRegistry, NodeState
 from web.charts import columns, format_value, svg_chart
 
 PROMETHEUS_URL = web.AppKey("prometheus_url", str)
@@ -53,7 +53,7 @@ def _environment() -> jinja2.Environment:
 
 
 def _verdict(starved: dict[str, Any]) -> dict[str, str] | None:
-    """What the engine table says of the control plane's verdict (controlplane/starvation.py)."""
+    """What the engine table says of the control plane's verdict (controlplane/state/starvation.py)."""
     if starved.get("host_bound"):
         return {"kind": "host-bound", "why": starved.get("why", "")}
     if starved.get("cpu_starved"):

@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from sampler import procfs
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.cpu_lists import format_cpu_list, parse_cpu_list
 from sampler.kernel import btf, handoff, tp_btf
-from sampler.proc_shards import PAGE_SIZE, ShardReading, within_capacity
-from sampler.selectors import ProcessTable, ShardSpec
+from sampler.shards.proc_shards import PAGE_SIZE, ShardReading, within_capacity
+from sampler.shards.selectors import ProcessTable, ShardSpec
+from sampler.sources import procfs
+from sampler.sources.cpu_lists import format_cpu_list, parse_cpu_list
 
 log = logging.getLogger(__name__)
 

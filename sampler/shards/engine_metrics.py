@@ -2,7 +2,7 @@
 
 A shard may name its engine's Prometheus endpoint (`metrics_url` in the
 config). Once a window the agent reads it, under one deadline for the whole
-exchange and a size cap (sampler/http_fetch.py), and takes the families it
+exchange and a size cap (sampler/shards/http_fetch.py), and takes the families it
 knows: requests waiting, requests running and KV-cache use, whichever
 engine published them (vLLM, SGLang, TGI: `FAMILIES`, one line each to add
 another).
@@ -36,7 +36,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sampler.http_fetch import FetchError, fetch_chunks
+from sampler.shards.http_fetch import FetchError, fetch_chunks
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.starvation import StarvationRules, judge_heartbeat
+from controlplane.state.starvation import StarvationRules, judge_heartbeat
 
 Json = dict[str, Any]
 MAX_SHARDS_PER_NODE = 64  # engines of one node exported, charted and shown
@@ -49,7 +49,7 @@ class NodeState:
         return None if self.received_at is None else now - self.received_at
 
     def fresh(self, now: float, stale_after: float) -> bool:
-        """Its measurements are current: none after a restart (controlplane/registry_state.py)."""
+        """Its measurements are current: none after a restart (controlplane/state/registry_state.py)."""
         age = self.age(now)
         return self.heartbeat is not None and age is not None and age <= stale_after
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sampler import procfs
+from sampler.sources import procfs
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ import aiohttp
 import jwt
 
 import wire
-from controlplane import tokens
+from controlplane.ingest import tokens
 
 log = logging.getLogger(__name__)
 

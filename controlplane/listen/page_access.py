@@ -1,7 +1,7 @@
 """Who may read the pages listener, and who may change the fleet through it.
 
 - **Users**: with `basic_auth_users` in the web config file
-  (controlplane/web_config.py), every request but `/health` needs one of
+  (controlplane/listen/web_config.py), every request but `/health` needs one of
   them (HTTP basic auth, bcrypt hashes, as Prometheus and node_exporter
   check them). `/health` stays open: the kubelet's probes carry no
   password, and it says no more than that the control plane answers and how
@@ -44,8 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from controlplane.connection_limits import end_turn
-from controlplane.web_config import ReloadingWebConfig
+from controlplane.listen.connection_limits import end_turn
+from controlplane.listen.web_config import ReloadingWebConfig
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ A selector names processes the way an operator knows an engine:
 - `cgroup:PATH`  every process in the cgroup PATH or below it (v2 path, or the
                  path in any v1 hierarchy), e.g. a pod's or a systemd unit's;
 - `k8s:NAMESPACE/LABEL_SELECTOR[#CONTAINER]`  each pod on this node that
-                 matches, one shard per pod (sampler/pods.py): the agent turns
+                 matches, one shard per pod (sampler/shards/pods.py): the agent turns
                  it into one `containers:` shard per pod at each walk.
 
 `containers:ID,ID` (the processes in those containers, by the ids their
@@ -37,8 +37,9 @@ from typing import Protocol, TypeVar
 
 import re2
 
-from sampler import cgroup_view, container_ids, procfs
-from sampler.pods import Pod, PodSelector
+from sampler.shards import container_ids
+from sampler.shards.pods import Pod, PodSelector
+from sampler.sources import cgroup_view, procfs
 
 KINDS = ("pgid", "pid", "cmdline", "comm", "cgroup", "k8s")
 T = TypeVar("T")

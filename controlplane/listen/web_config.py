@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from controlplane.tls_files import CLIENT_AUTH, TLS_VERSIONS, ReloadingServerTLS, TlsSettings, stamp
+from controlplane.listen.tls_files import CLIENT_AUTH, TLS_VERSIONS, ReloadingServerTLS, TlsSettings, stamp
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def load(path: Path) -> WebConfig:
 class ReloadingWebConfig:
     """The file as it stands: re-read when it changes (checked at each request
     and each handshake: one stat), its certificate files re-read as the
-    agent listener's are (controlplane/tls_files.py). A file that does not
+    agent listener's are (controlplane/listen/tls_files.py). A file that does not
     load is logged and the last good one stays in force, as for
     certificates: a listener is never left without its users or its
     certificate. Whether TLS is on is fixed at start (a listener cannot

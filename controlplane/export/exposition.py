@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from controlplane.registry import NodeRegistry, NodeState
-from controlplane.series import FAMILIES, NodeStatus
+from controlplane.export.series import FAMILIES, NodeStatus
+from controlplane.state.registry import NodeRegistry, NodeState
 
 log = logging.getLogger(__name__)
 

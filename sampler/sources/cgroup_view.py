@@ -27,7 +27,7 @@ import os
 import posixpath
 from pathlib import Path
 
-from sampler import procfs
+from sampler.sources import procfs
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 import wire
+from controlplane.export.own_metrics import ControlPlaneMetrics
 from controlplane.history import EmbeddedHistory
+from controlplane.ingest.node_identity import Forbidden, NodeAuthenticator, Unauthenticated
 from controlplane.keys import AUTHENTICATOR, METRICS, RECORDER, REGISTRY
 from controlplane.live import LIVE, LiveSamples
-from controlplane.node_identity import Forbidden, NodeAuthenticator, Unauthenticated
-from controlplane.own_metrics import ControlPlaneMetrics
-from controlplane.registry import NodeRegistry, UnknownNode
+from controlplane.state.registry import NodeRegistry, UnknownNode
 
 log = logging.getLogger(__name__)
 

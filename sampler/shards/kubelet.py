@@ -32,8 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sampler.http_fetch import FetchError, fetch
-from sampler.pods import Pod, parse_pod_list
+from sampler.shards.http_fetch import FetchError, fetch
+from sampler.shards.pods import Pod, parse_pod_list
 
 log = logging.getLogger(__name__)
 

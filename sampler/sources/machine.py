@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sampler import procfs
+from sampler.sources import procfs
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ and nowhere else.
 
 A family's samples are made through a `LabelMaker`, which says how a label
 set is written: the exposition's makes escaped text, cached per node
-(controlplane/exposition.py); the history's makes (name, value) tuples
+(controlplane/export/exposition.py); the history's makes (name, value) tuples
 (`SeriesLabels` below). The node's own label is the maker's `base`.
 """
 

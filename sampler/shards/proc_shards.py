@@ -46,8 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sampler import procfs
-from sampler.selectors import ProcessTable, ShardSpec
+from sampler.shards.selectors import ProcessTable, ShardSpec
+from sampler.sources import procfs
 
 log = logging.getLogger(__name__)
 

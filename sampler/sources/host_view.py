@@ -31,7 +31,7 @@ import socket
 import threading
 from pathlib import Path
 
-from sampler import cgroup_view
+from sampler.sources import cgroup_view
 
 log = logging.getLogger(__name__)
 

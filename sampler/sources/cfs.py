@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sampler import cgroup_view, procfs
-from sampler.cgroup_view import CGROUP_ROOT
-from sampler.cpu_lists import parse_cpu_list
+from sampler.sources import cgroup_view, procfs
+from sampler.sources.cgroup_view import CGROUP_ROOT
+from sampler.sources.cpu_lists import parse_cpu_list
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# The web configuration file's names (controlplane/web_config.py) for what a client may present.
+# The web configuration file's names (controlplane/listen/web_config.py) for what a client may present.
 CLIENT_AUTH = ("NoClientCert", "RequestClientCert", "RequireAnyClientCert", "VerifyClientCertIfGiven",
                "RequireAndVerifyClientCert")  # fmt: skip
 TLS_VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,

@@ -28,7 +28,7 @@ from aiohttp import web
 
 import wire
 from controlplane.keys import REGISTRY
-from controlplane.registry import NodeRegistry, NodeState
+from controlplane.state.registry import NodeRegistry, NodeState
 
 log = logging.getLogger(__name__)
 

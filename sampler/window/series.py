@@ -1,6 +1,6 @@
 """A window of samples in numpy arrays, and its summary.
 
-Rates (machine CPU percent, a group's cores) are kept per sample with the
+Rates (machine CPU percent, a shard's cores) are kept per sample with the
 sample's length, so every figure is time-weighted: the mean is the total used
 over the total time, and p95 is the value that the samples at or below it
 cover 95% of the measured time with (a late sample that covers three slots

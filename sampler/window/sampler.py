@@ -19,16 +19,16 @@ import numpy as np
 
 import wire
 from sampler.backend import BackendChoice, ShardSampler
-from sampler.cfs import CfsBandwidthReader
-from sampler.cgroup_view import host_cgroup_root
-from sampler.engine_metrics import EngineMetricsReader
-from sampler.kubelet import KubeletPods
-from sampler.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
-from sampler.nvml import GpuReader, GpuReading
-from sampler.proc_shards import USER_HZ, ShardReading
-from sampler.runqueue import RunQueueWaitSampler
-from sampler.selectors import ProcessTable, ShardSpec, busiest_groups, named_by_command, pod_watches
-from sampler.window import RateSeries
+from sampler.gpu.nvml import GpuReader, GpuReading
+from sampler.shards.engine_metrics import EngineMetricsReader
+from sampler.shards.kubelet import KubeletPods
+from sampler.shards.proc_shards import USER_HZ, ShardReading
+from sampler.shards.selectors import ProcessTable, ShardSpec, busiest_groups, named_by_command, pod_watches
+from sampler.sources.cfs import CfsBandwidthReader
+from sampler.sources.cgroup_view import host_cgroup_root
+from sampler.sources.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
+from sampler.sources.runqueue import RunQueueWaitSampler
+from sampler.window.series import RateSeries
 from wire import raw as raw_samples
 
 BUSIEST_GROUPS = 5

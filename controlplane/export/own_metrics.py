@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from controlplane.connection_limits import CLOSE_REASONS
-from controlplane.registry import NodeRegistry
+from controlplane.listen.connection_limits import CLOSE_REASONS
+from controlplane.state.registry import NodeRegistry
 
 REJECT_REASONS = ("bad_request", "unauthorized", "forbidden", "unknown_node", "replay", "too_large", "rate_limited",
                   "internal_error")  # fmt: skip
