@@ -93,8 +93,10 @@ class _NodeRing:
     t: np.ndarray = field(init=False)
     values: np.ndarray = field(init=False)  # (series, capacity)
     columns: dict[tuple[str, Labels], int] = field(default_factory=dict)
-    # The series by family, with their labels and the node's name as a query matches them.
-    families: dict[str, list[tuple[dict[str, str], int]]] = field(default_factory=dict)
+    # The series by family, with their labels and the node's name as a query matches them. Label
+    # pairs, not dicts: a tuple holding a dict is never untracked by the collector, and these were
+    # 65 of a node's 101 objects every full collection walked (0.82 s at 20,000 nodes).
+    families: dict[str, list[tuple[Labels, int]]] = field(default_factory=dict)
     n: int = 0  # heartbeats recorded, ever
     free: list[int] = field(default_factory=list)  # rows given up by series gone for the hour
     swept_at: int = -1  # n at the last look for series gone
@@ -126,7 +128,7 @@ class _NodeRing:
                     continue
                 self.values[row] = np.nan  # not measured at the heartbeats held before it came
                 columns[(family, labels)] = row
-                self.families.setdefault(family, []).append((dict(labels, node=self.node), row))
+                self.families.setdefault(family, []).append(((*labels, ("node", self.node)), row))
             rows.append(row)
             values.append(value)
         self.values[:, slot] = np.nan
@@ -237,7 +239,8 @@ class EmbeddedHistory:
         rings = self._nodes.values() if node_filter is None else [one] if one is not None else []
         groups: dict[tuple[str, ...], dict[str, list[int]]] = {}
         for ring in rings:
-            for labels, col in ring.families.get(spec.metric, ()):
+            for pairs, col in ring.families.get(spec.metric, ()):
+                labels = dict(pairs)
                 if want and any(labels.get(k) != v for k, v in want.items()):
                     continue
                 if spec.one_of and any(labels.get(k) not in values for k, values in spec.one_of):
