@@ -5,10 +5,9 @@ entry of a list, that entry left out and named in `dropped`)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
-from wire.limits import MAX_BYTES, MAX_NAME, MAX_TEXT, NODE_ID
+from wire.limits import MAX_NAME, NODE_ID
 
 Json = dict[str, Any]
 
@@ -85,30 +84,6 @@ def items(value: Any, field: Field, limit: int) -> list[Any]:
         raise WireError(field, f"at most {limit} entries")
     return value
 
-
-def optional(src: Json, key: str, field: Field, check: Callable[[Any, Field], Any], out: Json) -> None:
-    """Copy src[key] into out if present and not null, checked."""
-    value = src.get(key)
-    if value is not None:
-        out[key] = check(value, (field, key))
-
-
-def byte_count(value: Any, field: Field) -> int:
-    return integer(value, field, 0, MAX_BYTES)
-
-
-def stats(lo: float, hi: float) -> Callable[[Any, Field], dict[str, float]]:
-    def check(value: Any, field: Field) -> dict[str, float]:
-        o = obj(value, field)
-        return {"mean": number(o.get("mean"), (field, "mean"), lo, hi),
-                "p95": number(o.get("p95"), (field, "p95"), lo, hi),
-                "max": number(o.get("max"), (field, "max"), lo, hi)}  # fmt: skip
-
-    return check
-
-
-def text(value: Any, field: Field) -> str:
-    return name(value, field, MAX_TEXT)
 
 
 
