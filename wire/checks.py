@@ -85,6 +85,4 @@ def items(value: Any, field: Field, limit: int) -> list[Any]:
     return value
 
 
-
-
 Dropped = list[dict[str, str]]  # {"field": ..., "reason": ...} of each entry left out
