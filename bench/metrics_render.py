@@ -35,8 +35,8 @@ def fleet(n: int) -> NodeRegistry:
     registry = NodeRegistry()
     for i in range(n):
         node = f"node-{i:05d}"
-        registry.register(wire.parse_registration(json.dumps(registration(node)).encode()))
-        registry.heartbeat(wire.parse_heartbeat(json.dumps(gpu_node_heartbeat(node)).encode()))
+        registry.register(wire.decode_registration(json.dumps(registration(node)).encode()))
+        registry.heartbeat(wire.decode_heartbeat(json.dumps(gpu_node_heartbeat(node)).encode()).heartbeat)
     return registry
 
 

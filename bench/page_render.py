@@ -35,7 +35,7 @@ async def main() -> None:
     registry = NodeRegistry()
     history = EmbeddedHistory(interval=5)
     now = time.time()
-    registry.register(wire.parse_registration(json.dumps(registration("gpu-0")).encode()))
+    registry.register(wire.decode_registration(json.dumps(registration("gpu-0")).encode()))
     for i in range(720):
         hb = gpu_node_heartbeat("gpu-0")
         hb["machine"]["cpu_percent"] = {"mean": 30 + (i % 50), "p95": 60.0, "max": 90 + (i % 10)}

@@ -23,6 +23,7 @@ import aiohttp
 import numpy as np
 
 from controlplane.export.series import series_of
+from controlplane.state.registry import Received
 
 Json = dict[str, Any]
 Labels = tuple[tuple[str, str], ...]
@@ -113,11 +114,11 @@ class _NodeRing:
         # takes it; slots no heartbeat has written are never read (`slots`).
         self.values = np.empty((0, 0), dtype=np.float32)
 
-    def record(self, at: float, hb: Json) -> None:
+    def record(self, at: float, received: Received) -> None:
         slot = self.n % self.capacity
         if slot >= self.values.shape[1]:
             self._resize(self.values.shape[0], min(self.capacity, max(8, 2 * self.values.shape[1])))
-        series = series_of(hb)
+        series = series_of(received)
         columns = self.columns
         rows, values = [], []
         for family, labels, value in series:
@@ -217,12 +218,12 @@ class EmbeddedHistory:
         self._nodes: dict[str, _NodeRing] = {}
         self._lock = threading.Lock()
 
-    def record(self, node: str, hb: Json, at: float | None = None) -> None:
+    def record(self, node: str, received: Received, at: float | None = None) -> None:
         with self._lock:
             ring = self._nodes.get(node)
             if ring is None:
                 ring = self._nodes[node] = _NodeRing(node, self.capacity)
-            ring.record(self.clock() if at is None else at, hb)
+            ring.record(self.clock() if at is None else at, received)
 
     def forget(self, node: str) -> None:
         with self._lock:

@@ -31,6 +31,7 @@ from aiohttp import web
 
 from controlplane.keys import REGISTRY
 from controlplane.listen.page_access import USER
+from wire.schema import Heartbeat, Stats
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +118,14 @@ class LiveSamples:
             if not state.viewers:
                 state.left_at = self.clock()
 
-    def record(self, node: str, heartbeat: dict[str, Any], raw: dict[str, Any]) -> None:
+    def record(self, node: str, heartbeat: Heartbeat, raw: dict[str, Any]) -> None:
         """A heartbeat's raw samples (checked: wire/raw.py) as
         one event, kept and sent to the node's viewers."""
         state = self._nodes.get(node)
         if state is None or not self.wanted(node):
             return
         event = json.dumps(_event(heartbeat, raw), separators=(",", ":"))
-        end = heartbeat["window"]["end"]
+        end = heartbeat.window.end
         state.events.append((end, event))
         state.bytes += len(event)
         while state.events and (state.events[0][0] <= end - self.keep_s or state.bytes > MAX_BYTES_PER_NODE):
@@ -145,30 +146,35 @@ class LiveSamples:
                 "windows_missed_by_slow_viewers": state.missed}  # fmt: skip
 
 
-def _event(hb: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+def _event(hb: Heartbeat, raw: dict[str, Any]) -> dict[str, Any]:
     """One window for the page: each series with its summary lines."""
     series: list[dict[str, Any]] = []
     if (cpu := (raw.get("machine") or {}).get("cpu_percent")) is not None:
         series.append({"key": "machine", "label": "machine CPU", "unit": "%", **cpu,
-                       "summary": hb["machine"].get("cpu_percent")})  # fmt: skip
-    shards = {s["id"]: s for s in hb.get("shards", [])}
+                       "summary": _stats(hb.machine.cpu_percent)})  # fmt: skip
+    shards = {s.id: s for s in hb.shards}
     for s in raw.get("shards", []):
+        shard = shards.get(s["id"])
         series.append({"key": f"shard:{s['id']}", "label": s["id"], "unit": "cores", **s["cpu_cores"],
-                       "summary": (shards.get(s["id"]) or {}).get("cpu_cores")})  # fmt: skip
-    gpus = {g["index"]: g for g in hb.get("gpus", [])}
+                       "summary": None if shard is None else _stats(shard.cpu_cores)})  # fmt: skip
+    gpus = {g.index: g for g in hb.gpus or ()}
     for g in raw.get("gpus", []):
-        card = gpus.get(g["index"], {})
+        card = gpus.get(g["index"])
         summary = None
-        if card.get("utilization_percent") is not None:
-            summary = {"mean": card["utilization_percent"], "p95": card.get("utilization_p95_percent"),
-                       "max": card.get("utilization_max_percent")}  # fmt: skip
+        if card is not None and card.utilization_percent is not None:
+            summary = {"mean": card.utilization_percent, "p95": card.utilization_p95_percent,
+                       "max": card.utilization_max_percent}  # fmt: skip
         series.append({"key": f"gpu:{g['index']}", "label": f"GPU {g['index']}", "unit": "%",
                        **g["utilization_percent"], "summary": summary})  # fmt: skip
-    w = hb["window"]
-    out = {"seq": hb["seq"], "start": w["start"], "end": w["end"], "samples": w["samples"], "series": series}
+    w = hb.window
+    out = {"seq": hb.seq, "start": w.start, "end": w.end, "samples": w.samples, "series": series}
     if raw.get("shards_left_out"):
         out["shards_left_out"] = raw["shards_left_out"]
     return out
+
+
+def _stats(stats: Stats | None) -> dict[str, float | None] | None:
+    return None if stats is None else {"mean": stats.mean, "p95": stats.p95, "max": stats.max}
 
 
 # --- the stream ------------------------------------------------------------------

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from prometheus_client import generate_latest
 
@@ -68,9 +69,9 @@ def _nodes_json(registry: NodeRegistry, watched: dict[str, dict[str, Any] | None
             "state": "fresh" if fresh else "stale",
             "sample_age_seconds": None if age is None else round(age, 3),
             "heartbeats": state.heartbeats,
-            "registration": state.registration,
+            "registration": msgspec.to_builtins(state.registration),
             # A stale node's measurements are not shown as current.
-            "heartbeat": state.heartbeat if fresh else None,
+            "heartbeat": state.received.as_json() if fresh and state.received is not None else None,
             # Watched live: its viewers and the samples kept (absent while nobody watches).
             **({"live": d} if (d := (watched or {}).get(state.node)) is not None else {}),
         })  # fmt: skip

@@ -46,10 +46,10 @@ def fleet_registry() -> tuple[NodeRegistry, FakeClock]:
     def register(node: str, backend: str = "bpf") -> None:
         body = {"node": node, "hostname": f"{node}.example", "kernel": "6.1.0-28-amd64", "agent_version": "0.1.0",
                 "backend": backend, "cpus": 64, "memory_bytes": 512 * GiB}  # fmt: skip
-        registry.register(wire.parse_registration(json.dumps(body).encode()))
+        registry.register(wire.decode_registration(json.dumps(body).encode()))
 
     def beat(body: dict[str, Any]) -> None:
-        registry.heartbeat(wire.parse_heartbeat(json.dumps(body).encode()))
+        registry.heartbeat(wire.decode_heartbeat(json.dumps(body).encode()).heartbeat)
 
     register("stale-3")
     beat(_heartbeat("stale-3", None, [{"id": "s0", "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}}]))

@@ -19,6 +19,7 @@ from sampler.backend import BackendChoice
 from sampler.shards.proc_shards import ProcShardSampler
 from sampler.window.sampler import WindowSampler
 from tests.fakeproc import FakeProc
+from wire.schema import Heartbeat, Registration
 
 SECRET = b"a cluster secret of some length"
 
@@ -98,11 +99,11 @@ class Watched(NodeRegistry):
         super().__init__()
         self.changed = asyncio.Event()
 
-    def register(self, registration: dict[str, Any]) -> Any:
+    def register(self, registration: Registration) -> Any:
         self.changed.set()
         return super().register(registration)
 
-    def heartbeat(self, heartbeat: dict[str, Any]) -> Any:
+    def heartbeat(self, heartbeat: Heartbeat) -> Any:
         state = super().heartbeat(heartbeat)
         self.changed.set()
         return state
@@ -138,7 +139,7 @@ async def test_agent_registers_heartbeats_and_registers_again_after_a_restart(tm
         registry._nodes.clear()
         await until(registry, lambda: (s := registry.get("n1")) is not None and s.heartbeats >= 1)
         state = registry.get("n1")
-        assert state is not None and state.registration["backend"] == "proc"
+        assert state is not None and state.registration.backend == "proc"
     finally:
         stopping.set()
         run.cancel()

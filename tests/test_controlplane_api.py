@@ -30,6 +30,7 @@ from controlplane.state.registry import NodeRegistry, UnknownNode
 from tests.fakeproc import FakeClock
 from tests.issuer import ISSUER, TestIssuer
 from web import pages
+from wire.schema import Registration
 
 Client: TypeAlias = "TestClient[web.Request, web.Application]"
 
@@ -93,7 +94,7 @@ async def test_register_then_heartbeat(agents: Client, registry: NodeRegistry) -
     assert status == 200
     state = registry.get("gpu-17")
     assert state is not None and state.heartbeats == 1
-    assert state.heartbeat is not None and state.heartbeat["shards"][0]["model"] == "llama-70b <b>"  # kept as given
+    assert state.received is not None and state.received.heartbeat.shards[0].model == "llama-70b <b>"  # kept as given
 
 
 async def test_heartbeat_from_an_unknown_node_is_404(agents: Client, registry: NodeRegistry) -> None:
@@ -181,8 +182,8 @@ async def test_a_bad_entry_is_left_out_and_the_rest_accepted(
     [dropped] = answer["dropped"]
     assert dropped["field"].startswith(path.split(".")[0].split("[")[0]) and dropped["reason"]
     state = registry.get("gpu-17")
-    assert state is not None and state.heartbeat is not None
-    kept = state.heartbeat
+    assert state is not None and state.received is not None
+    kept = state.received.as_json()
     which = path.split("[")[0]
     entries = kept["machine"]["disks"] if which == "machine.disks" else kept[which]
     assert len(entries) == len(body["machine"]["disks"] if which == "machine.disks" else body[which]) - 1
@@ -227,8 +228,8 @@ async def test_duplicate_shard_ids_keep_the_first(agents: Client, registry: Node
     status, answer = await post(agents, "/v1/heartbeat", body)
     assert status == 200 and answer["dropped"] == [{"field": "shards", "reason": "shard ids must be unique"}]
     state = registry.get("gpu-17")
-    assert state is not None and state.heartbeat is not None
-    assert [(s["id"], s["memory_bytes"]) for s in state.heartbeat["shards"]] == [("s0", 10)]
+    assert state is not None and state.received is not None
+    assert [(s.id, s.memory_bytes) for s in state.received.shards] == [("s0", 10)]
 
 
 @pytest.mark.parametrize("data", [b"", b"{", b"[]", b'"x"', b"null", b'{"node": NaN}', b'{"seq": Infinity}'])
@@ -254,7 +255,7 @@ async def test_oversized_body_is_413(agents: Client, registry: NodeRegistry) -> 
 
 async def test_unexpected_error_is_500_without_a_traceback(aiohttp_client: Any) -> None:
     class Broken(NodeRegistry):
-        def register(self, registration: dict[str, Any]) -> Any:
+        def register(self, registration: Registration) -> Any:
             raise RuntimeError("secret internals")
 
     client = await aiohttp_client(agent_api.create_app(Broken(), SECRET))
@@ -300,22 +301,23 @@ def test_fuzzed_heartbeats_are_refused_cleanly_or_accepted_whole(field: str, val
     """Any body: either valid (200) or a 4xx naming a field; never a crash, and a
     refused one leaves the registry as it was."""
     registry = NodeRegistry(clock=FakeClock())
-    registry.register(wire.parse_registration(json.dumps(registration()).encode()))
+    registry.register(wire.decode_registration(json.dumps(registration()).encode()))
     before = copy.deepcopy(registry.get("gpu-17"))
     body = json.dumps(with_field(heartbeat(), field, value)).encode()
     try:
-        hb = wire.parse_heartbeat(body)
+        hb = wire.decode_heartbeat(body).heartbeat
     except wire.WireError as e:
         assert e.field and e.reason
         assert registry.get("gpu-17") == before
         return
-    if hb["node"] != "gpu-17":  # a valid name, but no node registered it: refused whole (the API's 404)
+    if hb.node != "gpu-17":  # a valid name, but no node registered it: refused whole (the API's 404)
         with pytest.raises(UnknownNode):
             registry.heartbeat(hb)
-        assert registry.get("gpu-17") == before and registry.get(hb["node"]) is None
+        assert registry.get("gpu-17") == before and registry.get(hb.node) is None
         return
-    registry.heartbeat(hb)  # accepted: it must be storable and re-encodable
-    wire.dumps(hb)
+    state = registry.heartbeat(hb)  # accepted: it must be storable and re-encodable
+    assert state.received is not None
+    wire.dumps(state.received.as_json())
 
 
 async def test_server_stays_up_through_garbage(agents: Client) -> None:
@@ -446,8 +448,8 @@ async def test_a_node_keeps_its_busiest_engines_up_to_the_cap(aiohttp_client: An
     body["shards_left_out"] = 5  # the agent's own cut
     assert (await post(agents, "/v1/heartbeat", body))[0] == 200
     state = registry.get("gpu-17")
-    assert state is not None and state.heartbeat is not None
-    assert [s["id"] for s in state.heartbeat["shards"]] == ["s9", "s8", "s7"]
+    assert state is not None and state.received is not None
+    assert [s.id for s in state.received.shards] == ["s9", "s8", "s7"]
     text = FleetExposition(registry).render()
     assert 'llmgw_node_shards_left_out{node="gpu-17"} 12\n' in text
     assert {line.split('shard="')[1].split('"')[0] for line in text.splitlines()
@@ -482,13 +484,13 @@ async def test_a_replayed_heartbeat_is_refused_until_the_node_registers_again(
     await post(agents, "/v1/register", registration())
     assert (await post(agents, "/v1/heartbeat", heartbeat(seq=5)))[0] == 200
     before = registry.get("gpu-17")
-    assert before is not None and before.heartbeat is not None
+    assert before is not None and before.received is not None
     for seq in (5, 4):  # the same window again, an older one: a replay
         clock.advance(1)
         status, answer = await post(agents, "/v1/heartbeat", heartbeat(seq=seq))
         assert status == 409 and answer["field"] == "seq" and "replay" in answer["error"]
     state = registry.get("gpu-17")
-    assert state is not None and state.heartbeats == 1 and state.heartbeat is before.heartbeat  # nothing changed
+    assert state is not None and state.heartbeats == 1 and state.received is before.received  # nothing changed
     clock.advance(1)
     assert (await post(agents, "/v1/heartbeat", heartbeat(seq=6)))[0] == 200
     # A restarted agent registers and counts from 1 again.

@@ -3,13 +3,14 @@ promtool on live output, absent-is-not-zero, and a bad node left out."""
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import msgspec.structs
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,6 +23,7 @@ from controlplane.keys import METRICS
 from controlplane.state.registry import NodeRegistry
 from tests.fakeclock_registry import fleet_registry
 from tests.fakeproc import FakeClock
+from tests.heartbeats import heartbeat, registration
 from web import pages
 
 GOLDEN = Path(__file__).parent / "golden" / "fleet_metrics.txt"
@@ -135,9 +137,10 @@ def test_a_gone_node_loses_everything() -> None:
 def test_one_bad_node_never_fails_the_scrape() -> None:
     registry, _ = fleet_registry()
     state = registry.get("cpu-2")
-    assert state is not None and state.heartbeat is not None
-    state.heartbeat = copy.deepcopy(state.heartbeat)
-    state.heartbeat["shards"] = [{"no id": True, "cpu_cores": {"mean": 1}}]  # not what validation lets in
+    assert state is not None and state.received is not None
+    # Not what validation lets in: a shard that is no Shard.
+    state.received = msgspec.structs.replace(state.received, shards=({"no id": True, "cpu_cores": {"mean": 1}},),
+                                             verdicts=(None,))  # fmt: skip
     exposition = FleetExposition(registry)
     got = samples(exposition.render())
     assert exposition.errors > 0
@@ -185,12 +188,11 @@ def test_label_sets_of_engines_gone_for_an_hour_are_dropped() -> None:
     still exact."""
     clock = FakeClock(1000.0)
     registry = NodeRegistry(stale_after=600, clock=clock)
-    registry.register({"node": "n1"})
+    registry.register(registration("n1"))
     exposition = FleetExposition(registry)
     for minute in range(24 * 60):
         shards = [{"id": f"pgid:{minute}-{i}", "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}} for i in range(3)]
-        registry.heartbeat({"node": "n1", "seq": minute, "backend": "proc", "machine": {},
-                            "window": {"start": 0.0, "end": 1.0, "samples": 1}, "shards": shards})  # fmt: skip
+        registry.heartbeat(heartbeat(seq=minute, shards=shards))
         text = exposition.render()
         assert sorted(line.split('shard="')[1].split('"')[0] for line in text.splitlines()
                       if line.startswith("llmgw_shard_cpu_cores{")) == [s["id"] for s in shards]  # fmt: skip
@@ -207,10 +209,10 @@ def test_the_history_keeps_exactly_what_the_exposition_exports_of_its_families()
     exported = samples(FleetExposition(registry).render())
     history = EmbeddedHistory(interval=5)
     for state in registry.nodes():
-        if state.heartbeat is None or not state.fresh(registry.clock(), registry.stale_after):
+        if state.received is None or not state.fresh(registry.clock(), registry.stale_after):
             continue
-        history.record(state.node, state.heartbeat, at=1000.0)
-        kept = {(family, tuple(sorted(labels)), float(value)) for family, labels, value in series_of(state.heartbeat)}
+        history.record(state.node, state.received, at=1000.0)
+        kept = {(family, tuple(sorted(labels)), float(value)) for family, labels, value in series_of(state.received)}
         want = {(name, tuple(sorted((k, v) for k, v in labels.items() if k != "node")), value)
                 for family in FAMILIES if family.charted
                 for name, rows in exported.items() if name == family.name

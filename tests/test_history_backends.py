@@ -88,12 +88,12 @@ async def test_embedded_and_prometheus_give_the_same_series(tmp_path: Path) -> N
                     return False
                 return bool(result) and float(result[0]["value"][1]) == level
 
-            registry.register(wire.parse_registration(json.dumps({"node": "n1"}).encode()))
+            registry.register(wire.decode_registration(json.dumps({"node": "n1"}).encode()))
             start = time.time()
             for seq, level in enumerate([10.0, 40.0, 25.0, 80.0], 1):
-                hb = wire.parse_heartbeat(json.dumps(heartbeat(seq, level)).encode())
-                registry.heartbeat(hb)
-                history.record("n1", hb)
+                state = registry.heartbeat(wire.decode_heartbeat(json.dumps(heartbeat(seq, level)).encode()).heartbeat)
+                assert state.received is not None
+                history.record("n1", state.received)
                 deadline = time.monotonic() + 60
                 while not await scraped(level):  # Prometheus has this heartbeat: go on
                     assert time.monotonic() < deadline, "Prometheus never scraped the control plane"
@@ -138,7 +138,7 @@ async def test_pages_from_prometheus_draw_lines_at_5_and_15_s_scrapes(tmp_path: 
     try:
         for scrape in (5, 15):
             proms[scrape] = start_prometheus(tmp_path, f"cp{scrape}", metrics_port, scrape)
-        registry.register(wire.parse_registration(json.dumps(
+        registry.register(wire.decode_registration(json.dumps(
             {"node": "n1", "gpus": [{"index": 0, "uuid": "GPU-0", "name": "H200"}]}).encode()))  # fmt: skip
         pages: dict[int, int] = {}
         for scrape, (_, prom_port) in proms.items():
@@ -165,7 +165,7 @@ async def test_pages_from_prometheus_draw_lines_at_5_and_15_s_scrapes(tmp_path: 
             while min([await samples(p) for _, p in proms.values()]) < 4:
                 assert time.monotonic() < deadline, "Prometheus did not scrape four times"
                 seq += 1
-                registry.heartbeat(wire.parse_heartbeat(json.dumps(_gpu_heartbeat(seq)).encode()))
+                registry.heartbeat(wire.decode_heartbeat(json.dumps(_gpu_heartbeat(seq)).encode()).heartbeat)
                 await asyncio.sleep(1.0)
             for scrape, port in pages.items():
                 for path in ("/node/n1", "/"):
@@ -239,12 +239,12 @@ async def test_the_router_queue_chart_holds_the_replicas_on_this_node(tmp_path: 
     prom, prom_port = start_prometheus(tmp_path, "router", router_port)
     registry = NodeRegistry(stale_after=3600)
     for node, replicas in (("n1", ["r.1", "r+2"]), ("n2", ["rx1"])):
-        registry.register(wire.parse_registration(json.dumps({"node": node}).encode()))
+        registry.register(wire.decode_registration(json.dumps({"node": node}).encode()))
         shards = [{"id": f"s{i}", "replica": r, "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}}
                   for i, r in enumerate(replicas)]  # fmt: skip
         body = {"node": node, "seq": 1, "backend": "bpf", "window": {"start": 1.0, "end": 2.0, "samples": 10},
                 "machine": {}, "shards": shards}  # fmt: skip
-        registry.heartbeat(wire.parse_heartbeat(json.dumps(body).encode()))
+        registry.heartbeat(wire.decode_heartbeat(json.dumps(body).encode()).heartbeat)
     base = f"http://127.0.0.1:{prom_port}"
     pages = pages_api.create_app(registry)
     add_pages(pages, None, base)

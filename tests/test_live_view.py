@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from aiohttp import web
@@ -34,6 +35,7 @@ from tests.fakeproc import FakeClock
 from tests.test_controlplane_api import SECRET, Client, auth, heartbeat, post, registration
 from tests.workloads import busy_threads, start_group
 from wire import raw as raw_samples
+from wire.schema import Heartbeat
 
 
 def p95_fits(series: dict[str, Any], p95: float) -> bool:
@@ -211,10 +213,11 @@ def test_at_most_max_nodes_are_live_and_a_lingering_node_counts() -> None:
     assert sorted(live.live_nodes()) == ["b", "c"]
 
 
-def hb_with_raw(end: float, n: int = 100) -> tuple[dict[str, Any], dict[str, Any]]:
+def hb_with_raw(end: float, n: int = 100) -> tuple[Heartbeat, dict[str, Any]]:
     hb = heartbeat()
     hb["window"] = {"start": end - 5, "end": end, "samples": n}
-    return hb, {"machine": {"cpu_percent": series(n)}, "shards": [{"id": "s0", "cpu_cores": series(n)}], "gpus": []}
+    raw = {"machine": {"cpu_percent": series(n)}, "shards": [{"id": "s0", "cpu_cores": series(n)}], "gpus": []}
+    return msgspec.convert(hb, Heartbeat), raw
 
 
 def test_a_new_viewer_starts_with_the_last_minute_and_memory_is_bounded() -> None:
@@ -319,7 +322,7 @@ async def test_the_node_page_has_a_live_toggle_only_with_a_live_view(aiohttp_cli
 
     for live in (LiveSamples(), None):
         registry = NodeRegistry(stale_after=60)
-        registry.register(wire.parse_registration(json.dumps(registration()).encode()))
+        registry.register(wire.decode_registration(json.dumps(registration()).encode()))
         app: web.Application = pages_api.create_app(registry, live=live)
         add_pages(app, None)
         client = await aiohttp_client(app)

@@ -22,6 +22,7 @@ from controlplane.history import ChartSpec, EmbeddedHistory, Series, promql
 from controlplane.state.registry import NodeRegistry
 from tests.fakeclock_registry import fleet_registry
 from tests.fakeproc import FakeClock
+from tests.heartbeats import held, registration
 from web.charts import bin_columns, svg_chart
 from web.pages import add_pages
 
@@ -108,18 +109,18 @@ async def test_unknown_node_is_404(aiohttp_client: Any) -> None:
 async def test_hostile_names_are_escaped_everywhere(aiohttp_client: Any) -> None:
     registry = NodeRegistry(clock=FakeClock())
     evil = '<script>alert("x")</script>'
-    registry.register(wire.parse_registration(json.dumps(
+    registry.register(wire.decode_registration(json.dumps(
         {"node": "n1", "hostname": evil, "kernel": '"><img src=x onerror=alert(1)>', "backend": "bpf"}).encode()))
-    registry.heartbeat(wire.parse_heartbeat(json.dumps({
+    registry.heartbeat(wire.decode_heartbeat(json.dumps({
         "node": "n1", "seq": 1, "backend": "bpf", "window": {"start": 1.0, "end": 2.0, "samples": 1},
         "machine": {"cpus": 2},
         "shards": [{"id": "s<b>", "model": evil, "replica": "r\"1'",
                     "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}}],
-    }).encode()))  # fmt: skip
+    }).encode()).heartbeat)  # fmt: skip
     history = EmbeddedHistory()
     state = registry.get("n1")
-    assert state is not None and state.heartbeat is not None
-    history.record("n1", state.heartbeat)
+    assert state is not None and state.received is not None
+    history.record("n1", state.received)
     client = await pages_client(aiohttp_client, registry, history)
     for path in ("/", "/node/n1", "/node/n1?fragment=1"):
         html = await (await client.get(path)).text()
@@ -156,8 +157,8 @@ def test_embedded_history_answers_a_spec() -> None:
               "shards": [{"id": "a", "model": "m1", "cpu_cores": {"mean": 1.0, "max": 1.0}},
                          {"id": "b", "model": "m1", "cpu_cores": {"mean": 0.5, "max": 1.0}},
                          {"id": "c", "model": "m2", "cpu_cores": {"mean": 2.0, "max": 2.0}}]}  # fmt: skip
-        h.record("n1", hb, at=1000.0 + 5 * i)
-        h.record("n2", hb, at=1001.0 + 5 * i)
+        h.record("n1", held(hb), at=1000.0 + 5 * i)
+        h.record("n2", held(hb), at=1001.0 + 5 * i)
     [cpu] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 2000, 7.0)
     assert cpu.t.tolist() == [1000.0 + 5 * i for i in range(10)] and cpu.v.tolist() == [float(i) for i in range(10)]
     by_model = h.query_now(ChartSpec("llmgw_shard_cpu_cores", (("node", "n1"),), ("model",)), 0, 2000, 7.0)
@@ -189,7 +190,7 @@ def test_fleet_charts_combine_nodes_on_a_step_grid() -> None:
             sent["c"].append((at + 3.2, {0: 50.0} if i % 4 else {}))  # every fourth heartbeat without its card
     for node, beats in sent.items():
         for at, cards in beats:
-            h.record(node, hb(cards), at=at)
+            h.record(node, held(hb(cards)), at=at)
 
     def chart(agg: str) -> Series:
         [s] = h.query_now(ChartSpec("llmgw_gpu_utilization_percent", (), ("gpu_model",), agg), 1000, 1199, 7)
@@ -230,8 +231,8 @@ def test_fleet_charts_combine_nodes_on_a_step_grid() -> None:
 def test_history_is_bounded_per_node() -> None:
     h = EmbeddedHistory(interval=5, span=60)
     for i in range(1000):
-        h.record("n1", {"machine": {"cpu_percent": {"mean": float(i)}}}, at=float(i))
-    [s] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 10_000, 1.0)
+        h.record("n1", held({"machine": {"memory_used_bytes": i}}), at=float(i))
+    [s] = h.query_now(ChartSpec("llmgw_node_memory_used_bytes", (("node", "n1"),)), 0, 10_000, 1.0)
     assert len(s.v) == h.capacity == 13 and s.v[-1] == 999.0 and s.v[0] == 987.0
 
 
@@ -241,13 +242,13 @@ def test_history_grows_with_what_comes_and_a_late_series_is_absent_before_it_cam
     read back is the one recorded, and a series that came late, after the
     ring wrapped, is absent (NaN) at the heartbeats held before it."""
     h = EmbeddedHistory(interval=5, span=60)  # 13 slots
-    h.record("n1", {"machine": {"cpu_percent": {"mean": 0.0}}}, at=0.0)
-    assert h._nodes["n1"].values.shape == (1, 8)  # one series, a few slots
+    h.record("n1", held({"machine": {"cpu_percent": {"mean": 0.0}}}), at=0.0)
+    assert h._nodes["n1"].values.shape == (3, 8)  # its mean, p95 and max: three series, a few slots
     for i in range(1, 40):
         hb: dict[str, Any] = {"machine": {"cpu_percent": {"mean": float(i)}}}
         if i >= 30:  # an engine starts after the ring has wrapped twice
             hb["shards"] = [{"id": "late", "cpu_cores": {"mean": i / 10, "max": 1.0}}]
-        h.record("n1", hb, at=5.0 * i)
+        h.record("n1", held(hb), at=5.0 * i)
     [cpu] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 1000, 1.0)
     assert cpu.t.tolist() == [5.0 * i for i in range(27, 40)] and cpu.v.tolist() == [float(i) for i in range(27, 40)]
     [late] = h.query_now(ChartSpec("llmgw_shard_cpu_cores", (("node", "n1"),)), 0, 1000, 1.0)
@@ -306,12 +307,12 @@ async def test_embedded_history_draws_lines_at_any_heartbeat_interval(aiohttp_cl
     registry, _ = fleet_registry()
     history = EmbeddedHistory(interval=interval)
     state = registry.get("gpu-1")
-    assert state is not None and state.heartbeat is not None
+    assert state is not None and state.received is not None
     now = time.time()  # the pages chart the last hour of the wall clock
     for k in range(int(3600 / interval), 0, -1):
-        hb = json.loads(json.dumps(state.heartbeat))
+        hb = wire.heartbeat_json(state.received.heartbeat)
         hb["machine"]["cpu_percent"]["mean"] = 30.0 + k % 13
-        history.record("gpu-1", hb, at=now - k * interval)
+        history.record("gpu-1", held(hb), at=now - k * interval)
     client = await pages_client(aiohttp_client, registry, history)
     for path in ("/node/gpu-1", "/"):
         page = await (await client.get(path)).text()
@@ -343,13 +344,13 @@ async def test_a_starved_engine_is_marked_and_says_why(aiohttp_client: Any) -> N
 def a_minute_of(registry: NodeRegistry, node: str, vary: Callable[[dict[str, Any], int], None]) -> EmbeddedHistory:
     """The node's heartbeat recorded 12 times, 5 s apart up to now, `vary` making the k-th its own."""
     state = registry.get(node)
-    assert state is not None and state.heartbeat is not None
+    assert state is not None and state.received is not None
     history = EmbeddedHistory(interval=5)
     now = time.time()
     for k in range(12, 0, -1):
-        hb = json.loads(json.dumps(state.heartbeat))
+        hb = wire.heartbeat_json(state.received.heartbeat)
         vary(hb, k)
-        history.record(node, hb, at=now - 5 * k)
+        history.record(node, held(hb), at=now - 5 * k)
     return history
 
 
@@ -374,16 +375,16 @@ def big_fleet(n: int) -> NodeRegistry:
     clock = FakeClock(1000.0)
     registry = NodeRegistry(stale_after=60, clock=clock)
     for name in ("old-a", "old-b"):
-        registry.register(wire.parse_registration(json.dumps({"node": name}).encode()))
+        registry.register(wire.decode_registration(json.dumps({"node": name}).encode()))
     clock.advance(100)
     for i in range(n):
         node = f"node-{i:04d}"
-        registry.register(wire.parse_registration(json.dumps({"node": node, "hostname": f"h{i}.rack{i % 3}"}).encode()))
+        registry.register(registration(node, hostname=f"h{i}.rack{i % 3}"))
         body = {"node": node, "seq": 1, "backend": "bpf", "window": {"start": 1.0, "end": 6.0, "samples": 50},
                 "machine": {"cpus": 8, "cpu_percent": {"mean": i % 100, "p95": 50.0, "max": 100.0}},
                 "shards": [{"id": "s0", "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0},
                             "cpu_quota_cores": 1.0, "cpu_throttled_ratio": 0.9 if i % 10 == 0 else 0.0}]}  # fmt: skip
-        registry.heartbeat(wire.parse_heartbeat(json.dumps(body).encode()))
+        registry.heartbeat(wire.decode_heartbeat(json.dumps(body).encode()).heartbeat)
     return registry
 
 
@@ -463,8 +464,8 @@ def test_history_read_on_one_thread_while_heartbeats_arrive_on_another() -> None
         try:
             for i in range(4000):
                 node = f"n{i % 400}" if i >= 400 else f"n{i}"  # 400 nodes appear, then each wraps its ring
-                h.record(node, {"gpus": [{"index": g, "name": "H100", "utilization_percent": 1.0}
-                                         for g in range(4)]}, at=1000.0 + i / 100)  # fmt: skip
+                h.record(node, held({"gpus": [{"index": g, "name": "H100", "utilization_percent": 1.0}
+                                              for g in range(4)]}), at=1000.0 + i / 100)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
         finally:
@@ -495,7 +496,7 @@ def test_series_gone_for_the_hour_give_their_room_to_new_ones() -> None:
     h = EmbeddedHistory(interval=5, span=60)  # 13 heartbeats held
     for i in range(2000):  # 400 engines, each for five heartbeats: 800 series of cores
         shard = {"id": f"e{i // 5}", "model": "m", "cpu_cores": {"mean": float(i), "max": float(i)}}
-        h.record("n1", {"machine": {"cpu_percent": {"mean": 1.0}}, "shards": [shard]}, at=5.0 * i)
+        h.record("n1", held({"machine": {"cpu_percent": {"mean": 1.0}}, "shards": [shard]}), at=5.0 * i)
     spec = ChartSpec("llmgw_shard_cpu_cores", (("node", "n1"),), ("shard",))
     got = {s.label: s.v[~np.isnan(s.v)].tolist() for s in h.query_now(spec, 0, 10_000, 5.0)}
     # The engines of the last 13 heartbeats (1987-1999), each with its own values.

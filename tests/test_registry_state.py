@@ -36,7 +36,7 @@ def basic(user: str, password: str) -> dict[str, str]:
 
 
 def register(registry: NodeRegistry, node: str) -> None:
-    registry.register(wire.parse_registration(json.dumps(registration(node)).encode()))
+    registry.register(wire.decode_registration(json.dumps(registration(node)).encode()))
 
 
 async def metrics(client: Any) -> str:
@@ -52,7 +52,7 @@ async def test_a_restart_keeps_every_node_known_and_stale_until_it_speaks(aiohtt
     pages = await aiohttp_client(pages_api.create_app(before, state_file=path))
     register(before, "up-1")
     register(before, "down-2")  # registered, never heartbeat: down since
-    before.heartbeat(wire.parse_heartbeat(json.dumps(heartbeat("up-1")).encode()))
+    before.heartbeat(wire.decode_heartbeat(json.dumps(heartbeat("up-1")).encode()).heartbeat)
     await pages.close()  # the control plane stops: the state is written
     assert not (tmp_path / "registry.json.tmp").exists()
 
@@ -111,9 +111,9 @@ async def test_an_operator_forgets_a_node_a_loopback_peer_does_not(aiohttp_clien
     pages = await aiohttp_client(app)
     for node in ("gone-1", "kept-2"):
         register(registry, node)
-        hb = wire.parse_heartbeat(json.dumps(heartbeat(node)).encode())
-        registry.heartbeat(hb)
-        history.record(node, hb)
+        state = registry.heartbeat(wire.decode_heartbeat(json.dumps(heartbeat(node)).encode()).heartbeat)
+        assert state.received is not None
+        history.record(node, state.received)
 
     # From loopback (a sidecar, a port-forward) without a user: refused, nothing changes.
     assert (await pages.delete("/api/nodes/gone-1")).status == 401
@@ -191,4 +191,4 @@ async def test_saves_take_turns_and_the_last_state_is_what_stays(aiohttp_client:
         await pages.close()  # the exit's save
     assert overlaps[0] == 0
     kept = {n["registration"]["node"] for n in json.loads(path.read_text())["nodes"]}
-    assert kept == {n.registration["node"] for n in registry.nodes()} and len(kept) == 120
+    assert kept == {n.registration.node for n in registry.nodes()} and len(kept) == 120

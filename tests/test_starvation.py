@@ -9,17 +9,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 import wire
 from controlplane.state.registry import NodeRegistry
-from controlplane.state.starvation import StarvationRules, judge, judge_heartbeat
+from controlplane.state.starvation import StarvationRules, Verdict, judge, judge_shards
+from tests.heartbeats import heartbeat
+from wire.schema import Shard
 
 RULES = StarvationRules(throttled_ratio=0.25, wait_ratio=0.5, min_wait=0.05, gpu_utilization=0.5)
 
 
-def shard(**fields: Any) -> dict[str, Any]:
-    return {"id": "s0", **fields}
+def shard(**fields: Any) -> Shard:
+    return msgspec.convert({"id": "s0", **fields}, Shard)
 
 
 def busy(cores: float, wait: float) -> dict[str, Any]:
@@ -91,24 +94,27 @@ def test_rules_refuse_values_outside_their_range() -> None:
 
 def test_the_registry_judges_each_heartbeat_as_it_arrives() -> None:
     registry = NodeRegistry(starvation=StarvationRules(throttled_ratio=0.5))
-    registry.register(wire.parse_registration(json.dumps({"node": "n1"}).encode()))
+    registry.register(wire.decode_registration(json.dumps({"node": "n1"}).encode()))
     body = {"node": "n1", "seq": 1, "backend": "bpf", "window": {"start": 10.0, "end": 15.0, "samples": 50},
             "machine": {}, "shards": [{"id": "a", "cpu_throttled_ratio": 0.6, "cpu_quota_cores": 2.0,
                                        "gpu_utilization_percent": 10.0},
                                       {"id": "b", "cpu_throttled_ratio": 0.4, "cpu_quota_cores": 2.0},
                                       {"id": "c", "starved": {"cpu_starved": 1}}]}  # fmt: skip
-    state = registry.heartbeat(wire.parse_heartbeat(json.dumps(body).encode()))
-    assert state.heartbeat is not None
-    a, b, c = state.heartbeat["shards"]
-    assert a["starved"]["cpu_starved"] == 1 and a["starved"]["host_bound"] == 1
-    assert b["starved"] == {"cpu_starved": 0}
-    assert "starved" not in c  # a node cannot pass its own verdict off as the control plane's
+    sent = wire.decode_heartbeat(json.dumps(body).encode()).heartbeat
+    state = registry.heartbeat(sent)
+    assert state.received is not None and state.received.heartbeat is sent  # held as it came
+    a, b, c = state.received.verdicts
+    assert a is not None and a.cpu_starved is True and a.host_bound is True
+    assert b == Verdict(False, None, "")
+    assert c is None  # a node cannot pass its own verdict off as the control plane's
+    a_json, b_json, c_json = state.received.as_json()["shards"]  # as /api/nodes shows them
+    assert a_json["starved"]["cpu_starved"] == 1 and a_json["starved"]["host_bound"] == 1
+    assert b_json["starved"] == {"cpu_starved": 0} and "starved" not in c_json
 
 
-def test_judge_heartbeat_leaves_a_shard_without_figures_alone() -> None:
-    hb: dict[str, Any] = {"window": {"start": 0.0, "end": 5.0}, "shards": [{"id": "x"}]}
-    judge_heartbeat(hb, RULES)
-    assert hb["shards"] == [{"id": "x"}]
+def test_judge_shards_leaves_a_shard_without_figures_unjudged() -> None:
+    hb = heartbeat(shards=[{"id": "x"}])
+    assert judge_shards(hb, tuple(hb.shards), RULES) == (None,)
 
 
 @pytest.mark.parametrize("flag, value", [("--starved-throttled-ratio", "1.5"), ("--starved-throttled-ratio", "x"),
@@ -142,10 +148,10 @@ def test_host_bound_through_the_fake_nvml(tmp_path: Path, gpu_percent: int, thro
         for r in readers:
             r.close()
     summary["shards"][0].update(cpu_quota_cores=2.0, cpu_throttled_ratio=throttled)
-    hb = wire.parse_heartbeat(json.dumps(summary).encode())
-    judge_heartbeat(hb, RULES)
-    assert hb["shards"][0]["gpu_utilization_percent"] == gpu_percent
-    assert hb["shards"][0]["starved"]["host_bound"] == host_bound
+    hb = wire.decode_heartbeat(json.dumps(summary).encode()).heartbeat
+    [verdict] = judge_shards(hb, tuple(hb.shards), RULES)
+    assert hb.shards[0].gpu_utilization_percent == gpu_percent
+    assert verdict is not None and verdict.host_bound is bool(host_bound)
 
 
 def test_the_queue_settles_an_idle_gpu_and_names_the_clearest_case() -> None:

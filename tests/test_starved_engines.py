@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 import wire
-from controlplane.state.starvation import StarvationRules, judge_heartbeat
+from controlplane.state.registry import MAX_SHARDS_PER_NODE, received
+from controlplane.state.starvation import StarvationRules
 from sampler.backend import BackendChoice
 from sampler.kernel import sched
 from sampler.shards.selectors import Selector, ShardSpec
@@ -52,9 +53,9 @@ def judged_window(groups: sched.KernelShardSampler, engines: dict[str, int],
 
         ws.cfs.read = read_then  # type: ignore[method-assign]
     ws.prime(0)
-    hb = wire.parse_heartbeat(json.dumps(ws.run_window(WINDOW_S)).encode())
-    judge_heartbeat(hb, StarvationRules())
-    return {s["id"]: s for s in hb["shards"]}
+    hb = wire.decode_heartbeat(json.dumps(ws.run_window(WINDOW_S)).encode()).heartbeat
+    judged = received(hb, MAX_SHARDS_PER_NODE, StarvationRules()).as_json()  # as /api/nodes shows it
+    return {s["id"]: s for s in judged["shards"]}
 
 
 def test_an_engine_capped_at_half_a_core_is_throttled_and_starved(

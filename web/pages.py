@@ -25,7 +25,9 @@ from controlplane.keys import HISTORY, REGISTRY
 from controlplane.live import LIVE
 from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
 from controlplane.state.registry import NodeRegistry, NodeState
+from controlplane.state.starvation import Verdict
 from web.charts import columns, format_value, svg_chart
+from wire.schema import Machine, Shard
 
 PROMETHEUS_URL = web.AppKey("prometheus_url", str)
 TEMPLATES = web.AppKey("templates", jinja2.Environment)
@@ -52,48 +54,53 @@ def _environment() -> jinja2.Environment:
     return env
 
 
-def _verdict(starved: dict[str, Any]) -> dict[str, str] | None:
+def _verdict(verdict: Verdict | None) -> dict[str, str] | None:
     """What the engine table says of the control plane's verdict (controlplane/state/starvation.py)."""
-    if starved.get("host_bound"):
-        return {"kind": "host-bound", "why": starved.get("why", "")}
-    if starved.get("cpu_starved"):
-        return {"kind": "CPU-starved", "why": starved.get("why", "")}
-    if "cpu_starved" in starved or "host_bound" in starved:
-        return {"kind": "ok", "why": ""}
-    return None  # not judged: neither a quota nor a run-queue wait was measured
+    if verdict is None:
+        return None  # not judged: neither a quota nor a run-queue wait was measured
+    if verdict.host_bound:
+        return {"kind": "host-bound", "why": verdict.why}
+    if verdict.cpu_starved:
+        return {"kind": "CPU-starved", "why": verdict.why}
+    return {"kind": "ok", "why": ""}
+
+
+def _engine(s: Shard, verdict: Verdict | None, cpus: int | None) -> dict[str, Any]:
+    cores = None if s.cpu_cores is None else s.cpu_cores.mean
+    return {"shard": s.id, "model": s.model, "replica": s.replica, "cores": cores,
+            "namespace": s.namespace, "pod": s.pod, "container": s.container,
+            "cores_max": None if s.cpu_cores is None else s.cpu_cores.max,
+            "share": None if cores is None or not cpus else min(1.0, cores / cpus),
+            "memory": s.memory_bytes, "gpu_memory": s.gpu_memory_bytes,
+            "command": s.command, "quota": s.cpu_quota_cores,
+            "throttled": None if s.cpu_throttled_ratio is None else 100 * s.cpu_throttled_ratio,
+            "threads": s.threads, "gpu_busy": s.gpu_utilization_percent,
+            "waiting": s.requests_waiting, "running": s.requests_running,
+            "kv_cache": s.kv_cache_usage_ratio, "verdict": _verdict(verdict)}  # fmt: skip
 
 
 def _node_view(state: NodeState, now: float, stale_after: float) -> dict[str, Any]:
     fresh = state.fresh(now, stale_after)
-    hb = state.heartbeat if fresh else None  # a stale node's figures are not current: dashes
-    m = (hb or {}).get("machine") or {}
-    cpus = m.get("cpus") or state.registration.get("cpus")
-    gpus = [g for g in (hb or {}).get("gpus") or [] if not g.get("lost")]
-    utils = [g["utilization_percent"] for g in gpus if g.get("utilization_percent") is not None]
-    used = [g["memory_used_bytes"] for g in gpus if g.get("memory_used_bytes") is not None]
-    total = [g["memory_total_bytes"] for g in gpus if g.get("memory_total_bytes") is not None]
-    mem_total, mem_used = m.get("memory_bytes"), m.get("memory_used_bytes")
-    engines = []
-    for s in (hb or {}).get("shards") or []:
-        cores = (s.get("cpu_cores") or {}).get("mean")
-        engines.append({"shard": s["id"], "model": s.get("model"), "replica": s.get("replica"), "cores": cores,
-                        "namespace": s.get("namespace"), "pod": s.get("pod"), "container": s.get("container"),
-                        "cores_max": (s.get("cpu_cores") or {}).get("max"),
-                        "share": None if cores is None or not cpus else min(1.0, cores / cpus),
-                        "memory": s.get("memory_bytes"), "gpu_memory": s.get("gpu_memory_bytes"),
-                        "command": s.get("command"), "quota": s.get("cpu_quota_cores"),
-                        "throttled": None if s.get("cpu_throttled_ratio") is None else 100 * s["cpu_throttled_ratio"],
-                        "threads": s.get("threads"), "gpu_busy": s.get("gpu_utilization_percent"),
-                        "waiting": s.get("requests_waiting"), "running": s.get("requests_running"),
-                        "kv_cache": s.get("kv_cache_usage_ratio"),
-                        "verdict": _verdict(s.get("starved") or {})})  # fmt: skip
+    got = state.received if fresh else None  # a stale node's figures are not current: dashes
+    hb = got.heartbeat if got is not None else None
+    m = hb.machine if hb is not None else Machine()
+    cpus = m.cpus or state.registration.cpus
+    all_gpus = (hb.gpus if hb is not None else None) or []
+    gpus = [g for g in all_gpus if not g.lost]
+    utils = [g.utilization_percent for g in gpus if g.utilization_percent is not None]
+    used = [g.memory_used_bytes for g in gpus if g.memory_used_bytes is not None]
+    total = [g.memory_total_bytes for g in gpus if g.memory_total_bytes is not None]
+    mem_total, mem_used = m.memory_bytes, m.memory_used_bytes
+    engines = [] if got is None else [_engine(s, v, cpus) for s, v in zip(got.shards, got.verdicts, strict=True)]
+    load = None if m.load is None else {"1m": m.load.one, "5m": m.load.five, "15m": m.load.fifteen}
     return {
         "node": state.node, "state": "fresh" if fresh else "stale", "age": state.age(now),
-        "registration": state.registration, "backend": (hb or {}).get("backend"),
-        "cpu": (m.get("cpu_percent") or {}).get("mean"), "cpu_max": (m.get("cpu_percent") or {}).get("max"),
-        "cpus": cpus, "load": m.get("load"), "memory_used": mem_used, "memory_total": mem_total,
+        "registration": state.registration, "backend": None if hb is None else hb.backend,
+        "cpu": None if m.cpu_percent is None else m.cpu_percent.mean,
+        "cpu_max": None if m.cpu_percent is None else m.cpu_percent.max,
+        "cpus": cpus, "load": load, "memory_used": mem_used, "memory_total": mem_total,
         "memory_share": None if mem_used is None or not mem_total else mem_used / mem_total,
-        "disks": m.get("disks"), "gpus": (hb or {}).get("gpus") or [], "gpu_count": len(gpus),
+        "disks": m.disks, "gpus": all_gpus, "gpu_count": len(gpus),
         "gpu_util": sum(utils) / len(utils) if utils else None,
         "gpu_memory_used": sum(used) if used else None, "gpu_memory_total": sum(total) if total else None,
         "engines": engines,
@@ -265,7 +272,7 @@ def _cluster_rows(registry: NodeRegistry, text: str, state: str) -> tuple[dict[s
     needle = text.strip().casefold()
     shown = sorted((v for v in views if (not state or v["state"] == state)
                     and (not needle or needle in v["node"].casefold()
-                         or needle in str(v["registration"].get("hostname", "")).casefold())),
+                         or needle in (v["registration"].hostname or "").casefold())),
                    key=_attention_first)  # fmt: skip
     return _fleet_summary(views), shown
 

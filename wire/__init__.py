@@ -9,8 +9,15 @@ live view) and `fit` (what the agent sends, made fit for the wire).
 """
 
 from wire.checks import Dropped, Json, WireError, name, node_id
-from wire.fit import dumps, fit_heartbeat, fit_registration, printable
-from wire.heartbeat import parse_heartbeat, parse_registration
+from wire.fit import dumps, fit_heartbeat, fit_registration, keep_busiest, printable
+from wire.heartbeat import (
+    Decoded,
+    decode_heartbeat,
+    decode_registration,
+    heartbeat_json,
+    parse_heartbeat,
+    parse_registration,
+)
 from wire.limits import (
                          MAX_BODY_BYTES,
                          MAX_BYTES,
@@ -26,7 +33,9 @@ from wire.limits import (
                          NODE_ID,
 )
 
-__all__ = ["MAX_BODY_BYTES", "MAX_BYTES", "MAX_CORES", "MAX_DISKS", "MAX_GPUS", "MAX_K8S_NAME", "MAX_NAME",
-           "MAX_PGIDS", "MAX_QUOTA_CORES", "MAX_SHARDS", "MAX_TEXT", "NODE_ID", "Dropped", "Json", "WireError",
-           "dumps", "fit_heartbeat", "fit_registration", "name", "node_id", "parse_heartbeat", "parse_registration",
-           "printable"]
+__all__ = [
+    "Decoded", "Dropped", "Json", "MAX_BODY_BYTES", "MAX_BYTES", "MAX_CORES", "MAX_DISKS", "MAX_GPUS",
+    "MAX_K8S_NAME", "MAX_NAME", "MAX_PGIDS", "MAX_QUOTA_CORES", "MAX_SHARDS", "MAX_TEXT", "NODE_ID", "WireError",
+    "decode_heartbeat", "decode_registration", "dumps", "fit_heartbeat", "fit_registration", "heartbeat_json",
+    "keep_busiest", "name", "node_id", "parse_heartbeat", "parse_registration", "printable",
+]

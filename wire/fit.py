@@ -6,6 +6,8 @@ left out."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import TypeVar
 
 from wire.checks import Json
 from wire.limits import MAX_DISKS, MAX_GPUS, MAX_K8S_NAME, MAX_NAME, MAX_PGIDS, MAX_SHARDS, MAX_TEXT
@@ -21,6 +23,19 @@ def printable(text: str | None, limit: int = MAX_TEXT) -> str | None:
     if not text.isprintable():
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+T = TypeVar("T")
+
+
+def keep_busiest(shards: list[T], most: int, cores: Callable[[T], float | None]) -> tuple[list[T], int]:
+    """The `most` busiest shards by their mean cores (one not measured
+    counts as idle), and how many were left out: the one rule both the
+    agent (the wire's limit) and the control plane (`--max-shards`) trim by.
+    Fewer than `most` are kept as they came, in their order."""
+    if len(shards) <= most:
+        return shards, 0
+    return sorted(shards, key=lambda s: -(cores(s) or 0.0))[:most], len(shards) - most
 
 
 def _fit_text(src: Json, keys: tuple[str, ...], limit: int) -> None:
@@ -70,10 +85,9 @@ def fit_heartbeat(summary: Json) -> Json:
             machine["disks_left_out"] = left_out
     shards = summary.get("shards")
     if isinstance(shards, list):
-        if len(shards) > MAX_SHARDS:
-            busiest = sorted(shards, key=lambda s: -((s.get("cpu_cores") or {}).get("mean") or 0.0))
-            summary["shards_left_out"] = len(shards) - MAX_SHARDS
-            shards = summary["shards"] = busiest[:MAX_SHARDS]
+        shards, left_out = keep_busiest(shards, MAX_SHARDS, lambda s: (s.get("cpu_cores") or {}).get("mean"))
+        if left_out:
+            summary["shards"], summary["shards_left_out"] = shards, left_out
         seen: set[str] = set()
         for s in shards:
             sid = base = printable(s.get("id"), MAX_NAME) or "?"

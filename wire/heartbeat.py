@@ -9,17 +9,20 @@ entry alone: it is left out, and named with its reason in the `dropped`
 list the parser is given.
 
 A body is decoded straight into the schema's structs (msgspec); only one
-that does not fit is read again to say why (wire/explain.py). The consumers
-take the checked heartbeat as plain dicts and lists, keyed as on the wire.
+that does not fit is read again to say why (wire/explain.py). The control
+plane holds and reads the structs themselves (`decode_heartbeat`), frozen:
+nothing edits a heartbeat on its way. `parse_heartbeat` and
+`parse_registration` give the same as JSON values, keyed as on the wire.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
+import msgspec.structs
 
 from wire.checks import Dropped, Json, WireError, obj
 from wire.explain import checked
@@ -65,17 +68,28 @@ def explained(data: bytes, kind: type[S], dropped: Dropped | None) -> tuple[S, A
         raise WireError("body", str(e)[:200]) from None
 
 
-def parse_registration(data: bytes, dropped: Dropped | None = None) -> Json:
+def decode_registration(data: bytes, dropped: Dropped | None = None) -> Registration:
     registration, _ = _decoded(data, Registration, dropped)
-    out: Json = msgspec.to_builtins(registration)
+    return registration
+
+
+def parse_registration(data: bytes, dropped: Dropped | None = None) -> Json:
+    out: Json = msgspec.to_builtins(decode_registration(data, dropped))
     return out
 
 
-def parse_heartbeat(data: bytes, dropped: Dropped | None = None,
-                    raw_for: Callable[[str], bool] | None = None) -> Json:  # fmt: skip
+class Decoded(NamedTuple):
+    """A checked heartbeat, and its raw samples apart."""
+
+    heartbeat: Heartbeat  # its shards' ids unique; its `raw` None
+    raw_came: bool  # the body had a raw block, read or not
+    raw: Json | None  # the checked raw samples (wire/raw.py) of a node watched live; else None
+
+
+def decode_heartbeat(data: bytes, dropped: Dropped | None = None,
+                     raw_for: Callable[[str], bool] | None = None) -> Decoded:  # fmt: skip
     """A heartbeat, checked. Its raw samples are read only for a node
-    `raw_for` says is watched live; for any other they are not read (`raw`
-    is then None, saying only that they came)."""
+    `raw_for` says is watched live; for any other they are not read."""
     hb, raw = _decoded(data, Heartbeat, dropped)
     shards = hb.shards
     if len({s.id for s in shards}) != len(shards):
@@ -88,13 +102,28 @@ def parse_heartbeat(data: bytes, dropped: Dropped | None = None,
             else:
                 first[s.id] = s
         shards = list(first.values())
-    hb.shards, hb.raw = shards, None
+    hb = msgspec.structs.replace(hb, shards=shards, raw=None) if shards is not hb.shards or hb.raw is not None else hb
+    checked_raw = None
+    if raw is not None and raw_for is not None and raw_for(hb.node):  # None when absent, or left out whole
+        if isinstance(raw, msgspec.Raw):
+            raw = json.loads(bytes(raw))
+        checked_raw = parse_raw(raw, {s.id for s in shards}, dropped)
+    return Decoded(hb, raw is not None, checked_raw)
+
+
+def heartbeat_json(hb: Heartbeat) -> Json:
+    """A heartbeat as JSON values, keyed as on the wire (`shards` always there)."""
     out: Json = msgspec.to_builtins(hb)
     out["shards"] = out.get("shards", [])
-    if raw is not None:  # None when not read, or left out whole
-        out["raw"] = None
-        if raw_for is not None and raw_for(hb.node):
-            if isinstance(raw, msgspec.Raw):
-                raw = json.loads(bytes(raw))
-            out["raw"] = parse_raw(raw, {s.id for s in shards}, dropped)
+    return out
+
+
+def parse_heartbeat(data: bytes, dropped: Dropped | None = None,
+                    raw_for: Callable[[str], bool] | None = None) -> Json:  # fmt: skip
+    """`decode_heartbeat` as JSON values: `raw` is there when the body had
+    one, None when it was not read (or was left out whole)."""
+    decoded = decode_heartbeat(data, dropped, raw_for)
+    out = heartbeat_json(decoded.heartbeat)
+    if decoded.raw_came:
+        out["raw"] = decoded.raw
     return out

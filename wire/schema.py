@@ -81,11 +81,12 @@ Joules = Annotated[float, _unit("joules", ge=0, le=1e18)]
 UnixTime = Annotated[float, _unit("unix seconds", ge=0, le=1e11)]
 
 
-class _Checked(msgspec.Struct, gc=False, omit_defaults=True):
+class _Checked(msgspec.Struct, gc=False, omit_defaults=True, frozen=True):
     """A struct whose free text is checked printable as it is made (msgspec
     bounds a string's length, not its characters). `gc=False`: they hold no
     cycles, and a fleet's thousands of held heartbeats cost a full collection
-    nothing to scan."""
+    nothing to scan. Frozen: what a node sent is held as it came, never
+    edited on its way (the control plane's judgements are kept beside it)."""
 
     # Filled in from the declarations once every struct exists (`_find_checks`).
     _text_fields: ClassVar[tuple[str, ...]] = ()
@@ -101,7 +102,7 @@ class _Checked(msgspec.Struct, gc=False, omit_defaults=True):
                 raise ValueError(f"{key}: must not be less than {other}")
 
 
-class Stats(_Checked):
+class Stats(_Checked, frozen=True):
     """A window's summary of a rate sampled many times: its time-weighted mean, p95 and max."""
 
     mean: float
@@ -109,44 +110,44 @@ class Stats(_Checked):
     max: float
 
 
-class PercentStats(Stats):
+class PercentStats(Stats, frozen=True):
     mean: Percent
     p95: Percent
     max: Percent
 
 
-class CoreStats(Stats):
+class CoreStats(Stats, frozen=True):
     mean: Cores
     p95: Cores
     max: Cores
 
 
-class Load(_Checked, rename={"one": "1m", "five": "5m", "fifteen": "15m"}):
+class Load(_Checked, rename={"one": "1m", "five": "5m", "fifteen": "15m"}, frozen=True):
     one: Tasks
     five: Tasks
     fifteen: Tasks
 
 
-class Stall(_Checked):
+class Stall(_Checked, frozen=True):
     """Share of the window in which some, or all, tasks stalled (PSI)."""
 
     some: Ratio | None = None
     full: Ratio | None = None
 
 
-class Pressure(_Checked):
+class Pressure(_Checked, frozen=True):
     cpu: Stall | None = None
     memory: Stall | None = None
     io: Stall | None = None
 
 
-class Disk(_Checked):
+class Disk(_Checked, frozen=True):
     mount: Text
     bytes: Bytes
     used_bytes: Bytes
 
 
-class Machine(_Checked):
+class Machine(_Checked, frozen=True):
     cpus: Cpus | None = None
     cpu_percent: PercentStats | None = None
     cpu_steal_percent: PercentStats | None = None
@@ -159,7 +160,7 @@ class Machine(_Checked):
     pressure: Pressure | None = None
 
 
-class RunqueueWait(_Checked):
+class RunqueueWait(_Checked, frozen=True):
     """How long the engine's threads waited for a CPU, in seconds."""
 
     p50: WaitSeconds | None = None
@@ -169,7 +170,7 @@ class RunqueueWait(_Checked):
     cumulative: WaitSeconds | None = None
 
 
-class Shard(_Checked):
+class Shard(_Checked, frozen=True):
     """One engine the heartbeat reports."""
 
     id: Name
@@ -203,7 +204,7 @@ class Shard(_Checked):
     kv_cache_usage_ratio: Ratio | None = None
 
 
-class Gpu(_Checked):
+class Gpu(_Checked, frozen=True):
     index: GpuIndex
     uuid: Text | None = None
     name: Name | None = None
@@ -223,13 +224,13 @@ class Gpu(_Checked):
     ecc_uncorrected: Errors | None = None
 
 
-class Window(_Checked):
+class Window(_Checked, frozen=True):
     start: UnixTime
     end: Annotated[float, msgspec.Meta(ge=0, le=1e11, extra={"unit": "unix seconds", "not_before": "start"})]
     samples: SampleCount
 
 
-class Heartbeat(_Checked, kw_only=True):
+class Heartbeat(_Checked, kw_only=True, frozen=True):
     """One window of one node (DESIGN.md, "The heartbeat's summary"). Its
     fields in the order a body is checked, the first problem named."""
 
@@ -246,7 +247,7 @@ class Heartbeat(_Checked, kw_only=True):
     raw: msgspec.Raw | None = None  # the window's samples while someone watches live (wire/raw.py): read only then
 
 
-class Registration(_Checked):
+class Registration(_Checked, frozen=True):
     """What does not change while the agent runs."""
 
     node: NodeId

@@ -19,14 +19,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from controlplane.export.series import FAMILIES, NodeStatus
 from controlplane.state.registry import NodeRegistry, NodeState
+from wire.schema import Gpu, Shard
 
 log = logging.getLogger(__name__)
-
-Json = dict[str, Any]
 
 
 def escape(value: str) -> str:
@@ -87,9 +86,8 @@ class _NodeLabels:
                 cache.turn()
             self.turned_at = now
 
-    def shard(self, s: Json) -> str:
-        key = (s.get("model") or "", s.get("replica") or "", s["id"], s.get("namespace"), s.get("pod"),
-               s.get("container"))  # fmt: skip
+    def shard(self, s: Shard) -> str:
+        key = (s.model or "", s.replica or "", s.id, s.namespace, s.pod, s.container)
         return self.shards.get(key, self._shard_labels)
 
     def _shard_labels(self, key: tuple[str, str, str, str | None, str | None, str | None]) -> str:
@@ -100,8 +98,8 @@ class _NodeLabels:
                 labels += f',{label}="{escape(value)}"'
         return labels
 
-    def gpu(self, g: Json) -> str:
-        return self.gpus.get((g["index"], g.get("name") or ""),
+    def gpu(self, g: Gpu) -> str:
+        return self.gpus.get((g.index, g.name or ""),
                              lambda k: f'{self.base},gpu="{k[0]}",gpu_model="{escape(k[1])}"')  # fmt: skip
 
     def mount(self, mount: str) -> str:
@@ -125,9 +123,9 @@ class FleetExposition:
             labels = self._labels[state.node] = _NodeLabels(state.node, f'node="{escape(state.node)}"')
         if labels.info_of != id(state.registration):
             reg = state.registration
-            labels.info = labels.base + "".join(
-                f',{k}="{escape(str(reg.get(k, "")))}"' for k in ("hostname", "kernel", "agent_version", "backend")
-            )
+            identity = {"hostname": reg.hostname, "kernel": reg.kernel, "agent_version": reg.agent_version,
+                        "backend": reg.backend}  # fmt: skip
+            labels.info = labels.base + "".join(f',{k}="{escape(v or "")}"' for k, v in identity.items())
             labels.info_of = id(state.registration)
         return labels
 
@@ -154,10 +152,10 @@ class FleetExposition:
                     out.extend(f"{name}{{{ls}}} {fmt(v)}\n" for ls, v in of_status(labels, status))
                 continue
             for state, labels, fresh, _ in nodes:
-                if not fresh or state.heartbeat is None:
+                if not fresh or (received := state.received) is None:
                     continue
                 try:
-                    lines = [f"{name}{{{ls}}} {fmt(v)}\n" for ls, v in family.samples(labels, state.heartbeat)]
+                    lines = [f"{name}{{{ls}}} {fmt(v)}\n" for ls, v in family.samples(labels, received)]
                 except Exception:  # one bad node never fails the scrape
                     self.errors += 1
                     log.exception("node %s left out of %s", state.node, name)

@@ -17,20 +17,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-Json = dict[str, Any]
+from controlplane.state.registry import Received
+from wire.schema import Gpu, Shard
+
 Sample = tuple[Any, float | int]  # (a label set as the maker writes it, value)
+Samples = Callable[["LabelMaker", Received], Iterator[Sample]]
 
 
 class LabelMaker(Protocol):
     base: Any  # the node's labels
     info: Any  # the node's labels and its identity (host name, kernel, agent version, backend)
 
-    def shard(self, s: Json) -> Any: ...
-    def gpu(self, g: Json) -> Any: ...
+    def shard(self, s: Shard) -> Any: ...
+    def gpu(self, g: Gpu) -> Any: ...
     def mount(self, mount: str) -> Any: ...
     def more(self, labels: Any, *pairs: tuple[str, str]) -> Any: ...
-
-
 
 
 @dataclass(frozen=True)
@@ -46,88 +47,91 @@ class Family:
     name: str
     type: str
     help: str
-    samples: Callable[[LabelMaker, Json], Iterator[Sample]]
+    samples: Samples  # read from the node's last heartbeat, as the registry holds it
     # A family of the node's status, not of its heartbeat (identity and
     # freshness): made from this instead of `samples`, for stale nodes too.
     status: Callable[[LabelMaker, NodeStatus], Iterator[Sample]] | None = None
     charted: bool = False  # kept by the embedded history: what the pages chart
 
 
-def _machine(key: str, *path: str) -> Callable[[LabelMaker, Json], Iterator[Sample]]:
-    def samples(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
-        value: Any = hb.get("machine", {}).get(key)
-        for p in path:
-            value = value.get(p) if isinstance(value, dict) else None
+def _machine(key: str, stat: str | None = None) -> Samples:
+    def samples(labels: LabelMaker, r: Received) -> Iterator[Sample]:
+        value: Any = getattr(r.heartbeat.machine, key)
+        if stat is not None and value is not None:
+            value = getattr(value, stat)
         if value is not None:
             yield labels.base, value
 
     return samples
 
 
-def _load(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
-    load = hb.get("machine", {}).get("load") or {}
-    for window in ("1m", "5m", "15m"):
-        if window in load:
-            yield labels.more(labels.base, ("window", window)), load[window]
+def _load(labels: LabelMaker, r: Received) -> Iterator[Sample]:
+    if (load := r.heartbeat.machine.load) is not None:
+        for window, value in (("1m", load.one), ("5m", load.five), ("15m", load.fifteen)):
+            yield labels.more(labels.base, ("window", window)), value
 
 
-def _disks(key: str) -> Callable[[LabelMaker, Json], Iterator[Sample]]:
-    def samples(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
-        for d in hb.get("machine", {}).get("disks") or ():
-            yield labels.mount(d["mount"]), d[key]
+def _disks(key: str) -> Samples:
+    def samples(labels: LabelMaker, r: Received) -> Iterator[Sample]:
+        for d in r.heartbeat.machine.disks or ():
+            yield labels.mount(d.mount), getattr(d, key)
 
     return samples
 
 
-def _shards(key: str, stat: str | None = None, per: float = 1.0) -> Callable[[LabelMaker, Json], Iterator[Sample]]:
-    def samples(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
-        for s in hb.get("shards") or ():
-            value = s.get(key)
-            if stat is not None:
-                value = value.get(stat) if value else None
+def _shards(key: str, stat: str | None = None, per: float = 1.0) -> Samples:
+    def samples(labels: LabelMaker, r: Received) -> Iterator[Sample]:
+        for s in r.shards:
+            value = getattr(s, key)
+            if stat is not None and value is not None:
+                value = getattr(value, stat)
             if value is not None:
                 yield labels.shard(s), value if per == 1.0 else value / per  # a division: 9.5 / 100 is 0.095
 
     return samples
 
 
-def _waits(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
-    for s in hb.get("shards") or ():
-        wait = s.get("runqueue_wait_seconds") or {}
-        for key, quantile in (("p50", "0.5"), ("p99", "0.99")):
-            if key in wait:
-                yield labels.more(labels.shard(s), ("quantile", quantile)), wait[key]
+def _waits(labels: LabelMaker, r: Received) -> Iterator[Sample]:
+    for s in r.shards:
+        if (wait := s.runqueue_wait_seconds) is not None:
+            for value, quantile in ((wait.p50, "0.5"), (wait.p99, "0.99")):
+                if value is not None:
+                    yield labels.more(labels.shard(s), ("quantile", quantile)), value
 
 
-def _starved(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
-    for s in hb.get("shards") or ():
-        verdict = s.get("starved") or {}
-        for kind in ("cpu_starved", "host_bound"):
-            if kind in verdict:
-                yield labels.more(labels.shard(s), ("kind", kind)), verdict[kind]
+def _starved(labels: LabelMaker, r: Received) -> Iterator[Sample]:
+    for s, verdict in zip(r.shards, r.verdicts, strict=True):
+        if verdict is not None:
+            for kind, value in (("cpu_starved", verdict.cpu_starved), ("host_bound", verdict.host_bound)):
+                if value is not None:
+                    yield labels.more(labels.shard(s), ("kind", kind)), int(value)
 
 
-def _pressure(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
-    for resource, kinds in (hb.get("machine", {}).get("pressure") or {}).items():
-        for kind, value in kinds.items():
-            yield labels.more(labels.base, ("resource", resource), ("kind", kind)), value
+def _pressure(labels: LabelMaker, r: Received) -> Iterator[Sample]:
+    if (pressure := r.heartbeat.machine.pressure) is None:
+        return
+    for resource in ("cpu", "memory", "io"):
+        if (stall := getattr(pressure, resource)) is not None:
+            for kind, value in (("some", stall.some), ("full", stall.full)):
+                if value is not None:
+                    yield labels.more(labels.base, ("resource", resource), ("kind", kind)), value
 
 
-def _gpus(key: str, scale: float = 1.0) -> Callable[[LabelMaker, Json], Iterator[Sample]]:
-    def samples(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
-        for g in hb.get("gpus") or ():
-            value = g.get(key)
+def _gpus(key: str, scale: float = 1.0) -> Samples:
+    def samples(labels: LabelMaker, r: Received) -> Iterator[Sample]:
+        for g in r.heartbeat.gpus or ():
+            value = getattr(g, key)
             if value is not None:
                 yield labels.gpu(g), value if scale == 1.0 else value * scale
 
     return samples
 
 
-def _left_out(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
-    yield labels.base, hb.get("shards_left_out", 0)  # counted by the agent and the registry: 0 is measured
+def _left_out(labels: LabelMaker, r: Received) -> Iterator[Sample]:
+    yield labels.base, r.shards_left_out or 0  # counted by the agent and the registry: 0 is measured
 
 
-def _never(labels: LabelMaker, hb: Json) -> Iterator[Sample]:
+def _never(labels: LabelMaker, r: Received) -> Iterator[Sample]:
     return iter(())
 
 
@@ -246,18 +250,19 @@ class SeriesLabels:
     def __init__(self) -> None:
         self._made: dict[int, tuple[tuple[str, str], ...]] = {}
 
-    def shard(self, s: Json) -> tuple[tuple[str, str], ...]:
+    def shard(self, s: Shard) -> tuple[tuple[str, str], ...]:
         labels = self._made.get(id(s))
         if labels is None:
-            labels = (("model", s.get("model") or ""), ("replica", s.get("replica") or ""), ("shard", s["id"]))
-            labels += tuple((k, s[k]) for k in ("namespace", "pod", "container") if s.get(k) is not None)
+            labels = (("model", s.model or ""), ("replica", s.replica or ""), ("shard", s.id))
+            labels += tuple((k, v) for k, v in (("namespace", s.namespace), ("pod", s.pod), ("container", s.container))
+                            if v is not None)  # fmt: skip
             self._made[id(s)] = labels
         return labels
 
-    def gpu(self, g: Json) -> tuple[tuple[str, str], ...]:
+    def gpu(self, g: Gpu) -> tuple[tuple[str, str], ...]:
         labels = self._made.get(id(g))
         if labels is None:
-            labels = self._made[id(g)] = (("gpu", str(g["index"])), ("gpu_model", g.get("name") or ""))
+            labels = self._made[id(g)] = (("gpu", str(g.index)), ("gpu_model", g.name or ""))
         return labels
 
     def mount(self, mount: str) -> tuple[tuple[str, str], ...]:
@@ -270,7 +275,7 @@ class SeriesLabels:
 _CHARTED_FAMILIES = tuple(f for f in FAMILIES if f.charted)
 
 
-def series_of(hb: Json) -> list[tuple[str, tuple[tuple[str, str], ...], float | int]]:
+def series_of(r: Received) -> list[tuple[str, tuple[tuple[str, str], ...], float | int]]:
     """A heartbeat as (family, labels, value) for the families the history keeps."""
     labels = SeriesLabels()  # the heartbeat's shards and GPUs live while it does: their ids are its
-    return [(family.name, made, value) for family in _CHARTED_FAMILIES for made, value in family.samples(labels, hb)]
+    return [(family.name, made, value) for family in _CHARTED_FAMILIES for made, value in family.samples(labels, r)]

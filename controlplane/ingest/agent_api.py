@@ -16,6 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -134,11 +135,13 @@ class _RateLimitedLog:
         log.warning("%s %s: %s", self.what, " ".join(map(str, context)), reason[:500])
 
 
+B = TypeVar("B")  # a body as its parser gives it
 _refusals = _RateLimitedLog("token refused")
 _left_out = _RateLimitedLog("heartbeat entry left out")
 
 
-async def _checked_body(request: web.Request, parse: Callable[[bytes], wire.Json]) -> wire.Json | web.Response:
+async def _checked_body(request: web.Request, parse: Callable[[bytes], B],
+                        node_of: Callable[[B], str]) -> B | web.Response:  # fmt: skip
     """The request's body, authenticated, validated and spoken by its own node;
     or the answer refusing it (401, 400, 403). `parse` may leave out bad
     entries of a list (see `_parse_keeping`)."""
@@ -160,7 +163,7 @@ async def _checked_body(request: web.Request, parse: Callable[[bytes], wire.Json
         body = parse(await request.read())
     except wire.WireError as e:
         return _error(400, e.reason, e.field)
-    if body["node"] != token_node:
+    if node_of(body) != token_node:
         return _error(403, f"token is for node {token_node!r}", "node")
     return body
 
@@ -174,11 +177,6 @@ def field_category(field: str) -> str:
     "shards[].command"): the schema's names alone, so a bounded label."""
     path = _INDEX.sub("[]", field)
     return path if len(path) <= 80 and _FIELD.fullmatch(path) else "other"
-
-
-def _parse_keeping(parse: Callable[[bytes, wire.Dropped], wire.Json],
-                   dropped: wire.Dropped) -> Callable[[bytes], wire.Json]:  # fmt: skip
-    return lambda data: parse(data, dropped)
 
 
 def _answer(request: web.Request, node: str, body: dict[str, object], dropped: wire.Dropped) -> web.Response:
@@ -203,16 +201,17 @@ _OK_BYTES = json.dumps(_OK).encode()
 
 async def register(request: web.Request) -> web.Response:
     dropped: wire.Dropped = []
-    registration = await _checked_body(request, _parse_keeping(wire.parse_registration, dropped))
+    registration = await _checked_body(request, lambda data: wire.decode_registration(data, dropped),
+                                       lambda r: r.node)  # fmt: skip
     if isinstance(registration, web.Response):
         return registration
     registry: NodeRegistry = request.app[REGISTRY]
-    known = registry.get(registration["node"]) is not None
+    node = registration.node
+    known = registry.get(node) is not None
     registry.register(registration)
     if not known:
-        log.info("node %s registered", registration["node"])
-    return _answer(request, registration["node"], {"node": registration["node"], "stale_after": registry.stale_after},
-                   dropped)
+        log.info("node %s registered", node)
+    return _answer(request, node, {"node": node, "stale_after": registry.stale_after}, dropped)
 
 
 async def heartbeat(request: web.Request) -> web.Response:
@@ -221,36 +220,35 @@ async def heartbeat(request: web.Request) -> web.Response:
     view's, never the registry's (controlplane/live.py)."""
     dropped: wire.Dropped = []
     live = request.app.get(LIVE)
-    hb = await _checked_body(request, lambda data: wire.parse_heartbeat(data, dropped,
-                                                                        live.wanted if live is not None else None))
-    if isinstance(hb, web.Response):
-        return hb
+    decoded = await _checked_body(request, lambda data: wire.decode_heartbeat(
+        data, dropped, live.wanted if live is not None else None), lambda d: d.heartbeat.node)
+    if isinstance(decoded, web.Response):
+        return decoded
+    hb = decoded.heartbeat
     rates = request.app[HEARTBEAT_RATES]
-    if not rates.allow(hb["node"]):
+    if not rates.allow(hb.node):
         return _error(429, f"more than {rates.rate:g} heartbeats a second from this node")
     registry: NodeRegistry = request.app[REGISTRY]
-    state = registry.get(hb["node"])
-    if state is not None and state.last_seq is not None and hb["seq"] <= state.last_seq:
+    state = registry.get(hb.node)
+    if state is not None and state.last_seq is not None and hb.seq <= state.last_seq:
         # The agent's resend of one whose answer it lost is the same refusal: it has it already.
-        return _error(409, f"seq {hb['seq']} is not after {state.last_seq}, the last since it registered: a replay",
+        return _error(409, f"seq {hb.seq} is not after {state.last_seq}, the last since it registered: a replay",
                       "seq")  # fmt: skip
-    came_raw = "raw" in hb
-    raw = hb.pop("raw", None)
     try:
         state = registry.heartbeat(hb)
     except UnknownNode:
         return _error(404, "unknown node: register again")
-    state.last_seq = hb["seq"]
-    if (history := request.app.get(RECORDER)) is not None:
-        history.record(hb["node"], hb)
+    state.last_seq = hb.seq
+    if (history := request.app.get(RECORDER)) is not None and state.received is not None:
+        history.record(hb.node, state.received)
     answer: dict[str, object] = {"ok": True}
-    if came_raw:
-        request.app[METRICS].live_heartbeats.labels("true" if raw is not None else "false").inc()
-    if live is not None and live.wanted(hb["node"]):
-        if raw is not None:
-            live.record(hb["node"], hb, raw)
+    if decoded.raw_came:
+        request.app[METRICS].live_heartbeats.labels("true" if decoded.raw is not None else "false").inc()
+    if live is not None and live.wanted(hb.node):
+        if decoded.raw is not None:
+            live.record(hb.node, hb, decoded.raw)
         answer["raw"] = True
-    return _answer(request, hb["node"], answer, dropped)
+    return _answer(request, hb.node, answer, dropped)
 
 
 def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics: ControlPlaneMetrics | None = None,

@@ -13,21 +13,51 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.state.starvation import StarvationRules, judge_heartbeat
+import msgspec
+
+import wire
+from controlplane.state.starvation import StarvationRules, Verdict, judge_shards
+from wire.schema import Heartbeat, Registration, Shard
 
 Json = dict[str, Any]
 MAX_SHARDS_PER_NODE = 64  # engines of one node exported, charted and shown
 
 
-def _keep_busiest_shards(heartbeat: Json, most: int) -> None:
-    """A node with more engines than the cap keeps its busiest (by cores), and
-    counts the rest with those its agent already left out: every series of a
-    node is bounded, whatever its agent sends."""
-    shards = heartbeat.get("shards") or []
-    if len(shards) > most:
-        busiest = sorted(shards, key=lambda s: -((s.get("cpu_cores") or {}).get("mean") or 0.0))
-        heartbeat["shards"] = busiest[:most]
-        heartbeat["shards_left_out"] = heartbeat.get("shards_left_out", 0) + len(shards) - most
+class Received(msgspec.Struct, frozen=True, gc=False):
+    """A node's heartbeat as the control plane holds it: as it came, and
+    beside it what the control plane made of it. Replaced whole at each
+    heartbeat, never edited: the page thread reads one while the loop takes
+    the next (controlplane/page_worker.py)."""
+
+    heartbeat: Heartbeat
+    # A node with more engines than `--max-shards` keeps its busiest: every
+    # series of a node is bounded, whatever its agent sends.
+    shards: tuple[Shard, ...]
+    shards_left_out: int | None  # its agent's count and the registry's; None when neither left one out
+    verdicts: tuple[Verdict | None, ...]  # one a kept shard: controlplane/state/starvation.py
+
+    def as_json(self) -> Json:
+        """As /api/nodes shows it: the heartbeat's JSON, its shards those
+        kept, each with its verdict as `starved`."""
+        out = wire.heartbeat_json(self.heartbeat)
+        shards = []
+        for shard, verdict in zip(self.shards, self.verdicts, strict=True):
+            s = msgspec.to_builtins(shard)
+            if verdict is not None:
+                s["starved"] = verdict.as_json()
+            shards.append(s)
+        out["shards"] = shards
+        if self.shards_left_out is not None:
+            out["shards_left_out"] = self.shards_left_out
+        return out
+
+
+def received(heartbeat: Heartbeat, max_shards: int, rules: StarvationRules) -> Received:
+    kept, left_out = wire.keep_busiest(heartbeat.shards, max_shards,
+                                       lambda s: None if s.cpu_cores is None else s.cpu_cores.mean)  # fmt: skip
+    shards = tuple(kept)
+    total = (heartbeat.shards_left_out or 0) + left_out if left_out else heartbeat.shards_left_out
+    return Received(heartbeat, shards, total, judge_shards(heartbeat, shards, rules))
 
 
 class UnknownNode(KeyError):
@@ -37,9 +67,9 @@ class UnknownNode(KeyError):
 @dataclass
 class NodeState:
     node: str
-    registration: Json
+    registration: Registration
     registered_at: float
-    heartbeat: Json | None = None
+    received: Received | None = None
     received_at: float | None = None  # monotonic
     heartbeats: int = 0
     last_seq: int | None = None  # the last heartbeat's since this registration: a replay is refused
@@ -51,7 +81,7 @@ class NodeState:
     def fresh(self, now: float, stale_after: float) -> bool:
         """Its measurements are current: none after a restart (controlplane/state/registry_state.py)."""
         age = self.age(now)
-        return self.heartbeat is not None and age is not None and age <= stale_after
+        return self.received is not None and age is not None and age <= stale_after
 
 
 class NodeRegistry:
@@ -83,25 +113,24 @@ class NodeRegistry:
         self.generation += gone
         return gone
 
-    def register(self, registration: Json) -> NodeState:
+    def register(self, registration: Registration) -> NodeState:
         """(Re-)registration replaces what does not change; a heartbeat
         already received is kept until a newer one arrives."""
-        node = registration["node"]
+        node = registration.node
         old = self._nodes.get(node)
         state = NodeState(node, registration, self.clock())
         if old is not None:
-            state.heartbeat, state.received_at, state.heartbeats = old.heartbeat, old.received_at, old.heartbeats
+            state.received, state.received_at, state.heartbeats = old.received, old.received_at, old.heartbeats
         self._nodes[node] = state
         self.generation += 1
         return state
 
-    def heartbeat(self, heartbeat: Json) -> NodeState:
-        state = self._nodes.get(heartbeat["node"])
+    def heartbeat(self, heartbeat: Heartbeat) -> NodeState:
+        state = self._nodes.get(heartbeat.node)
         if state is None:
-            raise UnknownNode(heartbeat["node"])
-        _keep_busiest_shards(heartbeat, self.max_shards)
-        judge_heartbeat(heartbeat, self.starvation)  # once, as it arrives: the exposition and pages read it
-        state.heartbeat = heartbeat
+            raise UnknownNode(heartbeat.node)
+        # Judged once, as it arrives: the exposition, history and pages read the verdicts.
+        state.received = received(heartbeat, self.max_shards, self.starvation)
         state.received_at = self.clock()
         state.heartbeats += 1
         return state

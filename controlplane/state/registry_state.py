@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 import wire
@@ -42,7 +43,7 @@ def snapshot(registry: NodeRegistry, wall: float, now: float) -> dict[str, Any]:
         return None if state.received_at is None else wall - (now - state.received_at)
 
     return {"version": VERSION, "nodes": [
-        {"registration": s.registration, "last_heartbeat": seen(s), "heartbeats": s.heartbeats}
+        {"registration": msgspec.to_builtins(s.registration), "last_heartbeat": seen(s), "heartbeats": s.heartbeats}
         for s in registry.nodes()]}  # fmt: skip
 
 
@@ -86,7 +87,7 @@ def load(registry: NodeRegistry, path: Path) -> int:
     wall, now, loaded = time.time(), registry.clock(), 0
     for entry in body["nodes"]:
         try:
-            registration = wire.parse_registration(json.dumps(entry["registration"]).encode())
+            registration = wire.decode_registration(json.dumps(entry["registration"]).encode())
             seen, count = entry.get("last_heartbeat"), entry.get("heartbeats", 0)
             if seen is not None and not (isinstance(seen, (int, float)) and 0 < seen <= wall + 86400):
                 raise ValueError(f"last_heartbeat {seen!r}")

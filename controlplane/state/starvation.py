@@ -28,6 +28,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from wire.schema import Heartbeat, Shard
+
 Json = dict[str, Any]
 
 
@@ -49,8 +53,9 @@ class StarvationRules:
                 raise ValueError(f"{name} must be a number from 0 up, not {value}")
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(msgspec.Struct, frozen=True, gc=False):
+    """gc=False: a fleet's verdicts, held with their heartbeats, cost a full collection nothing."""
+
     cpu_starved: bool | None
     host_bound: bool | None
     why: str  # one line for a person; "" for a healthy engine
@@ -66,19 +71,19 @@ class Verdict:
         return out
 
 
-def judge(shard: Json, window_seconds: float | None, rules: StarvationRules) -> Verdict:
+def judge(shard: Shard, window_seconds: float | None, rules: StarvationRules) -> Verdict:
     judged, reasons = False, []
-    throttled = shard.get("cpu_throttled_ratio")
+    throttled = shard.cpu_throttled_ratio
     if throttled is not None:
         judged = True
         if throttled > rules.throttled_ratio:
             sizing = ""
-            if shard.get("threads") is not None and shard.get("cpu_quota_cores"):
-                sizing = f", {shard['threads']} threads"
+            if shard.threads is not None and shard.cpu_quota_cores:
+                sizing = f", {shard.threads} threads"
             reasons.append(f"throttled in {100 * throttled:.0f}% of CFS periods "
-                           f"(quota {shard.get('cpu_quota_cores', 0):g} cores{sizing})")  # fmt: skip
-    wait = (shard.get("runqueue_wait_seconds") or {}).get("total")
-    cores = (shard.get("cpu_cores") or {}).get("mean")
+                           f"(quota {shard.cpu_quota_cores or 0:g} cores{sizing})")  # fmt: skip
+    wait = None if shard.runqueue_wait_seconds is None else shard.runqueue_wait_seconds.total
+    cores = None if shard.cpu_cores is None else shard.cpu_cores.mean
     if wait is not None and cores is not None and window_seconds is not None and window_seconds > 0:
         judged = True
         on_cpu = cores * window_seconds
@@ -91,8 +96,8 @@ def judge(shard: Json, window_seconds: float | None, rules: StarvationRules) -> 
                 reasons.append(f"waited {per_second_on_cpu:.2f} s for a CPU per second on one ({threads})")
     starved = bool(reasons) if judged else None
 
-    gpu = shard.get("gpu_utilization_percent")
-    waiting, running = shard.get("requests_waiting"), shard.get("requests_running")
+    gpu = shard.gpu_utilization_percent
+    waiting, running = shard.requests_waiting, shard.requests_running
     no_work = waiting == 0 and running == 0  # its own metrics read, and nothing to do
     host_bound: bool | None = None
     if gpu is not None:
@@ -106,12 +111,8 @@ def judge(shard: Json, window_seconds: float | None, rules: StarvationRules) -> 
     return Verdict(starved, host_bound, "; ".join(reasons))
 
 
-def judge_heartbeat(hb: Json, rules: StarvationRules) -> None:
-    """Each shard of a parsed heartbeat gains `starved` (its verdict's JSON) where anything is known."""
-    window = hb.get("window") or {}
-    start, end = window.get("start"), window.get("end")
-    seconds = end - start if start is not None and end is not None else None
-    for shard in hb.get("shards") or ():
-        verdict = judge(shard, seconds, rules).as_json()
-        if verdict:
-            shard["starved"] = verdict
+def judge_shards(hb: Heartbeat, shards: tuple[Shard, ...], rules: StarvationRules) -> tuple[Verdict | None, ...]:
+    """A verdict for each of the heartbeat's `shards`; None where nothing could be judged."""
+    seconds = hb.window.end - hb.window.start
+    verdicts = (judge(shard, seconds, rules) for shard in shards)
+    return tuple(v if v.cpu_starved is not None or v.host_bound is not None else None for v in verdicts)
