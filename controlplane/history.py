@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import aiohttp
 import numpy as np
 
-from controlplane.export.series import series_of
+from controlplane.export.series import SeriesKey, SeriesLabels, series_of
 from controlplane.state.registry import Received
 
 Json = dict[str, Any]
@@ -101,6 +101,11 @@ class _NodeRing:
     n: int = 0  # heartbeats recorded, ever
     free: list[int] = field(default_factory=list)  # rows given up by series gone for the hour
     swept_at: int = -1  # n at the last look for series gone
+    labels: SeriesLabels = field(default_factory=SeriesLabels)
+    # The last heartbeat's series and their rows: most heartbeats have the
+    # same series as the one before, found so by identity (`SeriesLabels`).
+    _last_keys: list[SeriesKey] | None = None
+    _last_rows: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.intp))
     _last: tuple[tuple[int, float, float, int, float], tuple[np.ndarray, np.ndarray]] | None = None
 
     def __post_init__(self) -> None:
@@ -118,24 +123,38 @@ class _NodeRing:
         slot = self.n % self.capacity
         if slot >= self.values.shape[1]:
             self._resize(self.values.shape[0], min(self.capacity, max(8, 2 * self.values.shape[1])))
-        series = series_of(received)
+        keys, values = series_of(received, self.labels)
+        if keys == self._last_keys:
+            rows = self._last_rows
+        else:
+            rows, values = self._rows(keys, values)
+        self.values[:, slot] = np.nan
+        # One write: a heartbeat's 80 series took 80 numpy item writes.
+        self.values[rows, slot] = np.array(values, dtype=np.float32)
+        self.t[slot] = at
+        self.n += 1
+
+    def _rows(self, keys: list[SeriesKey], values: list[float | int]) -> tuple[np.ndarray, list[float | int]]:
+        """The rows of a heartbeat's series, new series given theirs; and the
+        values that have one."""
         columns = self.columns
-        rows, values = [], []
-        for family, labels, value in series:
-            row = columns.get((family, labels))
+        rows, kept = [], []
+        for key, value in zip(keys, values, strict=True):
+            row = columns.get(key)
             if row is None:
-                row = self._take_row(len(series))
+                row = self._take_row(len(keys))
                 if row is None:  # as many series, all with a value in the hour: this one waits
                     continue
                 self.values[row] = np.nan  # not measured at the heartbeats held before it came
-                columns[(family, labels)] = row
+                columns[key] = row
+                family, labels = key
                 self.families.setdefault(family, []).append(((*labels, ("node", self.node)), row))
             rows.append(row)
-            values.append(value)
-        self.values[:, slot] = np.nan
-        self.values[rows, slot] = values  # one write: a heartbeat's 80 series took 80 numpy item writes
-        self.t[slot] = at
-        self.n += 1
+            kept.append(value)
+        found = np.array(rows, dtype=np.intp)
+        whole = len(rows) == len(keys)
+        self._last_keys, self._last_rows = (keys, found) if whole else (None, found[:0])
+        return found, kept
 
     def _take_row(self, wanted: int) -> int | None:
         """A row for a new series; `wanted`, the heartbeat's series, sizes the

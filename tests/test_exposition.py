@@ -212,7 +212,9 @@ def test_the_history_keeps_exactly_what_the_exposition_exports_of_its_families()
         if state.received is None or not state.fresh(registry.clock(), registry.stale_after):
             continue
         history.record(state.node, state.received, at=1000.0)
-        kept = {(family, tuple(sorted(labels)), float(value)) for family, labels, value in series_of(state.received)}
+        keys, values = series_of(state.received)
+        kept = {(family, tuple(sorted(labels)), float(value))
+                for (family, labels), value in zip(keys, values, strict=True)}  # fmt: skip
         want = {(name, tuple(sorted((k, v) for k, v in labels.items() if k != "node")), value)
                 for family in FAMILIES if family.charted
                 for name, rows in exported.items() if name == family.name
