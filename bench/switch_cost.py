@@ -39,14 +39,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from sampler.kernel import sched
+from sampler.kernel import build, sched
+from sampler.kernel.build import SWITCH_PROGRAMS
+from sampler.kernel.program_stats import enable_bpf_stats, program_stats
 from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
 
 PROC = Path("/proc")
 SOURCE = Path(__file__).resolve().parent / "pingpong.c"
 
 
-def build(tmp: Path) -> Path:
+def build_pingpong(tmp: Path) -> Path:
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise SystemExit("switch_cost: needs gcc to build bench/pingpong.c")
@@ -77,7 +79,7 @@ def program_cost(groups: sched.KernelShardSampler, exe: Path, trips: int, watche
     switches, ns = pingpong(exe, trips, groups if watched else None)
     after = groups.program_stats()
     run_ns = sum(after[n][0] - before[n][0] for n in after)
-    [switch] = [n for n in sched.SWITCH_PROGRAMS if n in after]
+    [switch] = [n for n in SWITCH_PROGRAMS if n in after]
     runs = after[switch][1] - before[switch][1]
     # The ping-pong's switches dominate; the machine's others are in the count too.
     return run_ns / max(runs, switches), ns
@@ -105,13 +107,13 @@ def empty_program(exe: Path, trips: int, raw: bool) -> tuple[float, float]:
             fd, link = tp_btf.load_and_attach(EMPTY_INSNS, "empty", "sched_switch")
             fds = [link, fd]
         outside = pingpong(exe, trips)[1]
-        stats = sched._enable_bpf_stats()
+        stats = enable_bpf_stats()
         if stats is None:
             raise SystemExit("switch_cost: the kernel's BPF statistics cannot be turned on (BPF_ENABLE_STATS)")
         fds.append(stats)
-        before = sched._program_stats(fd)
+        before = program_stats(fd)
         pingpong(exe, trips)
-        after = sched._program_stats(fd)
+        after = program_stats(fd)
     finally:
         for f in fds:
             os.close(f)
@@ -124,7 +126,7 @@ def empty_program(exe: Path, trips: int, raw: bool) -> tuple[float, float]:
 def compare(exe: Path, trips: int, runs: int, other: Path) -> None:
     """The programs' run time per switch, this version against `other`, each
     loaded in turn `runs` times."""
-    sources = {"this program": sched.SOURCE, str(other): other}
+    sources = {"this program": build.SOURCE, str(other): other}
     cost: dict[str, dict[bool, list[float]]] = {name: {False: [], True: []} for name in sources}
     for _ in range(runs):
         for name, source in sources.items():
@@ -147,7 +149,7 @@ def main() -> None:
     ap.add_argument("--against", type=Path, help="another version of bpf/sched_groups.bpf.c to compare with")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        exe = build(Path(tmp))
+        exe = build_pingpong(Path(tmp))
         if args.against is not None:
             compare(exe, args.round_trips, args.runs, args.against)
             return

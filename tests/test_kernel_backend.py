@@ -17,7 +17,9 @@ import pytest
 
 from sampler.backend import BackendChoice, open_backend
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.kernel import sched
+from sampler.kernel import build, sched
+from sampler.kernel.headers import kernel_version_code
+from sampler.kernel.program_stats import program_stats
 from sampler.shards.proc_shards import ProcShardSampler
 from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
@@ -296,7 +298,7 @@ def test_program_cost_is_in_the_summary_when_asked_for(bpf_groups_with_stats: sc
     summary = ws.run_window(0.5)
     assert summary["backend"] == "bpf"
     programs = summary["bpf"]["programs"]
-    assert set(programs) == set(sched.PROGRAMS)
+    assert set(programs) == set(build.PROGRAMS)
     tick = programs["on_tick"]
     assert tick["runs"] > 0 and tick["run_time_ns"] > 0 and tick["ns_per_run"] > 0
     assert summary["bpf"]["dropped_forks"] == 0
@@ -312,7 +314,7 @@ def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups_alone: sched.Kernel
     enabled = Path("/proc/sys/kernel/bpf_stats_enabled")
     if enabled.exists() and enabled.read_text().strip() == "0":  # nobody else holds them on either
         # The kernel counted no run of ours: statistics were off all along.
-        assert sched._program_stats(bpf_groups.programs.programs["on_tick"]) == (0, 0)
+        assert program_stats(bpf_groups.programs.programs["on_tick"]) == (0, 0)
 
 
 # --- how sched_switch is attached ----------------------------------------------------
@@ -390,7 +392,7 @@ def test_a_switch_program_refused_as_tp_btf_is_attached_raw_with_the_reason() ->
     note for the agent's log carries the verifier's reason."""
     need_root()
     compiled = CompiledRefused()
-    programs, attachments, note = sched.attach_switch(compiled, raw=False)
+    programs, attachments, note = build.attach_switch(compiled, raw=False)
     assert programs == {} and attachments == []
     assert compiled.raw_attached == [(b"sched_switch", b"on_switch_raw")]
     assert note is not None
@@ -458,7 +460,7 @@ def test_the_agent_never_holds_the_compiler() -> None:
     assert r.returncode == 0, r.stderr
     modules, libraries, programs = r.stdout.splitlines()
     assert modules == "[]" and libraries == "[]", r.stdout
-    assert programs == str(sorted(sched.PROGRAMS))
+    assert programs == str(sorted(build.PROGRAMS))
 
 
 def program_ids(sampler: sched.KernelShardSampler) -> list[int]:
@@ -479,7 +481,7 @@ def test_closing_the_backend_unloads_its_programs(bpf_groups_alone: sched.Kernel
 
     bpf_groups = bpf_groups_alone
     ids = program_ids(bpf_groups)
-    assert len(ids) == len(sched.PROGRAMS)
+    assert len(ids) == len(build.PROGRAMS)
     lib = libbpf()
     lib.bpf_prog_get_fd_by_id.restype = ctypes.c_int
     fd = lib.bpf_prog_get_fd_by_id(ctypes.c_uint32(ids[0]))
@@ -574,11 +576,11 @@ def test_loads_against_the_installed_headers_when_asked(caplog: pytest.LogCaptur
 
 
 def test_kernel_version_code_from_a_release() -> None:
-    assert sched.kernel_version_code("6.1.0-18-amd64") == (6 << 16) + (1 << 8)
-    assert sched.kernel_version_code("5.10.209") == (5 << 16) + (10 << 8) + 209
-    assert sched.kernel_version_code("6.18.44-fc-v857") == (6 << 16) + (18 << 8) + 44
-    assert sched.kernel_version_code("4.19.300") == (4 << 16) + (19 << 8) + 255  # sublevel capped, as the kernel
-    assert sched.kernel_version_code("6.13-rc1") == (6 << 16) + (13 << 8)
+    assert kernel_version_code("6.1.0-18-amd64") == (6 << 16) + (1 << 8)
+    assert kernel_version_code("5.10.209") == (5 << 16) + (10 << 8) + 209
+    assert kernel_version_code("6.18.44-fc-v857") == (6 << 16) + (18 << 8) + 44
+    assert kernel_version_code("4.19.300") == (4 << 16) + (19 << 8) + 255  # sublevel capped, as the kernel
+    assert kernel_version_code("6.13-rc1") == (6 << 16) + (13 << 8)
 
 
 def test_program_that_fails_to_compile_does_not_crash_auto(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sampler.backend import BackendChoice
-from sampler.kernel.sched import place_late, settle
+from sampler.kernel.slices import place_late, settle
 from sampler.shards.proc_shards import ProcShardSampler, ShardReading, within_capacity
 from sampler.shards.selectors import Selector, ShardSpec
 from sampler.window.sampler import WindowSampler

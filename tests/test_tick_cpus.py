@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sampler.kernel.sched import tick_cpus
-from sampler.sources.cpu_lists import parse_cpu_list
+from sampler.sources.cpu_lists import parse_cpu_list, tick_cpus
 
 
 @pytest.mark.parametrize("text, cpus", [

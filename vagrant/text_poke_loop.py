@@ -30,7 +30,7 @@ PERF_TYPE_SOFTWARE, PERF_COUNT_SW_CPU_CLOCK = 1, 0
 PERF_ATTR_SIZE = 112  # PERF_ATTR_SIZE_VER5
 PERF_FLAG_FD_CLOEXEC = 8
 SYS_PERF_EVENT_OPEN = 298  # x86_64
-TICK_NS = 10_000_000  # sampler.kernel.sched.TICK_NS
+TICK_NS = 10_000_000  # sampler.kernel.build.TICK_NS
 
 libc = ctypes.CDLL(None, use_errno=True)
 

@@ -91,14 +91,15 @@ def close_sampler(sampler) -> None:  # type: ignore[no-untyped-def]
 def print_bpf(proc: Path) -> int:
     """What the kernel backend compiles: its flags, from this kernel's BTF, and its source."""
     from sampler.backend_unavailable import BackendUnavailable
-    from sampler.kernel import btf, sched
+    from sampler.kernel import btf, build
+    from sampler.sources.cpu_lists import possible_cpus
 
     try:
-        flags = " ".join(sched.compile_flags(btf.task_offsets(), sched.read_pid_max(proc), sched.possible_cpus()))
+        flags = " ".join(build.compile_flags(btf.task_offsets(), build.read_pid_max(proc), possible_cpus()))
     except (btf.BtfError, BackendUnavailable, OSError, ValueError) as e:
         flags = f"(unknown: {e})"
-    print(f"// {sched.SOURCE}\n// cflags: {flags}\n")
-    print(sched.SOURCE.read_text(), end="")
+    print(f"// {build.SOURCE}\n// cflags: {flags}\n")
+    print(build.SOURCE.read_text(), end="")
     return 0
 
 

@@ -64,7 +64,7 @@ def scratch_file(name: str) -> BinaryIO:
 
 
 def load_programs(options: dict[str, Any]) -> LoadedPrograms:
-    """Runs the child with `options` (sched.compile_and_attach's
+    """Runs the child with `options` (build.compile_and_attach's
     arguments, as JSON) and receives the programs, or BackendUnavailable with
     the child's reason."""
     libbpf()  # what this process reads the maps with: missing, nothing is loaded

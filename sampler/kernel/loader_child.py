@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.kernel import sched
+from sampler.kernel import build
 from sampler.kernel.handoff import FDS_PER_MESSAGE, MAPS
 
 
@@ -25,7 +25,7 @@ def _send(sock: socket.socket, header: dict[str, Any], fds: list[int]) -> None:
 
 def _child(options: dict[str, Any], sock: socket.socket) -> None:
     try:
-        attached = sched.compile_and_attach(**options)
+        attached = build.compile_and_attach(**options)
     except BackendUnavailable as e:
         _send(sock, {"error": str(e)}, [])
         return

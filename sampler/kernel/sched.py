@@ -15,57 +15,31 @@ attaching.
 
 from __future__ import annotations
 
-import ctypes
-import itertools
 import logging
 import mmap
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from sampler.backend_unavailable import BackendUnavailable
-from sampler.kernel import btf, handoff, tp_btf
+from sampler.kernel import btf, handoff
+from sampler.kernel.build import MAX_SLOTS, SOURCE, TICK_NS
+from sampler.kernel.program_stats import enable_bpf_stats, program_stats
+from sampler.kernel.slices import SWITCH_SLACK_S, place_late, settle
+from sampler.kernel.waits import WaitHistograms
 from sampler.shards.proc_shards import PAGE_SIZE, ShardReading, within_capacity
 from sampler.shards.selectors import ProcessTable, ShardSpec
 from sampler.sources import procfs
-from sampler.sources.cpu_lists import format_cpu_list, parse_cpu_list
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "sched_groups.bpf.c"
-# A kernel tree of the few headers bcc's helpers include (bpf/include/).
-BUNDLED_HEADERS = SOURCE.parent
-MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
 # The program's struct cpu_run, one per CPU: the slice a CPU is running for a slot.
 CPU_RUN = np.dtype([("start", "<u8"), ("since", "<u8"), ("task", "<u8"), ("slot", "<u4"), ("seq", "<u4"),
                     ("learnt", "<u4"), ("pad", "<u4"), ("spare", "<u8", 3)])  # fmt: skip
 SNAPSHOT_TRIES = 3
-TICK_NS = 10_000_000
-WAIT_BUCKETS = 32  # log2 buckets of a wait in ns, as in the program
-
-
-def log2_quantile(counts: np.ndarray, q: float) -> float:
-    """The q-quantile of a log2 histogram (bucket b holds [2^b, 2^(b+1)) ns,
-    bucket 0 also 0..1), interpolated linearly by rank within its bucket."""
-    cumulative = np.cumsum(counts)
-    rank = q * cumulative[-1]
-    b = int(np.searchsorted(cumulative, rank))
-    before = cumulative[b - 1] if b > 0 else 0.0
-    lo, hi = (0.0 if b == 0 else 2.0**b), 2.0 ** (b + 1)
-    within = (rank - before) / counts[b] if counts[b] else 0.0
-    return lo + (hi - lo) * within
-
-CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
-# The programs as the kernel names them; sched_switch's is on_switch (tp_btf)
-# or, where that cannot load, on_switch_raw (a raw tracepoint).
-PROGRAMS = ("on_switch", "on_tick", "raw_tracepoint__sched_process_fork", "raw_tracepoint__sched_process_exit")
-SWITCH_PROGRAMS = ("on_switch", "on_switch_raw")
 
 
 @dataclass
@@ -79,152 +53,6 @@ class _KernelShard:
     starts: dict[int, int] = field(default_factory=dict)  # pid -> its start time at the walk: the same process
     carried: float = 0.0  # seconds credited by the kernel that its threads could not have used yet
     late: float = 0.0  # seconds spent in slices the kernel saw late, not yet placed in a sample
-
-
-def effective_capabilities(proc: Path) -> int:
-    for line in procfs.read_bytes(proc / "self" / "status").split(b"\n"):
-        if line.startswith(b"CapEff:"):
-            return int(line.split()[1], 16)
-    raise procfs.ProcParseError("no CapEff in /proc/self/status")
-
-
-def kernel_version_code(release: str) -> int:
-    """LINUX_VERSION_CODE of a kernel release (`6.1.0-18-amd64`, `5.10.209`):
-    what a real tree's generated version.h would say, sublevel capped at 255."""
-    numbers = []
-    for part in release.split("-", 1)[0].split(".")[:3]:
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        numbers.append(int(digits) if digits else 0)
-    major, minor, sub = (numbers + [0, 0, 0])[:3]
-    return (major << 16) + (min(minor, 255) << 8) + min(sub, 255)
-
-
-@dataclass(frozen=True)
-class HeaderTree:
-    """What bcc compiles against: its environment, extra flags, and a name for the log."""
-
-    env: dict[str, str | None]  # None: unset while compiling
-    cflags: list[str]
-    name: str
-
-
-INSTALLED = "installed"  # --kernel-headers installed: the distribution's, where bcc looks for them
-
-
-def find_kernel_headers(configured: Path | str | None, release: str | None = None) -> HeaderTree:
-    """The headers bcc compiles against, or BackendUnavailable.
-
-    By default the few headers shipped in bpf/include/: the programs read no
-    kernel struct through headers (offsets come from BTF), so no kernel's own
-    are needed, and a machine without any loads the backend. Otherwise, as
-    configured: a kernel tree (given to bcc as BCC_KERNEL_SOURCE), or
-    `installed`: bcc's own search of /lib/modules/<release>/{build,source}
-    (Debian splits its headers in two packages: both are needed).
-    $BCC_KERNEL_SOURCE, set by the operator, is honoured as bcc would.
-    """
-    release = release or platform.release()
-    if configured == INSTALLED:
-        mod = Path("/lib/modules") / release
-        if not ((mod / "build" / "include").is_dir() or (mod / "source" / "include").is_dir()):
-            raise BackendUnavailable(
-                f"no kernel headers installed for {release}: looked in {mod}/build and {mod}/source "
-                "(install the distribution's linux-headers package, or leave --kernel-headers out for the bundled ones)"
-            )
-        return HeaderTree({"BCC_KERNEL_SOURCE": None}, [], f"the installed headers in {mod}")
-    if configured is not None:
-        tree = Path(configured)
-        if not (tree / "include").is_dir():
-            raise BackendUnavailable(f"no kernel headers in {tree} (configured): it has no include/ directory")
-        return HeaderTree({"BCC_KERNEL_SOURCE": str(tree)}, [], f"the kernel tree {tree}")
-    env = os.environ.get("BCC_KERNEL_SOURCE")
-    if env:
-        if not (Path(env) / "include").is_dir():
-            raise BackendUnavailable(f"no kernel headers in BCC_KERNEL_SOURCE={env}: it has no include/ directory")
-        return HeaderTree({}, [], f"the kernel tree {env} (BCC_KERNEL_SOURCE)")
-    code = kernel_version_code(release)
-    return HeaderTree({"BCC_KERNEL_SOURCE": str(BUNDLED_HEADERS)}, [f"-DLINUX_VERSION_CODE={code}"], "bundled headers")
-
-
-def _enable_bpf_stats() -> int | None:
-    """Turn on the kernel's per-program run time and count for as long as the
-    returned fd is open (BPF_ENABLE_STATS, Linux 5.8), so that the agent's own
-    cost is measured without leaving the kernel.bpf_stats_enabled sysctl on."""
-    attr = (ctypes.c_uint32 * 32)()  # union bpf_attr, zeroed; enable_stats.type = BPF_STATS_RUN_TIME (0)
-    try:
-        return tp_btf.bpf(32, attr)  # BPF_ENABLE_STATS
-    except OSError:
-        return None
-
-
-def _program_stats(fd: int) -> tuple[int, int] | None:
-    """run_time_ns and run_cnt of a loaded program, from its fd's fdinfo (Linux 5.1)."""
-    values = {}
-    try:
-        for line in procfs.read_bytes(f"/proc/self/fdinfo/{fd}").split(b"\n"):
-            key, _, value = line.partition(b":")
-            if key in (b"run_time_ns", b"run_cnt"):
-                values[key] = int(value)
-    except (OSError, ValueError):
-        return None
-    if len(values) != 2:
-        return None
-    return values[b"run_time_ns"], values[b"run_cnt"]
-
-
-def compile_flags(offsets: dict[str, int], pid_max: int, cpus: int) -> list[str]:
-    return [
-        f"-DPID_MAX={pid_max}",
-        f"-DNR_CPUS={cpus}",
-        f"-DMAX_SLOTS={MAX_SLOTS}",
-        f"-DTASK_PID_OFF={offsets['pid']}",
-        f"-DTASK_TGID_OFF={offsets['tgid']}",
-        f"-DTASK_RUNTIME_OFF={offsets['runtime']}",
-        f"-DTASK_PICKED_RUNTIME_OFF={offsets['picked_runtime']}",
-        f"-DTASK_POLICY_OFF={offsets['policy']}",
-        f"-DTICK_NS={TICK_NS}",
-        f"-DTASK_SIGNAL_OFF={offsets['signal']}",
-        f"-DSIGNAL_LIVE_OFF={offsets['live']}",
-        *([f"-DTASK_RUN_DELAY_OFF={offsets['run_delay']}"] if "run_delay" in offsets else []),
-    ]
-
-
-def read_pid_max(proc: Path) -> int:
-    """The largest pid plus one: the size of the kernel's tgid-indexed map.
-    Raising pid_max after the programs load leaves the new pids uncounted."""
-    try:
-        return int(procfs.read_bytes(proc / "sys" / "kernel" / "pid_max"))
-    except (OSError, ValueError) as e:
-        raise BackendUnavailable(f"cannot read pid_max: {e}") from None
-
-
-def _compile(bpf_class: Any, source: Path, cflags: list[str], env: dict[str, str | None]) -> Any:
-    """BPF(src_file=...) with clang's diagnostics captured from fd 2, so a
-    failure's reason carries them instead of spilling onto the terminal."""
-    saved_env = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    saved_fd = os.dup(2)
-    with handoff.scratch_file("clang-stderr") as err:
-        os.dup2(err.fileno(), 2)
-        try:
-            return bpf_class(src_file=str(source).encode(), cflags=cflags)
-        except Exception as e:
-            os.dup2(saved_fd, 2)
-            err.seek(0)
-            lines = [ln for ln in err.read().decode(errors="replace").splitlines() if "error" in ln]
-            detail = "; ".join(lines[:3]) or str(e).strip()
-            raise BackendUnavailable(f"compiling or attaching {source.name} failed: {detail}") from None
-        finally:
-            os.dup2(saved_fd, 2)
-            os.close(saved_fd)
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def load(
@@ -251,148 +79,6 @@ def load(
     for note in programs.notes:
         log.info("%s", note)
     return KernelShardSampler(programs, proc, clock, bpf_stats)
-
-
-@dataclass
-class Attached:
-    """What the loader child attached: bcc's BPF object (its maps, and the
-    programs bcc loaded and attached), the programs loaded outside bcc with
-    their attachments, and what was learnt on the way."""
-
-    bpf: Any
-    own_programs: dict[str, int]
-    own_attachments: list[int]
-    pid_max: int
-    cpus: int  # rows of the per-CPU arrays
-    tickless_cpus: list[int]
-    notes: list[str]
-
-
-def attach_switch(bpf: Any, raw: bool) -> tuple[dict[str, int], list[int], str | None]:
-    """sched_switch's program attached: on_switch as tp_btf where it loads
-    (its own program and attachment descriptors returned), else on_switch_raw
-    as a raw tracepoint, through bcc, with a note saying why."""
-    why = "asked for"
-    if not raw:
-        try:
-            prog, link = tp_btf.load_and_attach(bpf.dump_func(b"on_switch"), "on_switch", "sched_switch")
-            return {"on_switch": prog}, [link], None
-        except OSError as e:
-            why = e.strerror or str(e)
-    bpf.attach_raw_tracepoint(tp=b"sched_switch", fn_name=b"on_switch_raw")
-    return {}, [], f"sched_switch attached as a raw tracepoint ({why}): a task switching in is read through a helper"
-
-
-def compile_and_attach(
-    proc: str, kernel_headers: list[str] | str | None, source: str, btf_path: str, sysfs: str,
-    raw_switch: bool = False,
-) -> Attached:  # fmt: skip
-    """What the loader child does (everything bcc is needed for): the
-    programs compiled, loaded and attached, with pid_max, the per-CPU arrays'
-    rows, the CPUs left without the cpu-clock tick, and notes for the agent's
-    log; or BackendUnavailable, checked in the order an operator would fix
-    things."""
-    try:
-        from bcc import BPF, PerfSWConfig, PerfType
-    except ImportError as e:
-        raise BackendUnavailable(f"bcc is not installed ({e}); install python3-bpfcc") from None
-    try:
-        caps = effective_capabilities(Path(proc))
-    except (OSError, procfs.ProcParseError) as e:
-        raise BackendUnavailable(f"cannot read this process's capabilities: {e}") from None
-    if not (caps >> CAP_SYS_ADMIN & 1 or (caps >> CAP_BPF & 1 and caps >> CAP_PERFMON & 1)):
-        raise BackendUnavailable("missing capabilities: needs CAP_BPF and CAP_PERFMON, or CAP_SYS_ADMIN (run as root)")
-    try:
-        offsets = btf.task_offsets(Path(btf_path))
-    except btf.BtfError as e:
-        raise BackendUnavailable(str(e)) from None
-    headers = find_kernel_headers(Path(kernel_headers[1]) if isinstance(kernel_headers, list) else kernel_headers)
-    pid_max = read_pid_max(Path(proc))
-    try:
-        cpus = possible_cpus(Path(sysfs))
-    except (OSError, ValueError) as e:
-        raise BackendUnavailable(f"cannot tell which CPUs are possible: {e}") from None
-    cflags = compile_flags(offsets, pid_max, cpus) + headers.cflags
-    bpf = _compile(BPF, Path(source), cflags, headers.env)
-    notes = [f"kernel backend compiled against {headers.name}"]
-    try:
-        ticked, tickless = tick_cpus(Path(sysfs))
-    except (OSError, ValueError) as e:
-        bpf.cleanup()
-        raise BackendUnavailable(f"cannot tell which CPUs are online: {e}") from None
-    try:
-        own_programs, own_attachments, note = attach_switch(bpf, raw_switch)
-    except Exception as e:
-        bpf.cleanup()
-        raise BackendUnavailable(f"attaching to sched_switch failed: {e}") from None
-    if note:
-        notes.append(note)
-    try:
-        # The tick only learns the slot of a task that was already running when
-        # it was given one (samples count running slices themselves): 100 a
-        # second, on every CPU but those kept free of ticks (nohz_full,
-        # isolated), where such a task is learnt at its next switch.
-        event = (PerfType.SOFTWARE, PerfSWConfig.CPU_CLOCK)
-        if not tickless:
-            bpf.attach_perf_event(ev_type=event[0], ev_config=event[1], fn_name=b"on_tick", sample_period=TICK_NS)
-        else:
-            # bcc keeps one CPU's events per attach: gathered, so all are handed over.
-            events = {}
-            for cpu in ticked:
-                bpf.attach_perf_event(ev_type=event[0], ev_config=event[1], fn_name=b"on_tick",
-                                      sample_period=TICK_NS, cpu=cpu)  # fmt: skip
-                events.update(bpf.open_perf_events[event])
-            bpf.open_perf_events[event] = events
-    except Exception as e:
-        for fd in [*own_attachments, *own_programs.values()]:
-            os.close(fd)
-        bpf.cleanup()
-        raise BackendUnavailable(f"attaching the cpu-clock perf event failed: {e}") from None
-    if tickless:
-        notes.append(f"no cpu-clock tick on CPUs {format_cpu_list(tickless)} (nohz_full or isolated)")
-    return Attached(bpf, own_programs, own_attachments, pid_max, cpus, tickless, notes)
-
-
-def possible_cpus(sysfs: Path = Path("/sys")) -> int:
-    """The highest possible CPU id + 1: the rows of the per-CPU arrays (a CPU
-    brought online later has its row already)."""
-    return max(parse_cpu_list((sysfs / "devices" / "system" / "cpu" / "possible").read_text())) + 1
-
-
-def tick_cpus(sysfs: Path = Path("/sys")) -> tuple[list[int], list[int]]:
-    """The online CPUs that get the cpu-clock tick, and those left without
-    it: a CPU the operator keeps free of the kernel's own ticks (nohz_full)
-    or of the scheduler (isolcpus) is not woken 100 times a second by us."""
-    cpu_dir = sysfs / "devices" / "system" / "cpu"
-    online = parse_cpu_list((cpu_dir / "online").read_text())
-    quiet: set[int] = set()
-    for name in ("nohz_full", "isolated"):
-        try:
-            text = (cpu_dir / name).read_text()
-        except OSError:  # a kernel without the file: no such CPUs
-            continue
-        if text.strip() != "(null)":  # nohz_full says so when the feature is built but unused
-            quiet.update(parse_cpu_list(text))
-    return [c for c in online if c not in quiet], [c for c in online if c in quiet]
-
-
-# The most a sample's slice ends can read beyond its threads' time through the
-# scheduler's clock and the tracepoint's disagreeing (tens of us a switch).
-SWITCH_SLACK_S = 0.0002
-
-
-def place_late(credit: float, pending: float, capacity: float) -> tuple[float, float]:
-    """A sample's credit with time spent in earlier samples (`pending`, seen
-    late by the kernel) added as far as its threads had room, and what is
-    left for the samples after: never over the capacity, nothing lost."""
-    placed = min(pending, max(0.0, capacity - credit))
-    return credit + placed, pending - placed
-
-
-def settle(used: float, debt: float) -> tuple[float, float]:
-    """A sample's seconds on CPU after what earlier samples counted ahead of
-    the kernel (`debt`), and the debt left: never negative, nothing lost."""
-    return max(0.0, used - debt), max(0.0, debt - used)
 
 
 class KernelShardSampler:
@@ -433,13 +119,11 @@ class KernelShardSampler:
         self._member_of = np.zeros((0, 0))  # [shard, slot] = 1 where the slot counts for the shard
         self._last_at: float | None = None
         self._cpus = os.cpu_count() or 1
-        self._stats_fd = _enable_bpf_stats() if bpf_stats else None
+        self._stats_fd = enable_bpf_stats() if bpf_stats else None
         # The wait histogram, where the kernel keeps run_delay (CONFIG_SCHED_INFO).
         # Compiled out where the kernel has no run_delay (TASK_RUN_DELAY_OFF).
-        self._wait_log = programs.maps.get("wait_log")
-        self._wait_prev_slots: list[int] = []
-        self._wait_prev_hist: list[np.ndarray] = []
-        self._wait_prev_total: list[int] = []
+        wait_log = programs.maps.get("wait_log")
+        self._waits = WaitHistograms(wait_log) if wait_log is not None else None
 
     @property
     def specs(self) -> list[ShardSpec]:
@@ -660,50 +344,20 @@ class KernelShardSampler:
         if self._stats_fd is None:
             return out
         for name, fd in self.programs.programs.items():
-            if (st := _program_stats(fd)) is not None:
+            if (st := program_stats(fd)) is not None:
                 out[name] = st
         return out
 
     # --- waiting for a CPU -------------------------------------------------------------
 
     def runqueue_waits(self) -> dict[str, dict[str, float] | None] | None:
-        """Per shard, the waits for a CPU since the last call: p50 and p99 from the
-        kernel's log2 histogram (interpolated within a bucket), total and mean.
+        """Per shard, the waits for a CPU since the last call (sampler/kernel/waits.py).
         None when this kernel has no run_delay (the caller falls back to schedstat)."""
-        if self._wait_log is None:
+        if self._waits is None:
             return None
-        slots = self._slots.tolist()
-        hist = np.zeros((len(slots), WAIT_BUCKETS), dtype=np.uint64)
-        total = np.zeros(len(slots), dtype=np.uint64)
-        for j, slot in enumerate(slots):
-            # Every CPU's struct wait_log: ns waited, then the counts by log2(ns).
-            log = np.frombuffer(self._wait_log.lookup(slot), dtype=np.uint64).reshape(-1, 1 + WAIT_BUCKETS).sum(axis=0)
-            total[j], hist[j] = log[0], log[1:]
-        prev = {s: (h, t) for s, h, t in zip(self._wait_prev_slots, self._wait_prev_hist, self._wait_prev_total,
-                                                strict=True)}  # fmt: skip
-        known = np.array([s in prev for s in slots], dtype=bool)
-        d_hist = hist.astype(np.float64) - np.array([prev[s][0] if s in prev else h for s, h in zip(slots, hist,
-                                                     strict=True)], dtype=np.float64).reshape(hist.shape)  # fmt: skip
-        d_total = total.astype(np.float64) - np.array([prev[s][1] if s in prev else t for s, t in zip(slots, total,
-                                                       strict=True)], dtype=np.float64)  # fmt: skip
-        self._wait_prev_slots, self._wait_prev_hist, self._wait_prev_total = slots, list(hist), list(total)
-        out: dict[str, dict[str, float] | None] = {}
-        watch_hist = self._member_of @ d_hist
-        watch_total = self._member_of @ d_total
-        watch_known = (self._member_of @ (~known).astype(np.float64)) == 0
-        for i, wid in enumerate(self._specs):
-            if not watch_known[i] or not self._specs[wid].pids:
-                out[wid] = None
-                continue
-            counts = watch_hist[i]
-            n = counts.sum()
-            result: dict[str, float] = {"total": round(float(watch_total[i]) / 1e9, 6)}
-            if n > 0:
-                result["mean"] = round(float(watch_total[i] / n) / 1e9, 9)
-                result["p50"] = round(float(log2_quantile(counts, 0.5)) / 1e9, 9)
-                result["p99"] = round(float(log2_quantile(counts, 0.99)) / 1e9, 9)
-            out[wid] = result
-        return out
+        shards = list(self._specs.values())
+        return self._waits.since_last(self._slots.tolist(), self._member_of, [w.spec.id for w in shards],
+                                      [bool(w.pids) for w in shards])  # fmt: skip
 
     def dropped_forks(self) -> int | None:
         return int(np.frombuffer(self._dropped_table.lookup(0), dtype=np.uint64).sum())

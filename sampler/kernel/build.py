@@ -1,0 +1,175 @@
+"""The programs compiled, loaded and attached: what the loader child does
+(sampler/kernel/loader_child.py), everything bcc is needed for."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sampler.backend_unavailable import BackendUnavailable
+from sampler.kernel import btf, handoff, tp_btf
+from sampler.kernel.capabilities import check_capabilities
+from sampler.kernel.headers import find_kernel_headers
+from sampler.sources import procfs
+from sampler.sources.cpu_lists import format_cpu_list, possible_cpus, tick_cpus
+
+SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "sched_groups.bpf.c"
+MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
+TICK_NS = 10_000_000
+# The programs as the kernel names them; sched_switch's is on_switch (tp_btf)
+# or, where that cannot load, on_switch_raw (a raw tracepoint).
+PROGRAMS = ("on_switch", "on_tick", "raw_tracepoint__sched_process_fork", "raw_tracepoint__sched_process_exit")
+SWITCH_PROGRAMS = ("on_switch", "on_switch_raw")
+
+
+def compile_flags(offsets: dict[str, int], pid_max: int, cpus: int) -> list[str]:
+    return [
+        f"-DPID_MAX={pid_max}",
+        f"-DNR_CPUS={cpus}",
+        f"-DMAX_SLOTS={MAX_SLOTS}",
+        f"-DTASK_PID_OFF={offsets['pid']}",
+        f"-DTASK_TGID_OFF={offsets['tgid']}",
+        f"-DTASK_RUNTIME_OFF={offsets['runtime']}",
+        f"-DTASK_PICKED_RUNTIME_OFF={offsets['picked_runtime']}",
+        f"-DTASK_POLICY_OFF={offsets['policy']}",
+        f"-DTICK_NS={TICK_NS}",
+        f"-DTASK_SIGNAL_OFF={offsets['signal']}",
+        f"-DSIGNAL_LIVE_OFF={offsets['live']}",
+        *([f"-DTASK_RUN_DELAY_OFF={offsets['run_delay']}"] if "run_delay" in offsets else []),
+    ]
+
+
+def read_pid_max(proc: Path) -> int:
+    """The largest pid plus one: the size of the kernel's tgid-indexed map.
+    Raising pid_max after the programs load leaves the new pids uncounted."""
+    try:
+        return int(procfs.read_bytes(proc / "sys" / "kernel" / "pid_max"))
+    except (OSError, ValueError) as e:
+        raise BackendUnavailable(f"cannot read pid_max: {e}") from None
+
+
+def _compile(bpf_class: Any, source: Path, cflags: list[str], env: dict[str, str | None]) -> Any:
+    """BPF(src_file=...) with clang's diagnostics captured from fd 2, so a
+    failure's reason carries them instead of spilling onto the terminal."""
+    saved_env = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    saved_fd = os.dup(2)
+    with handoff.scratch_file("clang-stderr") as err:
+        os.dup2(err.fileno(), 2)
+        try:
+            return bpf_class(src_file=str(source).encode(), cflags=cflags)
+        except Exception as e:
+            os.dup2(saved_fd, 2)
+            err.seek(0)
+            lines = [ln for ln in err.read().decode(errors="replace").splitlines() if "error" in ln]
+            detail = "; ".join(lines[:3]) or str(e).strip()
+            raise BackendUnavailable(f"compiling or attaching {source.name} failed: {detail}") from None
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+@dataclass
+class Attached:
+    """What the loader child attached: bcc's BPF object (its maps, and the
+    programs bcc loaded and attached), the programs loaded outside bcc with
+    their attachments, and what was learnt on the way."""
+
+    bpf: Any
+    own_programs: dict[str, int]
+    own_attachments: list[int]
+    pid_max: int
+    cpus: int  # rows of the per-CPU arrays
+    tickless_cpus: list[int]
+    notes: list[str]
+
+
+def attach_switch(bpf: Any, raw: bool) -> tuple[dict[str, int], list[int], str | None]:
+    """sched_switch's program attached: on_switch as tp_btf where it loads
+    (its own program and attachment descriptors returned), else on_switch_raw
+    as a raw tracepoint, through bcc, with a note saying why."""
+    why = "asked for"
+    if not raw:
+        try:
+            prog, link = tp_btf.load_and_attach(bpf.dump_func(b"on_switch"), "on_switch", "sched_switch")
+            return {"on_switch": prog}, [link], None
+        except OSError as e:
+            why = e.strerror or str(e)
+    bpf.attach_raw_tracepoint(tp=b"sched_switch", fn_name=b"on_switch_raw")
+    return {}, [], f"sched_switch attached as a raw tracepoint ({why}): a task switching in is read through a helper"
+
+
+def compile_and_attach(
+    proc: str, kernel_headers: list[str] | str | None, source: str, btf_path: str, sysfs: str,
+    raw_switch: bool = False,
+) -> Attached:  # fmt: skip
+    """What the loader child does (everything bcc is needed for): the
+    programs compiled, loaded and attached, with pid_max, the per-CPU arrays'
+    rows, the CPUs left without the cpu-clock tick, and notes for the agent's
+    log; or BackendUnavailable, checked in the order an operator would fix
+    things."""
+    try:
+        from bcc import BPF, PerfSWConfig, PerfType
+    except ImportError as e:
+        raise BackendUnavailable(f"bcc is not installed ({e}); install python3-bpfcc") from None
+    check_capabilities(Path(proc))
+    try:
+        offsets = btf.task_offsets(Path(btf_path))
+    except btf.BtfError as e:
+        raise BackendUnavailable(str(e)) from None
+    headers = find_kernel_headers(Path(kernel_headers[1]) if isinstance(kernel_headers, list) else kernel_headers)
+    pid_max = read_pid_max(Path(proc))
+    try:
+        cpus = possible_cpus(Path(sysfs))
+    except (OSError, ValueError) as e:
+        raise BackendUnavailable(f"cannot tell which CPUs are possible: {e}") from None
+    cflags = compile_flags(offsets, pid_max, cpus) + headers.cflags
+    bpf = _compile(BPF, Path(source), cflags, headers.env)
+    notes = [f"kernel backend compiled against {headers.name}"]
+    try:
+        ticked, tickless = tick_cpus(Path(sysfs))
+    except (OSError, ValueError) as e:
+        bpf.cleanup()
+        raise BackendUnavailable(f"cannot tell which CPUs are online: {e}") from None
+    try:
+        own_programs, own_attachments, note = attach_switch(bpf, raw_switch)
+    except Exception as e:
+        bpf.cleanup()
+        raise BackendUnavailable(f"attaching to sched_switch failed: {e}") from None
+    if note:
+        notes.append(note)
+    try:
+        # The tick only learns the slot of a task that was already running when
+        # it was given one (samples count running slices themselves): 100 a
+        # second, on every CPU but those kept free of ticks (nohz_full,
+        # isolated), where such a task is learnt at its next switch.
+        event = (PerfType.SOFTWARE, PerfSWConfig.CPU_CLOCK)
+        if not tickless:
+            bpf.attach_perf_event(ev_type=event[0], ev_config=event[1], fn_name=b"on_tick", sample_period=TICK_NS)
+        else:
+            # bcc keeps one CPU's events per attach: gathered, so all are handed over.
+            events = {}
+            for cpu in ticked:
+                bpf.attach_perf_event(ev_type=event[0], ev_config=event[1], fn_name=b"on_tick",
+                                      sample_period=TICK_NS, cpu=cpu)  # fmt: skip
+                events.update(bpf.open_perf_events[event])
+            bpf.open_perf_events[event] = events
+    except Exception as e:
+        for fd in [*own_attachments, *own_programs.values()]:
+            os.close(fd)
+        bpf.cleanup()
+        raise BackendUnavailable(f"attaching the cpu-clock perf event failed: {e}") from None
+    if tickless:
+        notes.append(f"no cpu-clock tick on CPUs {format_cpu_list(tickless)} (nohz_full or isolated)")
+    return Attached(bpf, own_programs, own_attachments, pid_max, cpus, tickless, notes)
