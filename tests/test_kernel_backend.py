@@ -201,13 +201,13 @@ def test_pid_churn_leaves_the_task_map_bounded(bpf_groups_with_stats: sched.Kern
     try:
         assert p.stdout.readline() == "ready\n"
         bpf_groups.discover([spec(p.pid)], ProcessTable.walk(PROC))
-        assert bpf_groups.map_size() == 1
+        assert bpf_groups.members.size() == 1
         forks_before = bpf_groups.program_stats()["raw_tracepoint__sched_process_fork"][1]
         p.stdin.write("go\n")
         p.stdin.flush()
         assert p.stdout.readline() == "done\n"
         # Every child was added at fork and removed at exit: only the leader is left.
-        assert bpf_groups.map_size() == 1
+        assert bpf_groups.members.size() == 1
         assert bpf_groups.dropped_forks() == 0
         forks = bpf_groups.program_stats()["raw_tracepoint__sched_process_fork"][1] - forks_before
         assert forks >= 5000
@@ -258,7 +258,7 @@ def test_reused_pid_is_not_credited_to_its_previous_group(
         child = int(leader.stdout.readline())
         # The child was counted (the kernel knew it from its fork) and is gone.
         assert bpf_groups.sample()["w"].cores is not None
-        keys = bpf_groups.task_pids()
+        keys = bpf_groups.members.pids()
         assert child not in keys and leader.pid in keys
         reuser = None
         for _ in range(5):
@@ -272,7 +272,7 @@ def test_reused_pid_is_not_credited_to_its_previous_group(
         time.sleep(1.0)  # the new process burns a core meanwhile
         cores = bpf_groups.sample()["w"].cores
         assert cores is not None and cores < 0.05
-        assert child not in bpf_groups.task_pids()
+        assert child not in bpf_groups.members.pids()
     finally:
         leader.kill()
         leader.wait()

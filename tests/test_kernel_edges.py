@@ -74,7 +74,7 @@ def test_a_process_whose_main_thread_exited_stays_a_member(
     while leader_state(p.pid) != "Z":  # another process's thread: no event to await
         assert time.monotonic() < deadline, "the main thread did not exit"
         time.sleep(0.01)
-    assert p.pid in bpf_groups.task_pids()  # a member while any thread lives
+    assert p.pid in bpf_groups.members.pids()  # a member while any thread lives
     s0, t0 = process_cpu_seconds(p.pid), time.monotonic()
     [shard] = ws.run_window(2.0)["shards"]
     truth = (process_cpu_seconds(p.pid) - s0) / (time.monotonic() - t0)
@@ -82,7 +82,7 @@ def test_a_process_whose_main_thread_exited_stays_a_member(
     assert truth > 0.5 and shard["cpu_cores"]["mean"] == pytest.approx(truth, rel=0.05)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
-    assert p.pid not in bpf_groups.task_pids()  # its last thread gone: no longer a member
+    assert p.pid not in bpf_groups.members.pids()  # its last thread gone: no longer a member
 
 
 # Pinned to one CPU at real-time priority 1, busy 20 ms at a time; a hog at
@@ -186,11 +186,11 @@ def test_a_fork_storm_while_discovery_and_sampling_run(
         while any(process_state(p) not in "TZ" for p in ProcessTable.walk(PROC).by_group.get(storm.pid, ())):
             assert time.monotonic() < deadline, "the storm's processes did not stop"
         live = {pid for pid in ProcessTable.walk(PROC).by_group.get(storm.pid, ()) if process_state(pid) != "Z"}
-        assert bpf_groups.task_pids() == live and storm.pid in live
+        assert bpf_groups.members.pids() == live and storm.pid in live
     finally:
         os.killpg(storm.pid, signal.SIGKILL)
         storm.wait()
     deadline = time.monotonic() + 10
-    while bpf_groups.task_pids():  # a killed child's exit is the kernel's own: no event reaches us
-        assert time.monotonic() < deadline, bpf_groups.task_pids()
+    while bpf_groups.members.pids():  # a killed child's exit is the kernel's own: no event reaches us
+        assert time.monotonic() < deadline, bpf_groups.members.pids()
         time.sleep(0.01)

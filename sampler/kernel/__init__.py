@@ -1,8 +1,10 @@
 """The kernel backend: BPF programs that count each shard's on-CPU time in
 the kernel. A file a job:
 
-- `sched`: the backend the agent samples through (`load`, `KernelShardSampler`:
-  membership in the kernel's map, and each sample's reading of the counters);
+- `sched`: the backend the agent samples through (`load`, `KernelShardSampler`):
+  shards to slots, and a sample's seconds of each shard;
+- `membership`: the kernel's map of which process counts for which slot;
+- `counters`: each CPU's counters by slot, read at every sample;
 - `slices`: what a sample may be credited of the slices the kernel counted;
 - `waits`: waits for a CPU, from the kernel's histograms;
 - `build`: the programs compiled and attached, in the loader child

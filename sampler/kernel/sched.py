@@ -16,7 +16,6 @@ attaching.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +26,8 @@ import numpy as np
 
 from sampler.kernel import btf, handoff
 from sampler.kernel.build import MAX_SLOTS, SOURCE, TICK_NS
+from sampler.kernel.counters import SlotCounters
+from sampler.kernel.membership import TaskSlots
 from sampler.kernel.program_stats import enable_bpf_stats, program_stats
 from sampler.kernel.slices import SWITCH_SLACK_S, place_late, settle
 from sampler.kernel.waits import WaitHistograms
@@ -36,10 +37,6 @@ from sampler.sources import procfs
 
 log = logging.getLogger(__name__)
 
-# The program's struct cpu_run, one per CPU: the slice a CPU is running for a slot.
-CPU_RUN = np.dtype([("start", "<u8"), ("since", "<u8"), ("task", "<u8"), ("slot", "<u4"), ("seq", "<u4"),
-                    ("learnt", "<u4"), ("pad", "<u4"), ("spare", "<u8", 3)])  # fmt: skip
-SNAPSHOT_TRIES = 3
 
 
 @dataclass
@@ -95,26 +92,14 @@ class KernelShardSampler:
         self.programs, self.proc, self._clock = programs, proc, clock
         self.finest_hz: float | None = None  # nanoseconds, up to each sample
         self.tickless_cpus = programs.tickless_cpus  # CPUs without the cpu-clock tick (nohz_full, isolated)
-        # The kernel's tgid -> slot bytes, shared memory: reading and writing
-        # membership costs no system call.
-        self._task_slot_map = mmap.mmap(programs.maps["task_slot"].fd, (programs.pid_max + 7) // 8 * 8,
-                                        mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
-        self.task_slot = np.frombuffer(self._task_slot_map, dtype=np.uint8)
-        # Each CPU's totals by slot and what it runs: shared memory too, read
-        # at every sample without a system call.
-        cpus = programs.cpus
-        self._slot_ns_map = mmap.mmap(programs.maps["slot_ns"].fd, cpus * MAX_SLOTS * 16, mmap.MAP_SHARED,
-                                      mmap.PROT_READ)  # fmt: skip
-        self._slot_ns = np.frombuffer(self._slot_ns_map, dtype=np.uint64).reshape(cpus, MAX_SLOTS, 2)
-        self._cpu_run_map = mmap.mmap(programs.maps["cpu_run"].fd, cpus * CPU_RUN.itemsize, mmap.MAP_SHARED,
-                                      mmap.PROT_READ)  # fmt: skip
-        self._cpu_run = np.frombuffer(self._cpu_run_map, dtype=CPU_RUN)
+        self.members = TaskSlots(programs.maps["task_slot"], programs.pid_max, proc)
+        self.counters = SlotCounters(programs.maps["slot_ns"], programs.maps["cpu_run"], programs.cpus, clock)
+        self._closed = False
         self._dropped_table = programs.maps["dropped_forks"]
         self._specs: dict[str, _KernelShard] = {}
         self._slot_of: dict[frozenset[str], int] = {}  # a set of shard ids -> its slot
         self._slots = np.zeros(0, dtype=np.int64)  # the slots in use, in a fixed order
         self._prev_ns = np.zeros((0, 2), dtype=np.int64)  # their totals (ns, late ns) at the last reading
-        self._index_of_slot = np.full(MAX_SLOTS, -1, dtype=np.int64)  # slot -> its place in _slots
         self._debt: dict[str, float] = {}  # shard id -> seconds counted ahead of the kernel's own account
         self._member_of = np.zeros((0, 0))  # [shard, slot] = 1 where the slot counts for the shard
         self._last_at: float | None = None
@@ -135,16 +120,11 @@ class KernelShardSampler:
 
     def close(self) -> None:
         """Unmaps, detaches and unloads; a second call does nothing."""
-        if not hasattr(self, "task_slot"):
+        if self._closed:
             return
-        # The views go before the mappings they look into.
-        del self.task_slot, self._slot_ns, self._cpu_run
-        for name, mapping in (("task_slot", self._task_slot_map), ("slot_ns", self._slot_ns_map),
-                              ("cpu_run", self._cpu_run_map)):  # fmt: skip
-            try:
-                mapping.close()
-            except BufferError:  # a view still held (a traceback's frame): unmapped when it goes
-                log.debug("%s still viewed at close: unmapped later", name)
+        self._closed = True
+        self.members.close()
+        self.counters.close()
         self.programs.close()
         if self._stats_fd is not None:
             os.close(self._stats_fd)
@@ -172,7 +152,7 @@ class KernelShardSampler:
 
         # Slots of sets that remain keep their counters; a new set never takes a
         # slot in use until now: the kernel's map still points processes at it
-        # until _sync_map has run.
+        # until the map is synced.
         classes = {frozenset(ws) for ws in watches_of.values()}
         prev_ns = dict(zip(self._slots.tolist(), self._prev_ns.tolist(), strict=True))
         free = sorted(set(range(1, MAX_SLOTS)) - set(self._slot_of.values()))
@@ -184,7 +164,7 @@ class KernelShardSampler:
             slot_of[c] = free.pop(0)
         self._specs, self._slot_of = new, slot_of
         want = {pid: slot_of[frozenset(ws)] for pid, ws in watches_of.items() if frozenset(ws) in slot_of}
-        if self._sync_map(table, want):
+        if self.members.sync(table, want):
             # A new member already on a CPU is learnt at the next tick: until then
             # its slice is not counted. Wait that long, so that a new shard's
             # first reading (below) starts from what the kernel now counts.
@@ -196,94 +176,16 @@ class KernelShardSampler:
         for j, slot in enumerate(self._slots.tolist()):
             for wid in next(c for c, s in slot_of.items() if s == slot):
                 self._member_of[index[wid], j] = 1.0
-        self._index_of_slot[:] = -1
-        self._index_of_slot[self._slots] = np.arange(len(self._slots))
-        now_ns, _ = self._read_totals()
+        self.counters.read_slots(self._slots)
+        now_ns, _ = self.counters.totals()
         self._prev_ns = np.array([prev_ns.get(s, now_ns[j].tolist()) for j, s in enumerate(self._slots.tolist())],
                                  dtype=np.int64).reshape(-1, 2)  # fmt: skip
         self._debt = {wid: d for wid, d in self._debt.items() if wid in new}
 
-    def _sync_map(self, table: ProcessTable, want: dict[int, int]) -> bool:
-        """Make task_slot say what the walk found. Entries the kernel added at
-        fork for processes the walk has not seen are kept: they are members
-        born since. Processes the walk saw outside every shard are cleared
-        (they left their group, or their shard went), as are entries of slots
-        no longer in use. True when a process was given a slot it lacked."""
-        slots = self.task_slot
-        # Computed on a copy: the kernel writes the map at every fork and exit,
-        # and numpy's flatnonzero refuses an array that changes under it.
-        snapshot = slots.copy()
-        live = np.zeros(MAX_SLOTS, dtype=bool)
-        live[list(set(want.values()))] = True
-        have = np.flatnonzero(snapshot)
-        seen = np.fromiter(table.stats.keys(), dtype=np.int64)
-        wanted = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
-        stale = have[~live[snapshot[have]] | (np.isin(have, seen) & ~np.isin(have, wanted))]
-        slots[stale] = 0
-        pids = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
-        values = np.fromiter(want.values(), dtype=np.uint8, count=len(want))
-        in_range = pids < len(slots)
-        if not in_range.all():
-            log.warning("pids above pid_max at load time not counted: %s", pids[~in_range][:5].tolist())
-        pids, values = pids[in_range], values[in_range]
-        added = pids[slots[pids] != values]
-        slots[pids] = values
-        # A process that exited between the walk and this write had its exit
-        # seen while it had no slot: clear it ourselves, or a new process given
-        # that pid would be credited to this shard.
-        for pid in added.tolist():
-            try:
-                st = procfs.read_pid_stat(self.proc, pid)
-                # A zombie has exited: its exit was seen, and its pid may be reused once it is reaped.
-                alive = st.start_ticks == table.stats[pid].start_ticks and st.state not in ("Z", "X")
-            except (procfs.ProcessGone, procfs.ProcParseError):
-                alive = False
-            if not alive:
-                slots[pid] = 0
-        return bool(len(added))
-
-    def task_pids(self) -> set[int]:
-        """The processes the kernel now counts for some shard."""
-        return set(np.flatnonzero(self.task_slot.copy()).tolist())
-
-    def map_size(self) -> int:
-        return int(np.count_nonzero(self.task_slot))
-
     # --- samples ----------------------------------------------------------------
 
-    def _read_ns(self) -> np.ndarray:
-        """Each slot's on-CPU ns credited by the kernel (slices that have ended),
-        and of those the ns credited late: [slot, (ns, late)]."""
-        totals: np.ndarray = self._slot_ns[:, self._slots, :].sum(axis=0, dtype=np.uint64).astype(np.int64)
-        return totals
-
-    def _read_totals(self) -> tuple[np.ndarray, float]:
-        """Each slot's on-CPU ns up to now: what the kernel credited, and the
-        slices still running on a CPU from when they were counted from; beside
-        it, the part of those the kernel credited late. The CPUs' sequence
-        numbers are read before their entries and the totals, and again after:
-        a CPU whose number moved in between (a switch) or was odd is read
-        again, and after a few tries left out: its slice began or ended within
-        microseconds of the reading. (The order of the reads is the
-        program's: x86 does not reorder loads; arm64 would need barriers.)"""
-        for _ in range(SNAPSHOT_TRIES):
-            seq = self._cpu_run["seq"].copy()
-            running = self._cpu_run.copy()
-            now = self._clock()
-            credited = self._read_ns()
-            steady = (self._cpu_run["seq"] == seq) & (seq % 2 == 0)
-            if steady.all():
-                break
-        busy = steady & (running["slot"] != 0)
-        if busy.any():
-            where = self._index_of_slot[running["slot"][busy]]
-            ahead = np.maximum(0, round(now * 1e9) - running["since"][busy].astype(np.int64))
-            known = where >= 0  # a slot given up since: its slice no longer counts
-            credited[:, 0] += np.bincount(where[known], weights=ahead[known], minlength=len(credited)).astype(np.int64)
-        return credited, now
-
     def sample(self) -> dict[str, ShardReading]:
-        current, now = self._read_totals()
+        current, now = self.counters.totals()
         elapsed = None if self._last_at is None else now - self._last_at
         self._last_at = now
         # A slice is counted by wall time while it runs and credited with its

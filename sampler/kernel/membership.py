@@ -1,0 +1,81 @@
+"""Membership in the kernel: the `task_slot` map, a byte per tgid saying
+which slot (set of shards) counts it. Shared memory: reading and writing it
+costs no system call. The walk of /proc writes it once a window; processes
+forked inside a group join it in the kernel, at fork, and leave at exit."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sampler.kernel.build import MAX_SLOTS
+from sampler.shards.selectors import ProcessTable
+from sampler.sources import procfs
+
+log = logging.getLogger(__name__)
+
+
+class TaskSlots:
+    def __init__(self, task_slot_map: Any, pid_max: int, proc: Path) -> None:
+        self.proc = proc
+        self._map = mmap.mmap(task_slot_map.fd, (pid_max + 7) // 8 * 8, mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
+        self.task_slot = np.frombuffer(self._map, dtype=np.uint8)
+
+    def sync(self, table: ProcessTable, want: dict[int, int]) -> bool:
+        """Make task_slot say what the walk found. Entries the kernel added at
+        fork for processes the walk has not seen are kept: they are members
+        born since. Processes the walk saw outside every shard are cleared
+        (they left their group, or their shard went), as are entries of slots
+        no longer in use. True when a process was given a slot it lacked."""
+        slots = self.task_slot
+        # Computed on a copy: the kernel writes the map at every fork and exit,
+        # and numpy's flatnonzero refuses an array that changes under it.
+        snapshot = slots.copy()
+        live = np.zeros(MAX_SLOTS, dtype=bool)
+        live[list(set(want.values()))] = True
+        have = np.flatnonzero(snapshot)
+        seen = np.fromiter(table.stats.keys(), dtype=np.int64)
+        wanted = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
+        stale = have[~live[snapshot[have]] | (np.isin(have, seen) & ~np.isin(have, wanted))]
+        slots[stale] = 0
+        pids = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
+        values = np.fromiter(want.values(), dtype=np.uint8, count=len(want))
+        in_range = pids < len(slots)
+        if not in_range.all():
+            log.warning("pids above pid_max at load time not counted: %s", pids[~in_range][:5].tolist())
+        pids, values = pids[in_range], values[in_range]
+        added = pids[slots[pids] != values]
+        slots[pids] = values
+        # A process that exited between the walk and this write had its exit
+        # seen while it had no slot: clear it ourselves, or a new process given
+        # that pid would be credited to this shard.
+        for pid in added.tolist():
+            try:
+                st = procfs.read_pid_stat(self.proc, pid)
+                # A zombie has exited: its exit was seen, and its pid may be reused once it is reaped.
+                alive = st.start_ticks == table.stats[pid].start_ticks and st.state not in ("Z", "X")
+            except (procfs.ProcessGone, procfs.ProcParseError):
+                alive = False
+            if not alive:
+                slots[pid] = 0
+        return bool(len(added))
+
+    def pids(self) -> set[int]:
+        """The processes the kernel now counts for some shard."""
+        return set(np.flatnonzero(self.task_slot.copy()).tolist())
+
+    def size(self) -> int:
+        return int(np.count_nonzero(self.task_slot))
+
+    def close(self) -> None:
+        """Unmapped; a view still held (a traceback's frame) is unmapped when it goes."""
+        del self.task_slot
+        try:
+            self._map.close()
+        except BufferError:
+            log.debug("task_slot still viewed at close: unmapped later")
