@@ -14,7 +14,9 @@ from aiohttp.test_utils import TestServer
 
 from controlplane.ingest import agent_api, tokens
 from controlplane.state.registry import NodeRegistry
-from sampler.agent import Agent, Backoff, ConfigError, ConfigFile, NewestSummary, parse_config
+from sampler.agent.config import ConfigError, ConfigFile, parse_config
+from sampler.agent.delivery import Backoff, NewestSummary
+from sampler.agent.run import Agent
 from sampler.backend import BackendChoice
 from sampler.shards.proc_shards import ProcShardSampler
 from sampler.window.sampler import WindowSampler

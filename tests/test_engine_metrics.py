@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from sampler.agent import ConfigError, parse_config
+from sampler.agent.config import ConfigError, parse_config
 from sampler.backend import BackendChoice
 from sampler.shards.engine_metrics import FAMILIES, EngineMetricsError, EngineMetricsReader, parse, read_text
 from sampler.shards.http_fetch import FetchError, fetch

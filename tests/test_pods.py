@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sampler.agent import ConfigError, parse_config
+from sampler.agent.config import ConfigError, parse_config
 from sampler.shards import container_ids
 from sampler.shards.kubelet import KubeletPods
 from sampler.shards.pods import PodSelector, parse_label_selector, parse_pod_list

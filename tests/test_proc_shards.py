@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from sampler.agent import ConfigError, parse_config
+from sampler.agent.config import ConfigError, parse_config
 from sampler.shards.proc_shards import PAGE_SIZE, USER_HZ, ProcShardSampler, ShardReading
 from sampler.shards.selectors import CMDLINE_PREFIX_BYTES, ProcessTable, Selector, ShardSpec, busiest_groups
 from tests.fakeproc import FakeClock, FakeProc

@@ -22,7 +22,8 @@ from controlplane.ingest import agent_api, tokens
 from controlplane.ingest.node_identity import JwksSource, NodeAuthenticator, ServiceAccountRules, ServiceAccountVerifier
 from controlplane.listen.tls_files import ReloadingServerTLS, TlsSettings
 from controlplane.state.registry import NodeRegistry
-from sampler.agent import ConfigFile, DeliveryError, HeartbeatClient, TokenFile
+from sampler.agent.client import DeliveryError, HeartbeatClient
+from sampler.agent.config import ConfigFile, TokenFile
 from sampler.sources.machine import MachineGaugeReader
 from tests.certs import TestCA
 from tests.issuer import ISSUER, TestIssuer

@@ -16,7 +16,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     import threading
 
     import wire
-    from sampler.agent import Agent, AgentFailed, ConfigError, ConfigFile, TokenFile, default_node
+    from sampler.agent.config import ConfigError, ConfigFile, TokenFile
+    from sampler.agent.run import Agent, AgentFailed, default_node
     from sampler.sources import host_view
 
     logging.getLogger().setLevel(logging.INFO)

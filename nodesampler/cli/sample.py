@@ -9,7 +9,7 @@ from nodesampler.cli.sampling import close_sampler, kubelet_from, make_sampler, 
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from sampler.agent import default_node
+    from sampler.agent.run import default_node
     from sampler.sources import host_view
     from sampler.window.summary_text import render
 

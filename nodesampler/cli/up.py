@@ -21,7 +21,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     from controlplane.ingest.tokens import node_token
     from controlplane.server import split_address
-    from sampler.agent import default_node
+    from sampler.agent.run import default_node
 
     try:
         host, port = split_address(args.listen)

@@ -1,0 +1,237 @@
+"""The agent: a thread samples window after window and never waits for the
+network; the sender delivers the newest summary, retrying with capped
+exponential backoff and jitter, and the log says one line per event (the
+control plane went away, came back, restarted), not one per retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import os
+import platform
+import signal
+import socket
+import ssl
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+import wire
+from sampler.agent.client import AlreadyDelivered, DeliveryError, HeartbeatClient, Refused, UnknownToControlPlane
+from sampler.agent.config import ConfigFile, TokenFile
+from sampler.agent.delivery import Backoff, NewestSummary
+from sampler.window.sampler import WindowSampler
+
+
+def _installed_version() -> str | None:
+    """The distribution's version, as installed: the agent sits below the
+    CLI's package and does not import it. None (not sent) when run from a
+    tree that is not installed."""
+    try:
+        return importlib.metadata.version("nodesampler")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+AGENT_VERSION = _installed_version()
+
+
+AGENT_VERSION = _installed_version()
+
+log = logging.getLogger(__name__)
+
+
+class AgentFailed(Exception):
+    """A part of the agent died (the sampling thread, the sender): the process
+    exits non-zero, with the traceback in the log, and its supervisor (the
+    DaemonSet, systemd) starts it again."""
+
+
+WINDOW_FAILURES_BEFORE_EXIT = 3  # one failed window is retried; three in a row is a broken agent
+
+
+def registration_body(sampler: WindowSampler, node: str, hostname: str | None = None) -> dict[str, Any]:
+    # The gauges of the last window: no /proc or statvfs here, on the event loop (a hung mount would stall it).
+    gauges = sampler.last_gauges
+    body: dict[str, Any] = {
+        "node": node,
+        "hostname": hostname or socket.gethostname(),
+        "kernel": platform.release(),
+        "agent_version": AGENT_VERSION,
+        "backend": sampler.backend.name,
+    }
+    if sampler.backend.reason:
+        body["backend_reason"] = sampler.backend.reason[: wire.MAX_TEXT]
+    for key in ("cpus", "memory_bytes", "disks"):
+        if key in gauges:
+            body[key] = gauges[key]
+    if sampler.gpus is not None and (inventory := sampler.gpus.inventory()) is not None:
+        body["gpus"] = inventory
+    return wire.fit_registration(body)
+
+
+class Agent:
+    def __init__(self, sampler: WindowSampler, client_url: str, token: str | TokenFile, node: str, interval: float,
+                 stopping: threading.Event, config: ConfigFile | None = None,
+                 ssl_context: ssl.SSLContext | None = None, hostname: str | None = None,
+                 alive_file: Path | None = None) -> None:  # fmt: skip
+        """`stopping` must also end the sampler's sleeps, so that SIGTERM
+        does not wait for the window in progress. `ssl_context` verifies an
+        https control plane (default: the system's CAs). `alive_file` is
+        touched on the event loop as each window reaches the sender: a
+        liveness probe that finds it old knows that sampling or the loop
+        that sends has stopped (the sends themselves are bounded by the
+        session's timeout, so a control plane that is down never stops it)."""
+        self.sampler, self.url, self.node = sampler, client_url, node
+        self.token = token.value if isinstance(token, TokenFile) else token
+        self.interval, self.config, self.ssl_context = interval, config, ssl_context
+        self.hostname = hostname  # the host's, read through pid 1 when in a container
+        self.stopping = stopping
+        self.mailbox = NewestSummary()
+        self.sent = 0
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # the sender's waits: a test may count them
+        self.alive_file = alive_file
+        self._alive_error: str | None = None
+
+    # --- the sampling thread -----------------------------------------------------
+
+    def _sample_forever(self, loop: asyncio.AbstractEventLoop, died: asyncio.Future[None]) -> None:
+        try:
+            self._sample_windows(loop)
+        except BaseException as e:
+            log.exception("the sampling thread died")
+            failure = AgentFailed(f"the sampling thread died: {e!r}")
+
+            def report() -> None:
+                if not died.done():
+                    died.set_exception(failure)
+
+            loop.call_soon_threadsafe(report)
+
+    def _sample_windows(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.sampler.prime(0)
+        failures = 0
+        while not self.stopping.is_set():
+            if self.config is not None and self.config.changed():
+                self.sampler.specs = self.config.specs
+            try:
+                summary = self.sampler.run_window(self.interval)
+                failures = 0
+            except Exception:
+                failures += 1
+                if failures >= WINDOW_FAILURES_BEFORE_EXIT:
+                    raise
+                log.exception("window failed (%d in a row); the next window tries again", failures)
+                self.stopping.wait(self.interval)
+                continue
+            if not self.stopping.is_set():
+                loop.call_soon_threadsafe(self._window_done, summary)
+
+    def _window_done(self, summary: dict[str, Any]) -> None:
+        """On the event loop: the window goes to the sender, and the alive file says so."""
+        self.mailbox.put(summary)
+        if self.alive_file is None:
+            return
+        try:
+            self.alive_file.touch()
+            error = None
+        except OSError as e:
+            error = f"alive file {self.alive_file}: {e}"
+        if error != self._alive_error:
+            if error is not None:
+                log.warning("%s: a liveness probe reading it will fail", error)
+            self._alive_error = error
+
+    # --- delivery -------------------------------------------------------------
+
+    async def _deliver(self, client: HeartbeatClient) -> None:
+        backoff = Backoff()
+        registered = False
+        down_since_reason: str | None = None
+        unknown_again = False  # a 404 right after registering: not a restart, something else is wrong
+        registered_gpus: list[dict[str, Any]] | None = None
+        summary = await self.mailbox.get()
+        while True:
+            gpus = self.sampler.gpus.inventory() if self.sampler.gpus is not None else None
+            if registered and gpus != registered_gpus:
+                log.info("the GPUs changed (NVML loaded late, or a card came or went): registering again")
+                registered = False
+            try:
+                if not registered:
+                    body = registration_body(self.sampler, self.node, self.hostname)
+                    await client.register(body)
+                    registered, registered_gpus = True, gpus
+                    log.info("registered with %s as %s", self.url, self.node)
+                raw_wanted = await client.heartbeat(summary)
+                self.sent += 1
+                if raw_wanted != self.sampler.raw_wanted:
+                    log.info("raw samples %s: %s", "on" if raw_wanted else "off",
+                             "someone watches this node live" if raw_wanted else "nobody watches any more")  # fmt: skip
+                    self.sampler.raw_wanted = raw_wanted  # read by the sampling thread at its window's end
+                unknown_again = False
+            except AlreadyDelivered:
+                log.debug("the control plane has this window already")
+            except UnknownToControlPlane:
+                if not unknown_again:
+                    log.warning("control plane does not know this node (it restarted): registering again")
+                    unknown_again = True
+                    registered = False
+                    continue  # at once, with the same summary
+                registered = False
+                await self.sleep(backoff.next_delay())  # 404 again at once: back off like any retry
+                continue
+            except DeliveryError as e:
+                if down_since_reason is None:
+                    what = "refused the request" if isinstance(e, Refused) else "unreachable"
+                    log.warning("control plane %s (%s); retrying with backoff", what, e)
+                    down_since_reason = str(e)
+                await self.sleep(backoff.next_delay())
+                summary = self.mailbox.newer() or summary  # only the newest is worth sending
+                continue
+            if down_since_reason is not None:
+                log.warning("control plane reachable again after %d failed attempts", backoff.reset())
+                down_since_reason = None
+            backoff.reset()
+            summary = await self.mailbox.get()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        sampler_died: asyncio.Future[None] = loop.create_future()
+        thread = threading.Thread(target=self._sample_forever, args=(loop, sampler_died), name="sampler",
+                                  daemon=True)  # fmt: skip
+        timeout = aiohttp.ClientTimeout(total=max(5.0, min(30.0, 2 * self.interval)))
+        connector = aiohttp.TCPConnector(ssl=self.ssl_context) if self.ssl_context else None
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            if self.sampler.gpus is not None:
+                await loop.run_in_executor(None, self.sampler.gpus.wait_ready, 60.0)
+            thread.start()
+            sender = asyncio.create_task(self._deliver(HeartbeatClient(session, self.url, self.token)))
+            stopped = asyncio.create_task(stop.wait())
+            watched: set[asyncio.Future[Any]] = {sender, stopped, sampler_died}
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            failure: BaseException | None = None
+            if sampler_died.done():
+                failure = sampler_died.exception()
+            elif sender.done() and not sender.cancelled() and (e := sender.exception()) is not None:
+                log.error("the heartbeat sender died", exc_info=e)
+                failure = AgentFailed(f"the heartbeat sender died: {e!r}")
+            log.info("stopping")
+            self.stopping.set()
+            sender.cancel()
+            stopped.cancel()
+            await asyncio.gather(sender, stopped, return_exceptions=True)
+            await loop.run_in_executor(None, thread.join)
+            if failure is not None:
+                raise failure
+
+
+def default_node() -> str:
+    return os.environ.get("NODE_NAME") or socket.gethostname()
