@@ -7,7 +7,7 @@ import logging
 import sys
 
 from nodesampler.cli.parser import EXIT_USAGE, fail
-from nodesampler.cli.sampling import close_sampler, kubelet_from, make_sampler
+from nodesampler.cli.sampling import kubelet_from, make_sampler
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -18,6 +18,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     import wire
     from sampler.agent.config import ConfigError, ConfigFile, TokenFile
     from sampler.agent.run import Agent, AgentFailed, default_node
+    from sampler.open_sampler import SamplerOptions
     from sampler.sources import host_view
 
     logging.getLogger().setLevel(logging.INFO)
@@ -54,9 +55,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     def sleep(seconds: float) -> None:
         stopping.wait(seconds)
 
-    sampler = make_sampler(args.backend, [], args.hz, args.proc_root, args.kernel_headers, sleep=sleep, node=node,
-                            host_root=args.host_root, kubelet=kubelet_from(args, node),
-                            bpf_stats=args.bpf_stats)  # fmt: skip
+    sampler = make_sampler(SamplerOptions(args.backend, args.hz, args.proc_root, [], args.kernel_headers,
+                                          sleep=sleep, node=node, host_root=args.host_root,
+                                          kubelet=kubelet_from(args, node), bpf_stats=args.bpf_stats))
     if config is not None:
         sampler.specs = config.specs
     logging.getLogger().setLevel(logging.INFO)
@@ -69,5 +70,5 @@ def cmd_agent(args: argparse.Namespace) -> int:
         print(f"nodesampler: error: {e}", file=sys.stderr)
         return 1
     finally:
-        close_sampler(sampler)
+        sampler.close()
     return 0

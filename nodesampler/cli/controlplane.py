@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nodesampler.cli.parser import EXIT_USAGE, fail
 
+if TYPE_CHECKING:  # the control plane's modules load with its command, not with the CLI
+    from controlplane.ingest.node_identity import NodeAuthenticator
 
-def _authenticator(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+
+def _authenticator(args: argparse.Namespace) -> NodeAuthenticator:
     from controlplane.ingest import node_identity as ni
     from controlplane.ingest.tokens import TokenError, read_secret
 

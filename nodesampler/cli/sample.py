@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from nodesampler.cli.sampling import close_sampler, kubelet_from, make_sampler, print_bpf
+from nodesampler.cli.sampling import kubelet_from, make_sampler, print_bpf
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
     from sampler.agent.run import default_node
+    from sampler.open_sampler import SamplerOptions
     from sampler.sources import host_view
     from sampler.window.summary_text import render
 
@@ -17,14 +18,15 @@ def cmd_sample(args: argparse.Namespace) -> int:
         return print_bpf(args.proc_root)
     host_view.join_host_cgroup_namespace(args.proc_root, args.host_root)  # as the agent: the host's cgroup paths
     # One window: it may wait for NVML to start (seconds per GPU) and to answer.
-    sampler = make_sampler(args.backend, args.group, args.hz, args.proc_root, args.kernel_headers, gpu_grace=5.0,
-                            host_root=args.host_root, kubelet=kubelet_from(args, default_node()),
-                            bpf_stats=args.bpf_stats)  # fmt: skip
+    sampler = make_sampler(SamplerOptions(args.backend, args.hz, args.proc_root, args.group, args.kernel_headers,
+                                          gpu_grace=5.0, host_root=args.host_root,
+                                          kubelet=kubelet_from(args, default_node()), bpf_stats=args.bpf_stats))
     try:
-        sampler.gpus.wait_ready(30.0)
+        if sampler.gpus is not None:
+            sampler.gpus.wait_ready(30.0)
         sampler.prime(min(1.0, args.duration))
         summary = sampler.run_window(args.duration)
     finally:
-        close_sampler(sampler)
+        sampler.close()
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     return 0

@@ -1,4 +1,4 @@
-"""What `sample`, `up` and `agent` share: the sampler built from the flags, and closed."""
+"""What `sample`, `up` and `agent` share: the sampler opened from the flags, or the command's end with why."""
 
 from __future__ import annotations
 
@@ -6,16 +6,20 @@ import argparse
 import logging
 import os
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nodesampler.cli.parser import EXIT_BACKEND, EXIT_USAGE, SERVICE_ACCOUNT_TOKEN, fail
+
+if TYPE_CHECKING:  # the sampler's modules load with the command that samples, not with the CLI
+    from sampler.open_sampler import SamplerOptions
+    from sampler.shards.kubelet import KubeletPods
+    from sampler.window.sampler import WindowSampler
 
 log = logging.getLogger("nodesampler")
 
 
-def kubelet_from(args: argparse.Namespace, node: str):  # type: ignore[no-untyped-def]
+def kubelet_from(args: argparse.Namespace, node: str) -> KubeletPods:
     from sampler.shards.kubelet import KubeletPods
 
     url = args.kubelet_url or f"https://{os.environ.get('NODE_IP') or '127.0.0.1'}:10250"
@@ -34,58 +38,17 @@ def kubelet_from(args: argparse.Namespace, node: str):  # type: ignore[no-untype
         fail(EXIT_USAGE, f"--kubelet-url/--kubelet-ca-file: {e}")
 
 
-def make_sampler(  # type: ignore[no-untyped-def]
-    backend: str,
-    groups: list[tuple[str, str]],
-    hz: float,
-    proc: Path,
-    kernel_headers: Path | str | None = None,
-    gpu_grace: float = 0.0,
-    sleep: Callable[[float], None] | None = None,
-    node: str | None = None,
-    host_root: Path | None = None,
-    kubelet=None,  # noqa: ANN001
-    bpf_stats: bool = False,
-):
-    from sampler.backend import open_backend
+def make_sampler(options: SamplerOptions) -> WindowSampler:
+    """The sampler (sampler/open_sampler.py), or the command's end with the reason."""
     from sampler.backend_unavailable import BackendUnavailable
-    from sampler.gpu.nvml import GpuReader
-    from sampler.shards.selectors import Selector, ShardSpec
-    from sampler.window.sampler import WindowSampler
+    from sampler.open_sampler import OptionError, open_sampler
 
-    if not proc.is_dir():
-        fail(EXIT_USAGE, f"--proc-root {proc}: not a directory")
-    if host_root is not None and not host_root.is_dir():
-        fail(EXIT_USAGE, f"--host-root {host_root}: not a directory")
-    names = [n for n, _ in groups]
-    if len(set(names)) != len(names):
-        fail(EXIT_USAGE, "--group: each NAME may be given once")
     try:
-        choice, shard_sampler = open_backend(backend, proc, kernel_headers, bpf_stats=bpf_stats)
+        return open_sampler(options)
+    except OptionError as e:
+        fail(EXIT_USAGE, str(e))
     except BackendUnavailable as e:
-        fail(EXIT_BACKEND, f"backend {backend} unavailable: {e}")
-    finest = shard_sampler.finest_hz
-    if finest is not None and hz > finest:
-        why = (f"the {choice.name} backend's counters move in ticks of up to 10 ms: above {finest:g} samples "
-               "a second, a tick early or late is more than a tenth of a busy thread's time")  # fmt: skip
-        if backend == choice.name:
-            shard_sampler.close()
-            fail(EXIT_USAGE, f"--hz {hz:g}: {why}")
-        log.warning("--hz %g capped at %g: %s", hz, finest, why)
-        hz = finest
-    specs = [ShardSpec(name, Selector.parse(sel)) for name, sel in groups] or None
-    return WindowSampler(proc, choice, shard_sampler, specs, hz=hz, node=node, gpus=GpuReader(),
-                         gpu_grace=gpu_grace, sleep=sleep or time.sleep, host_root=host_root,
-                         kubelet=kubelet)  # fmt: skip
-
-
-def close_sampler(sampler) -> None:  # type: ignore[no-untyped-def]
-    sampler.shard_sampler.close()
-    if sampler.kubelet is not None:
-        sampler.kubelet.close()
-    sampler.runqueue.close()
-    if sampler.gpus is not None:
-        sampler.gpus.close()
+        fail(EXIT_BACKEND, f"backend {options.backend} unavailable: {e}")
 
 
 def print_bpf(proc: Path) -> int:

@@ -89,6 +89,15 @@ class WindowSampler:
         # watches this node live): the window's samples go with its summary.
         self.raw_wanted = False
 
+    def close(self) -> None:
+        """Its backend, readers and pollers closed."""
+        self.shard_sampler.close()
+        if self.kubelet is not None:
+            self.kubelet.close()
+        self.runqueue.close()
+        if self.gpus is not None:
+            self.gpus.close()
+
     def prime(self, seconds: float) -> None:
         """Take the first readings, so that the first window has something to
         compare with; with no configured groups, also learn which groups are
