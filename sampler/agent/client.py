@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 
 import wire
+from sampler.off_thread import Said
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class HeartbeatClient:
         self.session = session
         self.base_url = base_url.rstrip("/")
         self.token = token if callable(token) else (lambda: token)
-        self._dropped_said: set[str] = set()
+        self._dropped_said = Said(most=100)
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """The answer to an accepted body ({} when it cannot be read: it says no more)."""
@@ -69,8 +70,7 @@ class HeartbeatClient:
         dropped = answer.get("dropped") if isinstance(answer, dict) else None
         for d in dropped if isinstance(dropped, list) else []:
             reason = str(d.get("reason"))[:200] if isinstance(d, dict) else "?"
-            if reason not in self._dropped_said and len(self._dropped_said) < 100:
-                self._dropped_said.add(reason)
+            if self._dropped_said.first(reason):
                 log.warning("the control plane left out %s: %s", str(d.get("field"))[:100], reason)
 
     async def register(self, registration: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 import wire
+from sampler.off_thread import Said
 from sampler.shards.pods import LABEL_KEY
 from sampler.shards.pods import METRICS_URL as POD_METRICS_URL
 from sampler.shards.selectors import Selector, ShardSpec
@@ -136,7 +137,7 @@ class TokenFile:
         self.path = path
         self._seen: tuple[int, int, int] | None = None
         self._token = ""
-        self._problem: str | None = None  # said once, not once a heartbeat
+        self._said = Said()  # a problem said once, not once a heartbeat
         self.reload()
 
     def reload(self) -> None:
@@ -155,9 +156,8 @@ class TokenFile:
     def value(self) -> str:
         try:
             self.reload()
-            self._problem = None
+            self._said.changed("token", None)
         except (OSError, ValueError) as e:  # mid-rotation or removed: the last good token is still worth trying
-            if str(e) != self._problem:
+            if self._said.changed("token", str(e)):
                 log.warning("token file not re-read, keeping the last token: %s", e)
-                self._problem = str(e)
         return self._token

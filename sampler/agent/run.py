@@ -25,6 +25,7 @@ import wire
 from sampler.agent.client import AlreadyDelivered, DeliveryError, HeartbeatClient, Refused, UnknownToControlPlane
 from sampler.agent.config import ConfigFile, TokenFile
 from sampler.agent.delivery import Backoff, NewestSummary
+from sampler.off_thread import Said
 from sampler.window.sampler import WindowSampler
 
 
@@ -96,7 +97,7 @@ class Agent:
         self.sent = 0
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # the sender's waits: a test may count them
         self.alive_file = alive_file
-        self._alive_error: str | None = None
+        self._said = Said()
 
     # --- the sampling thread -----------------------------------------------------
 
@@ -142,10 +143,8 @@ class Agent:
             error = None
         except OSError as e:
             error = f"alive file {self.alive_file}: {e}"
-        if error != self._alive_error:
-            if error is not None:
-                log.warning("%s: a liveness probe reading it will fail", error)
-            self._alive_error = error
+        if self._said.changed("alive file", error) and error is not None:
+            log.warning("%s: a liveness probe reading it will fail", error)
 
     # --- delivery -------------------------------------------------------------
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from sampler.off_thread import InFlight, Said
+
 log = logging.getLogger(__name__)
 
 
@@ -124,9 +126,8 @@ class GpuReader:
         self._load_error: str | None = None
         self._next_init_at = 0.0
         self._init_delay = INIT_RETRY_START_S
-        self._pending: concurrent.futures.Future[GpuReading] | None = None
-        self._pending_since = 0.0
-        self._warned_stuck = False
+        self._reading = InFlight[GpuReading]()
+        self._said = Said()
         self._init_future = self._pool.submit(self._init)
 
     # --- on the NVML thread -------------------------------------------------------
@@ -397,34 +398,26 @@ class GpuReader:
 
     def request(self, members: dict[str, set[int]]) -> None:
         """Start a reading unless one is still running (a hung call)."""
-        if self._pending is not None and not self._pending.done():
-            if not self._warned_stuck:
+        if self._reading.running():
+            if self._said.changed("stuck", True):
                 log.warning("an NVML call has not returned for %.1f s; GPUs left out until it does",
-                            self._clock() - self._pending_since)  # fmt: skip
-                self._warned_stuck = True
+                            self._clock() - self._reading.since)  # fmt: skip
             return
-        self._pending = self._pool.submit(self._read, members)
-        self._pending_since = self._clock()
+        self._reading.start(self._pool.submit(self._read, members), self._clock())
 
     def wait(self, timeout: float) -> bool:
         """Wait for the requested reading to finish; False if it has not."""
-        pending = self._pending
-        if pending is None:
-            return True
-        done, _ = concurrent.futures.wait([pending], timeout=timeout)
-        return bool(done)
+        return self._reading.wait(timeout)
 
     def take(self) -> GpuReading | None:
         """The requested reading if it has finished; None otherwise (never waits)."""
-        pending = self._pending
-        if pending is None or not pending.done():
+        done = self._reading.take()
+        if done is None:
             return None
-        self._pending = None
-        if self._warned_stuck:
+        if self._said.changed("stuck", None):
             log.warning("NVML answers again")
-            self._warned_stuck = False
         try:
-            return pending.result()
+            return done.result()
         except Exception as e:  # a bug or an NVML error outside any card: this window only
             log.warning("GPU reading failed: %s", e)
             return None

@@ -27,15 +27,15 @@ started twice.
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from sampler.off_thread import InFlight, Said, on_own_thread
 from sampler.shards.http_fetch import FetchError, fetch_chunks
 
 log = logging.getLogger(__name__)
@@ -161,72 +161,59 @@ def _figures(wanted: list[bytes]) -> dict[str, float]:
     return out
 
 
-@dataclass
-class _Read:
-    url: str
-    result: dict[str, float] | None = None
-    error: str | None = None
-    thread: threading.Thread | None = None
-
-    def running(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
-
-
 class EngineMetricsReader:
     """Reads each shard's endpoint once a window, off the sampling loop."""
 
-    def __init__(self, deadline_s: float = DEADLINE_S, max_bytes: int = MAX_BYTES) -> None:
-        self.deadline_s, self.max_bytes = deadline_s, max_bytes
-        self._reads: dict[str, _Read] = {}
-        self._failing: dict[str, str] = {}  # shard -> the problem last said
+    def __init__(self, deadline_s: float = DEADLINE_S, max_bytes: int = MAX_BYTES,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.deadline_s, self.max_bytes, self._clock = deadline_s, max_bytes, clock
+        self._reads: dict[str, tuple[str, InFlight[dict[str, float]]]] = {}  # shard -> its url, its read
+        self._said = Said()  # shard -> the problem last said
 
     def request(self, urls: Iterable[tuple[str, str]]) -> None:
         """Start reading (shard id, url) pairs, but not a shard whose read still runs."""
         for sid, url in urls:
-            if (running := self._reads.get(sid)) is not None and running.running():
+            if (last := self._reads.get(sid)) is not None and last[1].running():
                 continue
-            read = self._reads[sid] = _Read(url)
-            read.thread = threading.Thread(target=self._run, args=(read,), name=f"metrics {sid}", daemon=True)
-            read.thread.start()
+            read = InFlight[dict[str, float]]()
+            read.start(on_own_thread(functools.partial(self._read, url), f"metrics {sid}"), self._clock())
+            self._reads[sid] = (url, read)
 
-    def _run(self, read: _Read) -> None:
-        try:
-            read.result = read_text(fetch_chunks(read.url, self.deadline_s, self.max_bytes, ACCEPT))
-        except FetchError as e:
-            read.error = str(e)
-        except Exception as e:  # a bug in the parser: this window only
-            read.error = f"{type(e).__name__}: {e}"
+    def _read(self, url: str) -> dict[str, float]:
+        return read_text(fetch_chunks(url, self.deadline_s, self.max_bytes, ACCEPT))
 
     def take(self) -> dict[str, dict[str, Any]]:
         """Per shard, the figures of a read that has finished (never waits).
         A read not finished, or failed, gives that shard no figures and its
         reason, as `metrics_error`."""
         out: dict[str, dict[str, Any]] = {}
-        for sid, read in list(self._reads.items()):
-            if read.running():
-                out[sid] = {"metrics_error": self._say(sid, read.url, "no answer within the window")}
+        for sid, (url, read) in list(self._reads.items()):
+            done = read.take()
+            if done is None:
+                out[sid] = {"metrics_error": self._say(sid, url, "no answer within the window")}
                 continue
             del self._reads[sid]
-            if read.error is not None:
-                out[sid] = {"metrics_error": self._say(sid, read.url, read.error)}
+            try:
+                figures = done.result()
+            except FetchError as e:
+                out[sid] = {"metrics_error": self._say(sid, url, str(e))}
                 continue
-            assert read.result is not None
-            if sid in self._failing:
-                log.info("engine %s: metrics read again from %s", sid, read.url)
-                del self._failing[sid]
-            out[sid] = read.result
+            except Exception as e:  # a bug in the parser: this window only
+                out[sid] = {"metrics_error": self._say(sid, url, f"{type(e).__name__}: {e}")}
+                continue
+            if self._said.changed(sid, None):
+                log.info("engine %s: metrics read again from %s", sid, url)
+            out[sid] = figures
         return out
 
     def _say(self, sid: str, url: str, problem: str) -> str:
         """Log a shard's problem when it is new; the problem, for its heartbeat."""
-        if self._failing.get(sid) != problem:
+        if self._said.changed(sid, problem):
             log.warning("engine %s: no queue figures this window: %s: %s", sid, url, problem)
-            self._failing[sid] = problem
         return problem
 
     def wait(self, timeout: float) -> None:
         """For a one-shot `sample`: let running reads finish, up to `timeout`."""
         end = time.monotonic() + timeout
-        for read in list(self._reads.values()):
-            if read.thread is not None:
-                read.thread.join(max(0.0, end - time.monotonic()))
+        for _, read in list(self._reads.values()):
+            read.wait(max(0.0, end - time.monotonic()))

@@ -20,6 +20,7 @@ import numpy as np
 import wire
 from sampler.backend import BackendChoice, ShardSampler
 from sampler.gpu.nvml import GpuReader, GpuReading
+from sampler.off_thread import Said
 from sampler.shards.engine_metrics import EngineMetricsReader
 from sampler.shards.kubelet import KubeletPods
 from sampler.shards.proc_shards import USER_HZ, ShardReading
@@ -71,7 +72,7 @@ class WindowSampler:
         self.shard_sampler = shard_sampler
         self.gpus = gpus
         self.kubelet = kubelet  # this node's pods, for `k8s:` shards
-        self._said: set[str] = set()  # problems of the config already logged
+        self._said = Said()  # problems of the config, and impossible samples, already logged
         # How long a window's end may wait for its GPU reading: 0 for the
         # agent's endless loop; a one-shot `sample` can afford to wait.
         self.gpu_grace = gpu_grace
@@ -84,7 +85,6 @@ class WindowSampler:
         self._seq = 0
         self.last_gauges: dict[str, Any] = {}
         self._cpus = os.cpu_count() or 1
-        self._said_impossible: set[str] = set()
         # Set by the agent while the control plane asks for raw samples (someone
         # watches this node live): the window's samples go with its summary.
         self.raw_wanted = False
@@ -149,8 +149,7 @@ class WindowSampler:
         return out
 
     def _say(self, problem: str) -> None:
-        if problem not in self._said:
-            self._said.add(problem)
+        if self._said.first(problem):
             log.warning("%s", problem)
 
     def run_window(self, seconds: float) -> dict[str, Any]:
@@ -268,8 +267,7 @@ class WindowSampler:
         """A sample of more cores than the machine has is a bug in a backend, not
         a burst: said once per engine with what it came from, and kept as measured
         (clipping it would hide the bug and the time it holds)."""
-        if wid not in self._said_impossible:
-            self._said_impossible.add(wid)
+        if self._said.first(("impossible", wid)):
             log.warning("engine %s: %.3f cores in a %s s sample, more than the machine's %d CPUs (%s backend): "
                         "a bug, reported as measured", wid, r.cores, r.seconds, self._cpus,
                         self.backend.name)  # fmt: skip
