@@ -12,6 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,17 @@ from wire import raw as raw_samples
 BUSIEST_GROUPS = 5
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _WindowSamples:
+    """A window's samples, each weighted by the time it covers."""
+
+    machine: RateSeries  # the machine's CPU utilisation
+    steal: RateSeries  # its steal
+    shards: dict[str, RateSeries]  # each shard's cores
+    taken: int
+    first_from: float  # where the first sample begins: the previous window's last, if any
 
 
 class WindowSampler:
@@ -153,26 +165,60 @@ class WindowSampler:
             log.warning("%s", problem)
 
     def run_window(self, seconds: float) -> dict[str, Any]:
+        """One window: the walk, `seconds` of samples at `hz`, and their summary with
+        every source's figures merged, fit for the wire (docs/wire-format.md)."""
         start_wall = self._wall()
         start = self._clock()
         self._discover()
         pressure_start, pressure_at = self.pressure.read(), self._clock()
+        samples = self._take_samples(start, seconds)
+        self._seq += 1
+        summary: dict[str, Any] = {
+            "node": self.node,
+            "seq": self._seq,
+            "backend": self.backend.name,
+            "backend_reason": self.backend.reason,
+            "window": {"start": start_wall, "end": self._wall(), "samples": samples.taken},
+        }
+        machine: dict[str, Any] = self.gauges.read()
+        self.last_gauges = dict(machine)  # for registration, which must not read disks on the event loop
+        machine["cpu_percent"] = samples.machine.summary()
+        if (stolen := samples.steal.summary()) is not None:
+            machine["cpu_steal_percent"] = stolen
+        pressure = PressureReader.share(pressure_start, self.pressure.read(), self._clock() - pressure_at)
+        if pressure is not None:
+            machine["pressure"] = pressure
+        summary["machine"] = machine
+        memory = self.shard_sampler.memory()
+        summary["shards"] = [self._shard(w, samples.shards[w.id], memory.get(w.id)) for w in self.shard_sampler.specs]
+        series_of = {id(s): samples.shards[w.id]
+                     for s, w in zip(summary["shards"], self.shard_sampler.specs, strict=True)}  # fmt: skip
+        gpu_samples = self._merge_sources(summary)
+        if cost := self._program_cost():
+            summary["bpf"] = cost
+        wire.fit_heartbeat(summary)  # machine text escaped, lists within the wire's limits
+        if self.raw_wanted:
+            summary["raw"] = self._raw(summary, samples.first_from - start, samples.machine, series_of, gpu_samples,
+                                       start_wall)  # fmt: skip
+        return summary
+
+    def _take_samples(self, start: float, seconds: float) -> _WindowSamples:
+        """The window's samples, one every 1/hz from `start`; the GPUs and the
+        engines' endpoints asked for on their own threads before it ends."""
         n = max(1, round(seconds * self.hz))
         # /proc's counters move in clock ticks: a shorter sample is merged, not made a rate.
         tick = 1.0 / USER_HZ
-        machine, steal = RateSeries(n, tick), RateSeries(n, tick)
         shard_tick = tick if self.shard_sampler.finest_hz is not None else 0.0  # counted in ticks
-        shards = {w.id: RateSeries(n, shard_tick) for w in self.shard_sampler.specs}
         # A sample covers the time since the one before it, which may have been
         # the previous window's last: its weight must say so.
         last = start if self._last_sample_at is None else self._last_sample_at
-        first_from = last  # where the window's first sample begins
+        shards = {w.id: RateSeries(n, shard_tick) for w in self.shard_sampler.specs}
+        samples = _WindowSamples(RateSeries(n, tick), RateSeries(n, tick), shards, taken=0, first_from=last)
         # The GPU reading is asked for before the window ends, on NVML's own
         # thread, and taken at the end only if it is ready: a slow or hung
         # driver costs this window its GPU figures, never its cadence.
         gpu_at = max(1, n - max(1, round(min(0.5, seconds / 2) * self.hz)))
         gpu_asked = False
-        taken = 0
         k = 1  # the slot: sample k is due at start + k / hz
         while True:
             delay = start + k / self.hz - self._clock()
@@ -184,11 +230,11 @@ class WindowSampler:
             for wid, r in readings.items():
                 if r.cores is not None and r.cores > self._cpus * 1.01:
                     self._impossible(wid, r)
-                shards[wid].add(r.cores, now - last if r.seconds is None else r.seconds)
-            machine.add(cpu, now - last)
-            steal.add(self.cpu.steal, now - last)
+                samples.shards[wid].add(r.cores, now - last if r.seconds is None else r.seconds)
+            samples.machine.add(cpu, now - last)
+            samples.steal.add(self.cpu.steal, now - last)
             last = now
-            taken += 1
+            samples.taken += 1
             if k >= gpu_at and not gpu_asked:
                 if self.gpus is not None:
                     self.gpus.request(self._members)
@@ -204,26 +250,12 @@ class WindowSampler:
             # last slot is always taken.
             k = min(n, max(k + 1, int((self._clock() - start) * self.hz + 1e-6) + 1))
         self._last_sample_at = last
-        self._seq += 1
-        summary: dict[str, Any] = {
-            "node": self.node,
-            "seq": self._seq,
-            "backend": self.backend.name,
-            "backend_reason": self.backend.reason,
-            "window": {"start": start_wall, "end": self._wall(), "samples": taken},
-        }
-        m: dict[str, Any] = self.gauges.read()
-        self.last_gauges = dict(m)  # for registration, which must not read disks on the event loop
-        m["cpu_percent"] = machine.summary()
-        if (stolen := steal.summary()) is not None:
-            m["cpu_steal_percent"] = stolen
-        pressure = PressureReader.share(pressure_start, self.pressure.read(), self._clock() - pressure_at)
-        if pressure is not None:
-            m["pressure"] = pressure
-        summary["machine"] = m
-        memory = self.shard_sampler.memory()
-        summary["shards"] = [self._shard(w, shards[w.id], memory.get(w.id)) for w in self.shard_sampler.specs]
-        series_of = {id(s): shards[w.id] for s, w in zip(summary["shards"], self.shard_sampler.specs, strict=True)}
+        return samples
+
+    def _merge_sources(self, summary: dict[str, Any]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Each shard's figures from the window's other sources: its waits for a
+        CPU, its cgroup's throttling, its GPUs (and the node's cards), its own
+        queues. The GPUs' utilisation samples, for the raw block."""
         waits = self._waits()
         bandwidth = self.cfs.read(self._members)  # once a window: cumulative counters
         for shard in summary["shards"]:
@@ -243,12 +275,7 @@ class WindowSampler:
         queues = self.engine_metrics.take()
         for shard in summary["shards"]:
             shard.update(queues.get(shard["id"], {}))
-        if cost := self._program_cost():
-            summary["bpf"] = cost
-        wire.fit_heartbeat(summary)  # machine text escaped, lists within the wire's limits
-        if self.raw_wanted:
-            summary["raw"] = self._raw(summary, first_from - start, machine, series_of, gpu_samples, start_wall)
-        return summary
+        return gpu_samples
 
     @staticmethod
     def _raw(summary: dict[str, Any], first_from: float, machine: RateSeries, series_of: dict[int, RateSeries],
