@@ -80,7 +80,7 @@ def test_the_example_uses_every_field_the_schema_declares() -> None:
             kind = next(k for k in kind.types if not isinstance(k, mi.NoneType))
         if isinstance(kind, mi.Metadata):
             kind = kind.type
-        if isinstance(kind, mi.ListType):
+        if isinstance(kind, (mi.ListType, mi.VarTupleType)):
             return declared(kind.item_type, prefix + "[]")
         if not isinstance(kind, mi.StructType):
             return {prefix}
@@ -147,7 +147,7 @@ def test_every_number_declares_its_unit_and_every_string_its_bounds() -> None:
         if isinstance(kind, mi.UnionType):
             kind = next(k for k in kind.types if not isinstance(k, mi.NoneType))
         inner = kind.type if isinstance(kind, mi.Metadata) else kind
-        if isinstance(inner, mi.ListType):
+        if isinstance(inner, (mi.ListType, mi.VarTupleType)):
             yield from fields(inner.item_type, prefix + "[]")
         elif isinstance(inner, mi.StructType):
             for f in inner.fields:

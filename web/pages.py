@@ -27,7 +27,7 @@ from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, s
 from controlplane.state.registry import NodeRegistry, NodeState
 from controlplane.state.starvation import Verdict
 from web.charts import columns, format_value, svg_chart
-from wire.schema import Machine, Shard
+from wire.schema import Gpu, Machine, Shard
 
 PROMETHEUS_URL = web.AppKey("prometheus_url", str)
 TEMPLATES = web.AppKey("templates", jinja2.Environment)
@@ -85,7 +85,7 @@ def _node_view(state: NodeState, now: float, stale_after: float) -> dict[str, An
     hb = got.heartbeat if got is not None else None
     m = hb.machine if hb is not None else Machine()
     cpus = m.cpus or state.registration.cpus
-    all_gpus = (hb.gpus if hb is not None else None) or []
+    all_gpus: tuple[Gpu, ...] = (hb.gpus if hb is not None else None) or ()
     gpus = [g for g in all_gpus if not g.lost]
     utils = [g.utilization_percent for g in gpus if g.utilization_percent is not None]
     used = [g.memory_used_bytes for g in gpus if g.memory_used_bytes is not None]

@@ -39,7 +39,7 @@ def checked(value: Any, kind: mi.Type, field: Field, dropped: Dropped | None,
             if v is not None or f.required or (f.encode_name in src and not _nullable(f.type)):
                 out[f.encode_name] = checked(v, f.type, (field, f.encode_name), dropped, out)
         return out
-    if isinstance(kind, mi.ListType):
+    if isinstance(kind, (mi.ListType, mi.VarTupleType)):
         entries = items(value, field, kind.max_length if kind.max_length is not None else 1 << 31)
         if not extra.get("each") or dropped is None:
             return [checked(v, kind.item_type, (field, i), dropped) for i, v in enumerate(entries)]

@@ -6,7 +6,7 @@ left out."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from wire.checks import Json
@@ -28,7 +28,7 @@ def printable(text: str | None, limit: int = MAX_TEXT) -> str | None:
 T = TypeVar("T")
 
 
-def keep_busiest(shards: list[T], most: int, cores: Callable[[T], float | None]) -> tuple[list[T], int]:
+def keep_busiest(shards: Sequence[T], most: int, cores: Callable[[T], float | None]) -> tuple[Sequence[T], int]:
     """The `most` busiest shards by their mean cores (one not measured
     counts as idle), and how many were left out: the one rule both the
     agent (the wire's limit) and the control plane (`--max-shards`) trim by.

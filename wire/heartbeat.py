@@ -101,7 +101,7 @@ def decode_heartbeat(data: bytes, dropped: Dropped | None = None,
                 dropped.append({"field": "shards", "reason": "shard ids must be unique"})
             else:
                 first[s.id] = s
-        shards = list(first.values())
+        shards = tuple(first.values())
     hb = msgspec.structs.replace(hb, shards=shards, raw=None) if shards is not hb.shards or hb.raw is not None else hb
     checked_raw = None
     if raw is not None and raw_for is not None and raw_for(hb.node):  # None when absent, or left out whole

@@ -8,7 +8,8 @@ the same declarations name the field and the reason when a body is refused
 keys this version does not know are ignored, so a newer agent may add keys,
 and none may be renamed.
 
-Lists marked `EACH` cost a bad entry that entry alone: it is left out and
+Lists (tuples here: a fleet's held heartbeats are then no work for a full
+collection) marked `EACH` cost a bad entry that entry alone: it is left out and
 named in the answer's `dropped`. Everything else is strict: the first
 problem refuses the body (400). Free text is printable (no control
 characters), checked where each struct is made.
@@ -155,7 +156,7 @@ class Machine(_Checked, frozen=True):
     memory_bytes: Bytes | None = None
     memory_used_bytes: Bytes | None = None
     memory_available_bytes: Bytes | None = None
-    disks: Annotated[list[Disk], msgspec.Meta(max_length=MAX_DISKS, extra=EACH)] | None = None
+    disks: Annotated[tuple[Disk, ...], msgspec.Meta(max_length=MAX_DISKS, extra=EACH)] | None = None
     disks_left_out: Count | None = None
     pressure: Pressure | None = None
 
@@ -183,7 +184,7 @@ class Shard(_Checked, frozen=True):
     command: Text | None = None
     metrics_error: Text | None = None  # why the engine's own metrics gave no figures
     pgid: Pid | None = None
-    pgids: Annotated[list[Pid], msgspec.Meta(max_length=MAX_PGIDS)] | None = None
+    pgids: Annotated[tuple[Pid, ...], msgspec.Meta(max_length=MAX_PGIDS)] | None = None
     cpu_cores: CoreStats | None = None
     runqueue_wait_seconds: RunqueueWait | None = None
     memory_bytes: Bytes | None = None
@@ -240,9 +241,9 @@ class Heartbeat(_Checked, kw_only=True, frozen=True):
     backend_reason: Text | None = None
     window: Window
     machine: Machine
-    shards: Annotated[list[Shard], msgspec.Meta(max_length=MAX_SHARDS, extra=EACH)] = []  # none measured: absent
+    shards: Annotated[tuple[Shard, ...], msgspec.Meta(max_length=MAX_SHARDS, extra=EACH)] = ()  # none measured: absent
     shards_left_out: Count | None = None
-    gpus: Annotated[list[Gpu], msgspec.Meta(max_length=MAX_GPUS, extra=EACH)] | None = None
+    gpus: Annotated[tuple[Gpu, ...], msgspec.Meta(max_length=MAX_GPUS, extra=EACH)] | None = None
     gpu_error: Text | None = None
     raw: msgspec.Raw | None = None  # the window's samples while someone watches live (wire/raw.py): read only then
 
@@ -258,8 +259,8 @@ class Registration(_Checked, frozen=True):
     backend_reason: Text | None = None
     cpus: Cpus | None = None
     memory_bytes: Bytes | None = None
-    disks: Annotated[list[Disk], msgspec.Meta(max_length=MAX_DISKS, extra=EACH)] | None = None
-    gpus: Annotated[list[Gpu], msgspec.Meta(max_length=MAX_GPUS, extra=EACH)] | None = None
+    disks: Annotated[tuple[Disk, ...], msgspec.Meta(max_length=MAX_DISKS, extra=EACH)] | None = None
+    gpus: Annotated[tuple[Gpu, ...], msgspec.Meta(max_length=MAX_GPUS, extra=EACH)] | None = None
 
 
 def _extra(t: msgspec.inspect.Type) -> dict[str, Any]:

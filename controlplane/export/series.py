@@ -294,8 +294,9 @@ _CHARTED_FAMILIES = tuple(f for f in FAMILIES if f.charted)
 SeriesKey = tuple[str, tuple[tuple[str, str], ...]]  # (family, labels)
 
 
-def series_of(r: Received, labels: SeriesLabels | None = None) -> tuple[list[SeriesKey], list[float | int]]:
-    """A heartbeat's series of the families the history keeps: their keys, and their values."""
+def series_of(r: Received, labels: SeriesLabels | None = None) -> tuple[tuple[SeriesKey, ...], list[float | int]]:
+    """A heartbeat's series of the families the history keeps: their keys (a
+    tuple, which the collector untracks), and their values."""
     labels = labels or SeriesLabels()
     keys: list[SeriesKey] = []
     values: list[float | int] = []
@@ -304,4 +305,4 @@ def series_of(r: Received, labels: SeriesLabels | None = None) -> tuple[list[Ser
         for made, value in family.samples(labels, r):
             keys.append((name, made))
             values.append(value)
-    return keys, values
+    return tuple(keys), values
