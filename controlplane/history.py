@@ -141,6 +141,7 @@ class _NodeRing:
         values that have one."""
         columns = self.columns
         rows, kept = [], []
+        new: dict[str, list[tuple[Labels, int]]] = {}
         for key, value in zip(keys, values, strict=True):
             row = columns.get(key)
             if row is None:
@@ -150,9 +151,11 @@ class _NodeRing:
                 self.values[row] = np.nan  # not measured at the heartbeats held before it came
                 columns[key] = row
                 family, labels = key
-                self.families[family] = (*self.families.get(family, ()), ((*labels, ("node", self.node)), row))
+                new.setdefault(family, []).append(((*labels, ("node", self.node)), row))
             rows.append(row)
             kept.append(value)
+        for family, entries in new.items():  # a family's tuple made once, not once a series (a node's first: 80)
+            self.families[family] = (*self.families.get(family, ()), *entries)
         found = np.array(rows, dtype=np.intp)
         whole = len(rows) == len(keys)
         self._last_keys, self._last_rows = (keys, found) if whole else (None, found[:0])
