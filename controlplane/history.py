@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import aiohttp
 import numpy as np
@@ -25,7 +25,6 @@ import numpy as np
 from controlplane.export.series import SeriesKey, SeriesLabels, series_of
 from controlplane.state.registry import Received
 
-Json = dict[str, Any]
 Labels = tuple[tuple[str, str], ...]
 
 HOUR_S = 3600.0

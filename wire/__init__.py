@@ -16,7 +16,6 @@ from wire.heartbeat import (
     decode_registration,
     heartbeat_json,
     parse_heartbeat,
-    parse_registration,
 )
 from wire.limits import (
                          MAX_BODY_BYTES,
@@ -37,5 +36,5 @@ __all__ = [
     "Decoded", "Dropped", "Json", "MAX_BODY_BYTES", "MAX_BYTES", "MAX_CORES", "MAX_DISKS", "MAX_GPUS",
     "MAX_K8S_NAME", "MAX_NAME", "MAX_PGIDS", "MAX_QUOTA_CORES", "MAX_SHARDS", "MAX_TEXT", "NODE_ID", "WireError",
     "decode_heartbeat", "decode_registration", "dumps", "fit_heartbeat", "fit_registration", "heartbeat_json",
-    "keep_busiest", "name", "node_id", "parse_heartbeat", "parse_registration", "printable",
+    "keep_busiest", "name", "node_id", "parse_heartbeat", "printable",
 ]

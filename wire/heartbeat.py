@@ -11,8 +11,8 @@ list the parser is given.
 A body is decoded straight into the schema's structs (msgspec); only one
 that does not fit is read again to say why (wire/explain.py). The control
 plane holds and reads the structs themselves (`decode_heartbeat`), frozen:
-nothing edits a heartbeat on its way. `parse_heartbeat` and
-`parse_registration` give the same as JSON values, keyed as on the wire.
+nothing edits a heartbeat on its way. `parse_heartbeat` gives the same as
+JSON values, keyed as on the wire.
 """
 
 from __future__ import annotations
@@ -71,11 +71,6 @@ def explained(data: bytes, kind: type[S], dropped: Dropped | None) -> tuple[S, A
 def decode_registration(data: bytes, dropped: Dropped | None = None) -> Registration:
     registration, _ = _decoded(data, Registration, dropped)
     return registration
-
-
-def parse_registration(data: bytes, dropped: Dropped | None = None) -> Json:
-    out: Json = msgspec.to_builtins(decode_registration(data, dropped))
-    return out
 
 
 class Decoded(NamedTuple):

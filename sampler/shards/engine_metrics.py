@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -164,9 +164,8 @@ def _figures(wanted: list[bytes]) -> dict[str, float]:
 class EngineMetricsReader:
     """Reads each shard's endpoint once a window, off the sampling loop."""
 
-    def __init__(self, deadline_s: float = DEADLINE_S, max_bytes: int = MAX_BYTES,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
-        self.deadline_s, self.max_bytes, self._clock = deadline_s, max_bytes, clock
+    def __init__(self, deadline_s: float = DEADLINE_S, max_bytes: int = MAX_BYTES) -> None:
+        self.deadline_s, self.max_bytes = deadline_s, max_bytes
         self._reads: dict[str, tuple[str, InFlight[dict[str, float]]]] = {}  # shard -> its url, its read
         self._said = Said()  # shard -> the problem last said
 
@@ -176,7 +175,7 @@ class EngineMetricsReader:
             if (last := self._reads.get(sid)) is not None and last[1].running():
                 continue
             read = InFlight[dict[str, float]]()
-            read.start(on_own_thread(functools.partial(self._read, url), f"metrics {sid}"), self._clock())
+            read.start(on_own_thread(functools.partial(self._read, url), f"metrics {sid}"), time.monotonic())
             self._reads[sid] = (url, read)
 
     def _read(self, url: str) -> dict[str, float]:
