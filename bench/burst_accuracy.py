@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sampler.backend import BackendChoice  # noqa: E402
@@ -45,9 +47,9 @@ def measure(groups, backend: str, pgid: int, hz: float, window: float) -> tuple[
     ws.prime(0)
     before = process_cpu_seconds(pgid)
     t0 = time.monotonic()
-    [shard] = ws.run_window(window)["shards"]
+    [shard] = ws.run_window(window).shards
     truth = (process_cpu_seconds(pgid) - before) / (time.monotonic() - t0)
-    return shard["cpu_cores"], truth
+    return msgspec.to_builtins(shard.cpu_cores), truth
 
 
 def main() -> None:

@@ -75,7 +75,7 @@ def sampler_share(pgid: int, windows: int, interval: float) -> list[float]:
         wall, cpu = time.monotonic(), time.process_time()
         summary = s.run_window(interval)
         shares.append((time.process_time() - cpu) / (time.monotonic() - wall))
-        assert len(summary["shards"][0]["pgids"]) == 1
+        assert len(summary.shards[0].pgids or ()) == 1
     return shares
 
 

@@ -8,9 +8,10 @@ from typing import Any
 
 import msgspec
 
+import wire
 from controlplane.state.registry import MAX_SHARDS_PER_NODE, Received, received
 from controlplane.state.starvation import StarvationRules
-from wire.schema import Heartbeat, Registration
+from wire.schema import CoreStats, Heartbeat, PercentStats, Registration, Shard, WindowSummary
 
 
 def _whole_stats(value: Any) -> Any:
@@ -38,3 +39,22 @@ def held(parts: dict[str, Any] | None = None, rules: StarvationRules | None = No
 
 def registration(node: str = "n1", **more: Any) -> Registration:
     return msgspec.convert({"node": node, **more}, Registration)
+
+
+def cores_of(shard: Shard) -> CoreStats:
+    """A shard's measured cores (a test that expects them fails here if they were not measured)."""
+    assert shard.cpu_cores is not None, f"{shard.id}: cores not measured"
+    return shard.cpu_cores
+
+
+def cpu_of(summary: Heartbeat) -> PercentStats:
+    """The machine's measured CPU, likewise."""
+    assert summary.machine.cpu_percent is not None, "machine CPU not measured"
+    return summary.machine.cpu_percent
+
+
+def window_summary(parts: dict[str, Any] | None = None, **more: Any) -> WindowSummary:
+    """A summary as the agent makes it (`wire.made`: text fit, bounds left to the control plane)."""
+    body = {"node": "n1", "seq": 1, "backend": "proc", "window": {"start": 1.0, "end": 2.0, "samples": 1},
+            "machine": {}, **(parts or {}), **more}  # fmt: skip
+    return wire.made(WindowSummary, _whole_stats(body))

@@ -21,6 +21,7 @@ from sampler.backend import BackendChoice
 from sampler.shards.proc_shards import ProcShardSampler
 from sampler.window.sampler import WindowSampler
 from tests.fakeproc import FakeProc
+from tests.heartbeats import window_summary
 from wire.schema import Heartbeat, Registration
 
 SECRET = b"a cluster secret of some length"
@@ -79,8 +80,8 @@ def test_config_change_is_picked_up_and_a_bad_one_is_not(tmp_path: Path) -> None
 async def test_mailbox_keeps_only_the_newest() -> None:
     box = NewestSummary()
     for seq in range(1000):
-        box.put({"seq": seq})
-    assert await box.get() == {"seq": 999}
+        box.put(window_summary(seq=seq))
+    assert (await box.get()).seq == 999
     assert box.replaced == 999
     assert box.newer() is None
 

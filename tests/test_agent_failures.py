@@ -25,6 +25,8 @@ from sampler.shards.proc_shards import ProcShardSampler
 from sampler.sources.machine import MountProbe
 from sampler.window.sampler import WindowSampler
 from tests.fakeproc import FakeProc
+from tests.heartbeats import window_summary
+from wire.schema import Machine, WindowSummary
 
 SECRET = b"a cluster secret of some length"
 
@@ -58,7 +60,7 @@ async def test_three_failed_windows_in_a_row_end_the_agent_one_is_retried(tmp_pa
     agent = make_agent(tmp_path)
     run_window, calls = agent.sampler.run_window, 0
 
-    def flaky(seconds: float) -> dict[str, Any]:
+    def flaky(seconds: float) -> WindowSummary:
         nonlocal calls
         calls += 1
         if calls == 1 or calls >= 3:  # one failure, one good window, then failures for good
@@ -139,8 +141,7 @@ def _count_waits(agent: Agent, stop_after: int) -> list[float]:
 
 
 async def _deliver_once(agent: Agent) -> None:
-    agent.mailbox.put({"node": "n1", "seq": 1, "backend": "proc", "window": {"start": 1.0, "end": 2.0, "samples": 1},
-                       "machine": {}, "shards": []})  # fmt: skip
+    agent.mailbox.put(window_summary())
     async with aiohttp.ClientSession() as session:
         await agent._deliver(HeartbeatClient(session, agent.url, agent.token))
 
@@ -174,9 +175,9 @@ def test_registration_reads_no_disk_on_the_event_loop(tmp_path: Path) -> None:
         raise AssertionError("registration read the gauges")
 
     agent.sampler.gauges.read = no_reads  # type: ignore[method-assign]
-    agent.sampler.last_gauges = {"cpus": 2, "memory_bytes": 10, "disks": []}
+    agent.sampler.last_gauges = Machine(cpus=2, memory_bytes=10, disks=())
     body = agent_module.registration_body(agent.sampler, "n1")
-    assert body["cpus"] == 2 and body["memory_bytes"] == 10
+    assert body.cpus == 2 and body.memory_bytes == 10 and body.disks == ()
 
 
 
@@ -213,9 +214,8 @@ async def test_a_resent_window_the_control_plane_has_is_not_a_failure(tmp_path: 
     waits = _count_waits(agent, 1)
     caplog.set_level(logging.DEBUG, logger="sampler.agent")
 
-    def window(seq: int) -> dict[str, Any]:
-        return {"node": "n1", "seq": seq, "backend": "proc", "window": {"start": 1.0, "end": 2.0, "samples": 1},
-                "machine": {}, "shards": []}  # fmt: skip
+    def window(seq: int) -> WindowSummary:
+        return window_summary(seq=seq)
 
     app = server.app
     assert app is not None

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from sampler.backend import BackendChoice, ShardSampler
@@ -23,6 +24,7 @@ from sampler.shards.proc_shards import ProcShardSampler
 from sampler.shards.selectors import Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
 from tests.conftest import AccuracyLog
+from tests.heartbeats import cores_of
 from tests.workloads import BURST_PERIOD_S, BURST_THREE, HALF_OF_20MS, PROC, process_cpu_seconds, start_group
 
 pytestmark = pytest.mark.live
@@ -77,9 +79,10 @@ def window_against_truth(groups: ShardSampler, name: str, pgid: int, hz: float) 
         summary = ws.run_window(WINDOW_S)
     finally:
         del groups.sample  # the instance attribute goes: the class's method again
-    [shard] = summary["shards"]
+    [shard] = summary.shards
     (t0, s0), (t1, s1) = edges[0], edges[-1]
-    return shard["cpu_cores"], (s1 - s0) / (t1 - t0)
+    figures: dict[str, float] = msgspec.to_builtins(cores_of(shard))
+    return figures, (s1 - s0) / (t1 - t0)
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))

@@ -222,10 +222,9 @@ def test_the_window_carries_the_queue(tmp_path: Path, engines: FakeEngines) -> N
     ws = WindowSampler(proc.root, BackendChoice("proc", None), ProcShardSampler(proc.root, clock),
                        parse_config(config.encode()), hz=10, node="n1", clock=clock, wall_clock=clock,
                        sleep=clock.advance, gpu_grace=5.0)  # fmt: skip
-    s0, s1 = ws.run_window(1.0)["shards"]
-    assert {k: s0[k] for k in ("requests_waiting", "requests_running", "kv_cache_usage_ratio")} == \
-        {"requests_waiting": 15.0, "requests_running": 12.0, "kv_cache_usage_ratio": 0.82}  # fmt: skip
-    assert not {"requests_waiting", "requests_running", "kv_cache_usage_ratio"} & set(s1)
+    s0, s1 = ws.run_window(1.0).shards
+    assert (s0.requests_waiting, s0.requests_running, s0.kv_cache_usage_ratio) == (15.0, 12.0, 0.82)
+    assert (s1.requests_waiting, s1.requests_running, s1.kv_cache_usage_ratio) == (None, None, None)
 
 
 # --- what a hostile engine can send ---------------------------------------------

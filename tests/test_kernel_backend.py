@@ -24,6 +24,7 @@ from sampler.shards.proc_shards import ProcShardSampler
 from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
 from tests.conftest import REQUIRE_BPF, AccuracyLog
+from tests.heartbeats import cores_of
 from tests.workloads import (
     BURN_ONE_CORE,
     FORKER,
@@ -34,6 +35,7 @@ from tests.workloads import (
     group_members,
     start_group,
 )
+from wire.schema import ProgramCost
 
 pytestmark = pytest.mark.kernel
 
@@ -79,11 +81,11 @@ def windows_against_truth(
     out: list[tuple[float, float]] = []
     for _ in range(n):
         final_slot, at_edge = time.monotonic() + WINDOW_S, None
-        [shard] = ws.run_window(WINDOW_S)["shards"]
+        [shard] = ws.run_window(WINDOW_S).shards
         assert at_edge is not None
         (t0, s0), (t1, s1) = edges[-1], at_edge
         edges.append(at_edge)
-        out.append((shard["cpu_cores"]["mean"], (s1 - s0) / (t1 - t0)))
+        out.append((cores_of(shard).mean, (s1 - s0) / (t1 - t0)))
     return out
 
 
@@ -296,12 +298,13 @@ def test_program_cost_is_in_the_summary_when_asked_for(bpf_groups_with_stats: sc
     ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups_with_stats, None, hz=10)
     ws.prime(0)
     summary = ws.run_window(0.5)
-    assert summary["backend"] == "bpf"
-    programs = summary["bpf"]["programs"]
+    assert summary.backend == "bpf"
+    assert summary.bpf is not None and summary.bpf.programs is not None
+    programs = summary.bpf.programs
     assert set(programs) == set(build.PROGRAMS)
     tick = programs["on_tick"]
-    assert tick["runs"] > 0 and tick["run_time_ns"] > 0 and tick["ns_per_run"] > 0
-    assert summary["bpf"]["dropped_forks"] == 0
+    assert tick.runs > 0 and tick.run_time_ns > 0 and tick.ns_per_run is not None and tick.ns_per_run > 0
+    assert summary.bpf.dropped_forks == 0
 
 
 def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups_alone: sched.KernelShardSampler) -> None:
@@ -310,7 +313,7 @@ def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups_alone: sched.Kernel
     ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, None, hz=10)
     ws.prime(0)
     summary = ws.run_window(0.3)
-    assert summary["bpf"] == {"dropped_forks": 0}
+    assert summary.bpf == ProgramCost(dropped_forks=0)
     enabled = Path("/proc/sys/kernel/bpf_stats_enabled")
     if enabled.exists() and enabled.read_text().strip() == "0":  # nobody else holds them on either
         # The kernel counted no run of ours: statistics were off all along.

@@ -21,6 +21,7 @@ from sampler.kernel import sched
 from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
 from tests.conftest import AccuracyLog, unavailable
+from tests.heartbeats import cores_of
 from tests.test_kernel_backend import start_with_pid
 from tests.workloads import PROC, process_cpu_seconds, start_group
 
@@ -76,10 +77,10 @@ def test_a_process_whose_main_thread_exited_stays_a_member(
         time.sleep(0.01)
     assert p.pid in bpf_groups.members.pids()  # a member while any thread lives
     s0, t0 = process_cpu_seconds(p.pid), time.monotonic()
-    [shard] = ws.run_window(2.0)["shards"]
+    [shard] = ws.run_window(2.0).shards
     truth = (process_cpu_seconds(p.pid) - s0) / (time.monotonic() - t0)
-    accuracy.record("main thread exited, worker burns", shard["cpu_cores"]["mean"], truth, 0.05)
-    assert truth > 0.5 and shard["cpu_cores"]["mean"] == pytest.approx(truth, rel=0.05)
+    accuracy.record("main thread exited, worker burns", cores_of(shard).mean, truth, 0.05)
+    assert truth > 0.5 and cores_of(shard).mean == pytest.approx(truth, rel=0.05)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     assert p.pid not in bpf_groups.members.pids()  # its last thread gone: no longer a member
@@ -124,9 +125,10 @@ def test_a_wait_over_four_seconds_is_measured_whole(
     hog = subprocess.run([sys.executable, "-c", RT_HOG.replace("{CPU}", str(cpu)).replace("{SECONDS}", "5.5")],
                          timeout=60)  # fmt: skip
     assert hog.returncode == 0
-    [shard] = ws.run_window(0.5)["shards"]  # the worker runs again, and its wait is counted
-    wait = shard["runqueue_wait_seconds"]
-    assert wait is not None and wait["total"] >= 5.0, wait  # 32 bits would have read 5.5 - 4.29 s
+    [shard] = ws.run_window(0.5).shards  # the worker runs again, and its wait is counted
+    wait = shard.runqueue_wait_seconds
+    assert wait is not None and wait.total is not None
+    assert wait.total >= 5.0, wait  # 32 bits would have read 5.5 - 4.29 s
 
 
 def test_memory_of_a_reused_pid_is_not_the_groups(
@@ -172,8 +174,8 @@ def test_a_fork_storm_while_discovery_and_sampling_run(
     end = time.monotonic() + 20
     windows = 0
     while time.monotonic() < end:
-        [shard] = ws.run_window(1.0)["shards"]  # a walk, then 100 samples, while the kernel writes the map
-        assert shard["cpu_cores"]["mean"] is not None
+        [shard] = ws.run_window(1.0).shards  # a walk, then 100 samples, while the kernel writes the map
+        assert shard.cpu_cores is not None
         windows += 1
     assert windows >= 10
     # Held still, the group's living members are exactly the map's: none that

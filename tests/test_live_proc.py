@@ -16,12 +16,14 @@ import sys
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
 from sampler.backend import BackendChoice
 from sampler.shards.proc_shards import ProcShardSampler
 from sampler.shards.selectors import Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
+from tests.heartbeats import cores_of
 from tests.workloads import (
     BURN_ONE_CORE,
     FORKER,
@@ -45,9 +47,9 @@ def measure(pgid: int, selector: str) -> tuple[float, float]:
     truth = GroupTruth(pgid)
     summary = sampler.run_window(WINDOW_S)
     cores = truth.cores()
-    [shard] = summary["shards"]
-    assert shard["pgid"] == pgid
-    return shard["cpu_cores"]["mean"], cores
+    [shard] = summary.shards
+    assert shard.pgid == pgid
+    return cores_of(shard).mean, cores
 
 
 def test_group_burning_one_core(group: list[subprocess.Popen[str]]) -> None:
@@ -121,9 +123,10 @@ def window_with_a_stall(groups: Any, backend: str, pgid: int) -> tuple[dict[str,
     final_slot = time.monotonic() + WINDOW_S
     summary = sampler.run_window(WINDOW_S)
     (t0, s0), (t1, s1) = edges[0], edges[-1]
-    [shard] = summary["shards"]
-    assert summary["window"]["samples"] < WINDOW_S * 10  # slots skipped, not bunched
-    return shard["cpu_cores"], (s1 - s0) / (t1 - t0)
+    [shard] = summary.shards
+    assert summary.window.samples < WINDOW_S * 10  # slots skipped, not bunched
+    figures: dict[str, float] = msgspec.to_builtins(cores_of(shard))
+    return figures, (s1 - s0) / (t1 - t0)
 
 
 def test_a_300_ms_stall_on_the_real_clock(group: list[subprocess.Popen[str]]) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pynvml
 import pytest
 
@@ -223,8 +225,8 @@ def test_summary_carries_gpus_and_engine_gpu_memory(tmp_path: Path, readers: lis
     nvml.cards[1].processes = [(100, 7 * GiB)]
     ws, _ = window_sampler(tmp_path, nvml, readers)
     summary = ws.run_window(1.0)
-    assert [g["index"] for g in summary["gpus"]] == [0, 1]
-    assert summary["shards"][0]["gpu_memory_bytes"] == 7 * GiB
+    assert summary.gpus is not None and [g.index for g in summary.gpus] == [0, 1]
+    assert summary.shards[0].gpu_memory_bytes == 7 * GiB
     text = render(summary)
     assert "GPU 1  NVIDIA H200" in text and "7.0 GiB" in text
 
@@ -238,9 +240,9 @@ def test_hung_nvml_call_never_holds_up_the_cpu_windows(tmp_path: Path, readers: 
     try:
         for _ in range(3):
             summary = ws.run_window(1.0)  # returns: the loop never waits on NVML
-            assert summary["window"]["samples"] == 10
-            assert "gpus" not in summary  # not measured, not an empty list
-            assert "gpu_memory_bytes" not in summary["shards"][0]
+            assert summary.window.samples == 10
+            assert summary.gpus is None  # not measured, not an empty list
+            assert summary.shards[0].gpu_memory_bytes is None
         gpu_lines = [line for line in render(summary).splitlines() if line.startswith("GPU ")]
         assert gpu_lines == ["GPU      — (NVML did not answer before the window ended)"]
     finally:
@@ -248,7 +250,7 @@ def test_hung_nvml_call_never_holds_up_the_cpu_windows(tmp_path: Path, readers: 
     nvml.cards[0].hang = None
     time.wedged = False
     summary = ws.run_window(1.0)
-    assert summary["gpus"][0]["temperature_celsius"] == 61
+    assert summary.gpus is not None and summary.gpus[0].temperature_celsius == 61
 
 
 def test_a_call_hung_in_the_driver_does_not_hold_the_process_at_exit(tmp_path: Path) -> None:
@@ -320,9 +322,10 @@ def test_summary_carries_the_engine_gpu_utilisation(tmp_path: Path, readers: lis
     nvml.cards[0].processes = [(100, 7 * GiB)]
     nvml.cards[0].process_samples = [(10, 100, 8, 3), (20, 100, 12, 5)]
     ws, _ = window_sampler(tmp_path, nvml, readers)
-    shard = ws.run_window(1.0)["shards"][0]
-    assert shard["gpu_utilization_percent"] == 10.0 and shard["gpu_utilization_max_percent"] == 12.0
-    assert shard["gpu_memory_bandwidth_percent"] == 4.0 and shard["gpu_memory_bandwidth_max_percent"] == 5.0
+    made = ws.run_window(1.0).shards[0]
+    assert made.gpu_utilization_percent == 10.0 and made.gpu_utilization_max_percent == 12.0
+    assert made.gpu_memory_bandwidth_percent == 4.0 and made.gpu_memory_bandwidth_max_percent == 5.0
+    shard = msgspec.to_builtins(made)
     body = {"node": "n1", "seq": 1, "backend": "proc", "window": {"start": 1.0, "end": 2.0, "samples": 1},
             "machine": {}, "shards": [shard]}  # fmt: skip
     assert wire.parse_heartbeat(json_bytes(body))["shards"][0]["gpu_utilization_percent"] == 10.0
@@ -374,10 +377,10 @@ def test_gpu_memory_and_share_by_pod(tmp_path: Path, readers: list[GpuReader]) -
     ws = WindowSampler(proc.root, BackendChoice("proc", None), ProcShardSampler(proc.root, clock), specs,
                        hz=10, node="n1", clock=clock, wall_clock=clock, sleep=time.sleep, gpus=gpus,
                        kubelet=pods)  # type: ignore[arg-type]  # fmt: skip
-    shards = {s["id"]: s for s in ws.run_window(1.0)["shards"]}
-    assert shards["llm/engine-0"]["gpu_memory_bytes"] == 12 * GiB  # both its processes, on both cards
-    assert shards["llm/engine-1"]["gpu_memory_bytes"] == 3 * GiB
-    assert (shards["llm/engine-0"]["namespace"], shards["llm/engine-0"]["pod"]) == ("llm", "engine-0")
+    shards = {s.id: s for s in ws.run_window(1.0).shards}
+    assert shards["llm/engine-0"].gpu_memory_bytes == 12 * GiB  # both its processes, on both cards
+    assert shards["llm/engine-1"].gpu_memory_bytes == 3 * GiB
+    assert (shards["llm/engine-0"].namespace, shards["llm/engine-0"].pod) == ("llm", "engine-0")
 
 
 def test_raw_samples_carry_nvmls_own_samples_and_the_windows(tmp_path: Path, readers: list[GpuReader]) -> None:
@@ -391,15 +394,16 @@ def test_raw_samples_carry_nvmls_own_samples_and_the_windows(tmp_path: Path, rea
     nvml.cards[1].samples = [(101_200_000, 10)]
     ws.raw_wanted = True
     summary = ws.run_window(1.0)
-    raw = summary["raw"]
-    start = summary["window"]["start"]
+    assert summary.raw is not None and summary.gpus is not None
+    raw = json.loads(bytes(summary.raw))
+    start = summary.window.start
     assert start == 101.0
     assert raw["gpus"] == [{"index": 0, "utilization_percent": {"t": [0.1, 0.267, 0.433], "v": [90.0, 100.0, 95.0]}},
                            {"index": 1, "utilization_percent": {"t": [0.2], "v": [10.0]}}]  # fmt: skip
-    assert summary["gpus"][0]["utilization_percent"] == 95.0 == sum(raw["gpus"][0]["utilization_percent"]["v"]) / 3
+    assert summary.gpus[0].utilization_percent == 95.0 == sum(raw["gpus"][0]["utilization_percent"]["v"]) / 3
     machine = raw["machine"]["cpu_percent"]
     [shard] = raw["shards"]
     assert shard["id"] == "llama" and len(shard["cpu_cores"]["us"]) == len(machine["us"]) == 10
     assert sum(machine["us"]) == 1_000_000 and machine["start"] == 0.0  # the slots cover the window exactly
     ws.raw_wanted = False
-    assert "raw" not in ws.run_window(1.0)  # nobody watches: nothing extra
+    assert ws.run_window(1.0).raw is None  # nobody watches: nothing extra

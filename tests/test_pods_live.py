@@ -32,7 +32,9 @@ from sampler.shards.selectors import Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
 from tests.conftest import CGROUP, AccuracyLog, unavailable
 from tests.fakekubelet import FakeKubelet, pod_doc
+from tests.heartbeats import cores_of
 from tests.workloads import PROC, busy_threads, process_cpu_seconds, stamped, start_group
+from wire.schema import Shard
 
 pytestmark = pytest.mark.kernel
 
@@ -134,14 +136,14 @@ class EdgeTruth:
 
         monkeypatch.setattr(groups, "sample", sample_then_truth)
 
-    def window(self, sampler: WindowSampler) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    def window(self, sampler: WindowSampler) -> tuple[dict[str, Shard], dict[str, float]]:
         """One window's shards by id, and each pod's cores over the same interval."""
         assert self.last is not None, "the sampler has not read the groups yet"
         before = self.last
         summary = sampler.run_window(WINDOW_S)
         after = self.last
         cores = {k: (after[k][1] - before[k][1]) / (after[k][0] - before[k][0]) for k in self.pids}
-        return {s["id"]: s for s in summary["shards"]}, cores
+        return {s.id: s for s in summary.shards}, cores
 
 
 def test_pods_of_a_deployment_on_both_backends(backend: tuple[str, ShardSampler], pod_cgroups: PodCgroups,
@@ -170,11 +172,11 @@ def test_pods_of_a_deployment_on_both_backends(backend: tuple[str, ShardSampler]
             assert sorted(shards) == ["llm/engine-0", "llm/engine-1"]  # the router is another Deployment's
             for pod in ("engine-0", "engine-1"):
                 s = shards[f"llm/{pod}"]
-                assert (s["namespace"], s["pod"], s["model"], s["replica"]) == ("llm", pod, "llama-3-8b",
-                                                                                labels[pod]["replica"])  # fmt: skip
-                assert "container" not in s and s["pgids"] == [pids[pod]]
-                accuracy.record(f"pod {pod} mean, {name}", s["cpu_cores"]["mean"], truth[pod], 0.05)
-                assert s["cpu_cores"]["mean"] == pytest.approx(truth[pod], rel=0.05, abs=0.01), (pod, s, truth)
+                assert (s.namespace, s.pod, s.model, s.replica) == ("llm", pod, "llama-3-8b",
+                                                                    labels[pod]["replica"])  # fmt: skip
+                assert s.container is None and s.pgids == (pids[pod],)
+                accuracy.record(f"pod {pod} mean, {name}", cores_of(s).mean, truth[pod], 0.05)
+                assert cores_of(s).mean == pytest.approx(truth[pod], rel=0.05, abs=0.01), (pod, s, truth)
 
             # engine-0 restarts: a new container (new id, new process, busier), the old one gone.
             os.killpg(pids["engine-0"], signal.SIGKILL)
@@ -189,9 +191,9 @@ def test_pods_of_a_deployment_on_both_backends(backend: tuple[str, ShardSampler]
             sampler.run_window(0.2)  # the new container's first reading
             shards, truth = truth_of.window(sampler)
             s = shards["llm/engine-0"]
-            assert s["pgids"] == [pids["engine-0"]]
-            accuracy.record(f"restarted pod mean, {name}", s["cpu_cores"]["mean"], truth["engine-0"], 0.05)
-            assert s["cpu_cores"]["mean"] == pytest.approx(truth["engine-0"], rel=0.05, abs=0.01), (s, truth)
+            assert s.pgids == (pids["engine-0"],)
+            accuracy.record(f"restarted pod mean, {name}", cores_of(s).mean, truth["engine-0"], 0.05)
+            assert cores_of(s).mean == pytest.approx(truth["engine-0"], rel=0.05, abs=0.01), (s, truth)
         finally:
             pods.close()
     finally:

@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from sampler.backend import BackendChoice
@@ -55,8 +56,8 @@ def wait_of(p: subprocess.Popen[str]) -> dict[str, float]:
     ws = WindowSampler(PROC, BackendChoice("proc", None), ProcShardSampler(PROC),
                        [ShardSpec("w", Selector.parse(f"pgid:{p.pid}"))], hz=10)  # fmt: skip
     ws.prime(0)
-    [shard] = ws.run_window(2.0)["shards"]
-    wait: dict[str, float] = shard["runqueue_wait_seconds"]
+    [shard] = ws.run_window(2.0).shards
+    wait: dict[str, float] = msgspec.to_builtins(shard.runqueue_wait_seconds)
     return wait
 
 

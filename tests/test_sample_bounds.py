@@ -21,6 +21,7 @@ from sampler.shards.selectors import Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
 from sampler.window.series import RateSeries
 from tests.fakeproc import FakeClock, FakeProc
+from tests.heartbeats import cores_of
 
 TICK = 0.01
 
@@ -92,7 +93,7 @@ def test_a_sample_above_the_machine_is_a_bug_said_once_and_kept(tmp_path: Path,
         summary = w.run_window(1.0)
     said = [r.getMessage() for r in caplog.records if "more than the machine" in r.getMessage()]
     assert len(said) == 1 and "engine s0: 1000.000 cores in a 0.1 s sample" in said[0], said
-    assert summary["shards"][0]["cpu_cores"]["max"] == 1000.0  # not clipped: the bug stays visible
+    assert cores_of(summary.shards[0]).max == 1000.0  # not clipped: the bug stays visible
 
 
 @settings(max_examples=300, deadline=None)

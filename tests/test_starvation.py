@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import msgspec.structs
 import pytest
 
 import wire
@@ -147,8 +148,8 @@ def test_host_bound_through_the_fake_nvml(tmp_path: Path, gpu_percent: int, thro
     finally:
         for r in readers:
             r.close()
-    summary["shards"][0].update(cpu_quota_cores=2.0, cpu_throttled_ratio=throttled)
-    hb = wire.decode_heartbeat(json.dumps(summary).encode()).heartbeat
+    shard = msgspec.structs.replace(summary.shards[0], cpu_quota_cores=2.0, cpu_throttled_ratio=throttled)
+    hb = wire.decode_heartbeat(wire.encode(msgspec.structs.replace(summary, shards=(shard,)))).heartbeat
     [verdict] = judge_shards(hb, tuple(hb.shards), RULES)
     assert hb.shards[0].gpu_utilization_percent == gpu_percent
     assert verdict is not None and verdict.host_bound is bool(host_bound)

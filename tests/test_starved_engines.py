@@ -13,7 +13,6 @@ judged by the control plane's rules.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from collections.abc import Callable
@@ -53,7 +52,7 @@ def judged_window(groups: sched.KernelShardSampler, engines: dict[str, int],
 
         ws.cfs.read = read_then  # type: ignore[method-assign]
     ws.prime(0)
-    hb = wire.decode_heartbeat(json.dumps(ws.run_window(WINDOW_S)).encode()).heartbeat
+    hb = wire.decode_heartbeat(wire.encode(ws.run_window(WINDOW_S))).heartbeat
     judged = received(hb, MAX_SHARDS_PER_NODE, StarvationRules()).as_json()  # as /api/nodes shows it
     return {s["id"]: s for s in judged["shards"]}
 

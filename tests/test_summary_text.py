@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from sampler.window.summary_text import render
+from tests.heartbeats import window_summary
+from wire.schema import WindowSummary
 
 
-def summary(*shards: dict[str, Any]) -> dict[str, Any]:
-    return {"node": "n1", "backend": "bpf", "window": {"start": 0.0, "end": 5.0, "samples": 50}, "machine": {},
-            "shards": [{"pgids": [100 + i], "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}, "memory_bytes": 1,
-                        **s} for i, s in enumerate(shards)]}  # fmt: skip
+def summary(*shards: dict[str, Any]) -> WindowSummary:
+    return window_summary(backend="bpf", shards=[{"pgids": [100 + i], "cpu_cores": {"mean": 1.0}, "memory_bytes": 1,
+                                                  **s} for i, s in enumerate(shards)])  # fmt: skip
 
 
 def test_the_host_side_of_each_engine_where_any_is_known() -> None:

@@ -26,6 +26,7 @@ from sampler.agent.client import DeliveryError, HeartbeatClient
 from sampler.agent.config import ConfigFile, TokenFile
 from sampler.sources.machine import MachineGaugeReader
 from tests.certs import TestCA
+from tests.heartbeats import registration as wire_registration
 from tests.issuer import ISSUER, TestIssuer
 from tests.test_controlplane_api import SECRET, heartbeat, registration
 
@@ -104,10 +105,10 @@ async def test_tls_listener_picks_up_a_new_certificate(tmp_path: Path, caplog: A
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
             client = HeartbeatClient(session, f"https://localhost:{port}", tokens.node_token(SECRET, "n1"))
             with pytest.raises(DeliveryError, match="not trusted"):
-                await client.register(registration("n1"))
+                await client.register(wire_registration("n1"))
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_ctx)) as session:
             client = HeartbeatClient(session, f"https://localhost:{port}", tokens.node_token(SECRET, "n1"))
-            await client.register(registration("n1"))
+            await client.register(wire_registration("n1"))
     finally:
         await runner.cleanup()
 

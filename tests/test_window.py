@@ -9,6 +9,8 @@ from sampler.shards.selectors import Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
 from sampler.window.series import RateSeries
 from tests.fakeproc import FakeClock, FakeProc
+from tests.heartbeats import cores_of, cpu_of
+from wire.schema import CoreStats, PercentStats
 
 
 def test_mean_is_time_weighted_and_bursts_show_in_max() -> None:
@@ -103,21 +105,21 @@ def test_window_summary_shape(tmp_path: Path) -> None:
     )
     first = w.run_window(1.0)
     second = w.run_window(1.0)
-    assert first["seq"] == 1 and second["seq"] == 2
-    assert "bpf" not in second  # no kernel programs, no cost to report
-    assert second["window"]["samples"] == 10
-    assert second["backend"] == "proc"
-    m = second["machine"]
-    assert m["cpu_percent"] == {"mean": 50.0, "p95": 50.0, "max": 50.0}
-    assert m["cpus"] == 2 and m["memory_bytes"] == 16000000 * 1024
-    s0, gone = second["shards"]
-    assert (s0["id"], s0["model"], s0["replica"], s0["pgid"]) == ("s0", "llama", "r1", 100)
-    assert s0["cpu_cores"] == {"mean": 1.0, "p95": 1.0, "max": 1.0}
-    assert s0["memory_bytes"] == 256 * PAGE_SIZE
+    assert first.seq == 1 and second.seq == 2
+    assert second.bpf is None  # no kernel programs, no cost to report
+    assert second.window.samples == 10
+    assert second.backend == "proc"
+    m = second.machine
+    assert m.cpu_percent == PercentStats(mean=50.0, p95=50.0, max=50.0)
+    assert m.cpus == 2 and m.memory_bytes == 16000000 * 1024
+    s0, gone = second.shards
+    assert (s0.id, s0.model, s0.replica, s0.pgid) == ("s0", "llama", "r1", 100)
+    assert s0.cpu_cores == CoreStats(mean=1.0, p95=1.0, max=1.0)
+    assert s0.memory_bytes == 256 * PAGE_SIZE
     # A group that does not exist is reported as unmeasured, not as idle.
-    assert gone["cpu_cores"] is None and gone["memory_bytes"] is None and gone["pgids"] == []
+    assert gone.cpu_cores is None and gone.memory_bytes is None and gone.pgids == ()
     # The very first sample had nothing to compare with: 9 measured samples, same figures.
-    assert first["shards"][0]["cpu_cores"] == {"mean": 1.0, "p95": 1.0, "max": 1.0}
+    assert first.shards[0].cpu_cores == CoreStats(mean=1.0, p95=1.0, max=1.0)
 
 
 def test_busiest_groups_are_found_by_priming(tmp_path: Path) -> None:
@@ -131,9 +133,9 @@ def test_busiest_groups_are_found_by_priming(tmp_path: Path) -> None:
                       clock=clock, wall_clock=clock, sleep=script.sleep)
     w.prime(1.0)
     summary = w.run_window(1.0)
-    [shard] = summary["shards"]
-    assert (shard["id"], shard["command"]) == ("comm:engine", "engine")
-    assert shard["cpu_cores"]["mean"] == pytest.approx(1.0)
+    [shard] = summary.shards
+    assert (shard.id, shard.command) == ("comm:engine", "engine")
+    assert cores_of(shard).mean == pytest.approx(1.0)
 
 
 def test_busiest_groups_are_named_by_command_and_outlive_a_restart(tmp_path: Path) -> None:
@@ -164,11 +166,11 @@ def test_busiest_groups_are_named_by_command_and_outlive_a_restart(tmp_path: Pat
                       clock=clock, wall_clock=clock, sleep=sleep)  # fmt: skip
     w.prime(1.0)
     w.run_window(1.0)  # the busiest groups are learnt from the window before
-    shards = {s["id"]: s for s in w.run_window(1.0)["shards"]}
+    shards = {s.id: s for s in w.run_window(1.0).shards}
     assert shards.keys() == {"comm:vllm", "comm:worker", "pgid:400"}
-    assert shards["comm:worker"]["pgids"] == [200, 201]
-    assert shards["comm:worker"]["cpu_cores"]["mean"] == pytest.approx(0.8)
-    assert shards["comm:vllm"]["cpu_cores"]["mean"] == pytest.approx(1.0)
+    assert shards["comm:worker"].pgids == (200, 201)
+    assert cores_of(shards["comm:worker"]).mean == pytest.approx(0.8)
+    assert cores_of(shards["comm:vllm"]).mean == pytest.approx(1.0)
 
     # The engine restarts: group 100 is gone, group 300 of the same name at half the load.
     proc.remove(100)
@@ -176,9 +178,9 @@ def test_busiest_groups_are_named_by_command_and_outlive_a_restart(tmp_path: Pat
     running[300], used[300], share[300] = "vllm", 0, 0.5
     proc.add(300, comm="vllm", rss=10)
     w.run_window(1.0)
-    shards = {s["id"]: s for s in w.run_window(1.0)["shards"]}
-    assert shards["comm:vllm"]["pgids"] == [300]
-    assert shards["comm:vllm"]["cpu_cores"]["mean"] == pytest.approx(0.5)
+    shards = {s.id: s for s in w.run_window(1.0).shards}
+    assert shards["comm:vllm"].pgids == (300,)
+    assert cores_of(shards["comm:vllm"]).mean == pytest.approx(0.5)
 
 
 def test_a_300_ms_stall_keeps_every_figure(tmp_path: Path) -> None:
@@ -202,10 +204,10 @@ def test_a_300_ms_stall_keeps_every_figure(tmp_path: Path) -> None:
                       wall_clock=clock, sleep=stalling_sleep)  # fmt: skip
     w.run_window(1.0)
     stalled = w.run_window(1.0)
-    assert stalled["window"]["samples"] == 10 - 3  # three slots skipped, none bunched
-    assert stalled["window"]["end"] - stalled["window"]["start"] == pytest.approx(1.0)
-    assert stalled["machine"]["cpu_percent"] == {"mean": 50.0, "p95": 50.0, "max": 50.0}
-    assert stalled["shards"][0]["cpu_cores"] == {"mean": 1.0, "p95": 1.0, "max": 1.0}
+    assert stalled.window.samples == 10 - 3  # three slots skipped, none bunched
+    assert stalled.window.end - stalled.window.start == pytest.approx(1.0)
+    assert stalled.machine.cpu_percent == PercentStats(mean=50.0, p95=50.0, max=50.0)
+    assert stalled.shards[0].cpu_cores == CoreStats(mean=1.0, p95=1.0, max=1.0)
 
 
 def test_the_first_sample_is_weighted_from_the_machines_first_reading(tmp_path: Path) -> None:
@@ -240,5 +242,5 @@ def test_the_first_sample_is_weighted_from_the_machines_first_reading(tmp_path: 
     w.prime(0)
     groups.sample = read_groups  # type: ignore[method-assign]
     first = w.run_window(1.0)
-    assert first["machine"]["cpu_percent"]["mean"] == pytest.approx(100 * 1.2 / 2.2, abs=1e-3)
-    assert first["machine"]["cpu_percent"]["max"] == pytest.approx(75.0)  # 30 busy ticks of 40 in its 200 ms
+    assert cpu_of(first).mean == pytest.approx(100 * 1.2 / 2.2, abs=1e-3)
+    assert cpu_of(first).max == pytest.approx(75.0)  # 30 busy ticks of 40 in its 200 ms

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ from sampler.shards.proc_shards import ProcShardSampler
 from sampler.shards.selectors import Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
 from tests.fakeproc import FakeClock, FakeProc
+from wire.schema import Shard, WindowSummary
 
 
 def test_printable_escapes_and_keeps_names_apart() -> None:
@@ -30,25 +32,41 @@ def test_printable_escapes_and_keeps_names_apart() -> None:
     assert long is not None and len(long) == 128 and long.endswith("\u2026")
 
 
-def _shard(i: int, cores: float) -> dict[str, Any]:
-    return {"id": f"s{i}", "cpu_cores": {"mean": cores, "p95": cores, "max": cores}}
+def _shard(i: int, cores: float) -> Shard:
+    return wire.made(Shard, {"id": f"s{i}", "cpu_cores": {"mean": cores, "p95": cores, "max": cores}})
 
 
 def test_lists_are_trimmed_most_important_first() -> None:
-    shards = [_shard(i, float(i % 7)) for i in range(300)]
-    disks = [{"mount": f"/m{i}", "bytes": i, "used_bytes": 0} for i in range(200)]
-    summary = wire.fit_heartbeat({"shards": shards, "machine": {"disks": disks}})
-    assert len(summary["shards"]) == wire.MAX_SHARDS and summary["shards_left_out"] == 300 - wire.MAX_SHARDS
-    kept = {s["id"] for s in summary["shards"]}
+    shards, left_out = wire.fit_shards([(_shard(i, float(i % 7)), i) for i in range(300)])
+    assert len(shards) == wire.MAX_SHARDS and left_out == 300 - wire.MAX_SHARDS
+    assert all(s.id == f"s{i}" for s, i in shards)  # each with what was kept beside it
+    kept = {s.id for s, _ in shards}
     assert all(f"s{i}" in kept for i in range(300) if i % 7 >= 2)  # the busiest are all there
-    assert summary["machine"]["disks_left_out"] == 200 - wire.MAX_DISKS
-    assert min(d["bytes"] for d in summary["machine"]["disks"]) == 200 - wire.MAX_DISKS  # the largest
+    machine = wire.fit_machine({"disks": [{"mount": f"/m{i}", "bytes": i, "used_bytes": 0} for i in range(200)]})
+    assert machine.disks is not None and machine.disks_left_out == 200 - wire.MAX_DISKS
+    assert min(d.bytes for d in machine.disks) == 200 - wire.MAX_DISKS  # the largest
+    assert wire.fit_shards([(_shard(1, 1.0), None)]) == ([(_shard(1, 1.0), None)], None)  # none left out: absent
 
 
 def test_ids_cut_to_the_same_text_stay_apart() -> None:
-    shards = [{"id": "x" * 200 + str(i)} for i in range(12)]
-    ids = [s["id"] for s in wire.fit_heartbeat({"shards": shards})["shards"]]
+    shards, _ = wire.fit_shards([(wire.made(Shard, {"id": "x" * 200 + str(i)}), i) for i in range(12)])
+    ids = [s.id for s, _ in shards]
     assert len(set(ids)) == 12 and all(len(i) <= wire.MAX_NAME for i in ids)
+    assert ids[0] == "x" * 127 + "\u2026" and ids[1] == "x" * 126 + "~1"  # the first keeps the cut name
+
+
+def test_made_fits_text_leaves_bounds_to_the_control_plane_and_refuses_unknown_keys() -> None:
+    shard = wire.made(Shard, {"id": "", "command": "a\tb", "model": "", "cpu_cores": {"mean": 1e9, "p95": 1e9,
+                                                                                     "max": 1e9}})  # fmt: skip
+    assert (shard.id, shard.command, shard.model) == ("?", "a\\tb", None)  # a required name is never empty
+    assert shard.cpu_cores is not None and shard.cpu_cores.mean == 1e9  # as measured: the control plane judges it
+    dropped: wire.Dropped = []
+    summary = wire.made(WindowSummary, {"node": "n1", "seq": 1, "backend": "proc", "machine": {}, "shards": [shard],
+                                        "window": {"start": 1.0, "end": 2.0, "samples": 1}})  # fmt: skip
+    assert wire.parse_heartbeat(wire.encode(summary), dropped)["shards"] == []
+    assert [d["field"] for d in dropped] == ["shards[0].cpu_cores.mean"]
+    with pytest.raises(TypeError, match="no field 'cpu_core'"):
+        wire.made(Shard, {"id": "a", "cpu_core": 1.0})
 
 
 HOSTILE = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00/"), min_size=1, max_size=40)
@@ -67,7 +85,7 @@ def _mounts(proc: FakeProc, where: Path, names: list[str]) -> None:
     (proc.root / "filesystems").write_text("nodev\ttmpfs\n\text4\n")
 
 
-def _window(proc: FakeProc, specs: list[ShardSpec] | None) -> dict[str, Any]:
+def _window(proc: FakeProc, specs: list[ShardSpec] | None) -> WindowSummary:
     clock = FakeClock()
 
     def sleep(seconds: float) -> None:
@@ -79,12 +97,12 @@ def _window(proc: FakeProc, specs: list[ShardSpec] | None) -> dict[str, Any]:
     return sampler.run_window(1.0)
 
 
-def _accepted_whole(summary: dict[str, Any]) -> dict[str, Any]:
+def _accepted_whole(summary: WindowSummary) -> dict[str, Any]:
     dropped: wire.Dropped = []
-    parsed = wire.parse_heartbeat(wire.dumps(summary), dropped)
+    parsed = wire.parse_heartbeat(wire.encode(summary), dropped)
     assert dropped == [], dropped
-    assert [s["id"] for s in parsed["shards"]] == [s["id"] for s in summary["shards"]]
-    assert len(parsed["machine"].get("disks", [])) == len(summary["machine"].get("disks", []))
+    assert [s["id"] for s in parsed["shards"]] == [s.id for s in summary.shards]
+    assert len(parsed["machine"].get("disks", [])) == len(summary.machine.disks or ())
     return parsed
 
 
@@ -121,7 +139,7 @@ def test_a_crowded_hostile_machine_is_accepted_whole(tmp_path: Path) -> None:
     disks = parsed["machine"]["disks"]
     assert len(disks) == wire.MAX_DISKS and parsed["machine"]["disks_left_out"] == 500 - wire.MAX_DISKS
     assert all(d["mount"].isprintable() for d in disks)
-    assert len(wire.dumps(summary)) <= wire.MAX_BODY_BYTES
+    assert len(wire.encode(summary)) <= wire.MAX_BODY_BYTES
 
 
 def test_a_pods_names_travel_whole_or_cut_never_refused() -> None:
@@ -131,7 +149,7 @@ def test_a_pods_names_travel_whole_or_cut_never_refused() -> None:
                "shards": [{"id": "llm/engine-0", "namespace": "llm", "pod": "engine-0", "container": "vllm"},
                           {"id": "llm/x", "namespace": "llm", "pod": long_pod}]}  # fmt: skip
     dropped: list[dict[str, str]] = []
-    body = wire.parse_heartbeat(wire.dumps(wire.fit_heartbeat(summary)), dropped)
+    body = wire.parse_heartbeat(wire.encode(wire.made(WindowSummary, summary)), dropped)
     assert not dropped
     first, second = body["shards"]
     assert (first["namespace"], first["pod"], first["container"]) == ("llm", "engine-0", "vllm")

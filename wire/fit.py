@@ -1,16 +1,24 @@
-"""What the agent sends, made fit for the wire: text from the machine
-(process names, mount points, GPU names) made printable by escaping, lists
-trimmed to their limits, most important first, with a count of what was
-left out."""
+"""What the agent sends, made fit for the wire: the schema's structs made
+from its figures (`made`), text from the machine (process names, mount
+points, GPU names) made printable by escaping, lists trimmed to their
+limits, most important first, with a count of what was left out. Nothing
+is edited in place: each step makes new structs."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import msgspec.inspect
+import msgspec.structs
 
 from wire.checks import Json
-from wire.limits import MAX_DISKS, MAX_GPUS, MAX_K8S_NAME, MAX_NAME, MAX_PGIDS, MAX_SHARDS, MAX_TEXT
+from wire.limits import MAX_DISKS, MAX_GPUS, MAX_NAME, MAX_PGIDS, MAX_SHARDS, MAX_TEXT
+from wire.schema import Disk, Gpu, Machine, Shard, json_values
 
 
 def printable(text: str | None, limit: int = MAX_TEXT) -> str | None:
@@ -38,74 +46,113 @@ def keep_busiest(shards: Sequence[T], most: int, cores: Callable[[T], float | No
     return sorted(shards, key=lambda s: -(cores(s) or 0.0))[:most], len(shards) - most
 
 
-def _fit_text(src: Json, keys: tuple[str, ...], limit: int) -> None:
-    for key in keys:
-        if isinstance(src.get(key), str):
-            if (text := printable(src[key], limit)) is None:
-                del src[key]
-            else:
-                src[key] = text
+S = TypeVar("S", bound=msgspec.Struct)
+_Convert = Callable[[Any], Any]
 
 
-def _fit_disks(disks: list[Json]) -> tuple[list[Json], int]:
-    for d in disks:
-        d["mount"] = printable(d.get("mount")) or "?"
-    if len(disks) <= MAX_DISKS:
-        return disks, 0
-    kept = sorted(disks, key=lambda d: -d.get("bytes", 0))[:MAX_DISKS]  # the largest
-    return kept, len(disks) - MAX_DISKS
+def made(cls: type[S], fields: Mapping[str, Any]) -> S:
+    """One of the schema's structs from the agent's figures, keyed as on the
+    wire (nested objects and lists too): its free text made printable and cut
+    to the length the schema declares for it (empty text is absent; a
+    required one is `?`). Bounds are not checked here: what was measured is
+    sent as measured, and the control plane judges it (a bad entry costs that
+    entry alone there, named in the answer's `dropped`). A key the schema
+    does not declare is a bug of ours, raised as TypeError."""
+    plan = _plan(cls)
+    kwargs = {}
+    for key, value in fields.items():
+        try:
+            name, convert = plan[key]
+        except KeyError:
+            raise TypeError(f"{cls.__name__} has no field {key!r}") from None
+        kwargs[name] = convert(value)
+    return cls(**kwargs)
 
 
-def _fit_gpus(gpus: list[Json]) -> list[Json]:
-    for g in gpus[:MAX_GPUS]:
-        _fit_text(g, ("name",), MAX_NAME)
-        _fit_text(g, ("uuid", "pci_bus_id", "driver_version"), MAX_TEXT)
-    return gpus[:MAX_GPUS]
+@functools.cache
+def _plan(cls: type[msgspec.Struct]) -> dict[str, tuple[str, _Convert]]:
+    """For each key of `cls` on the wire: its attribute, and how its value is made."""
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    return {f.encode_name: (f.name, _converter(f.type, f.required)) for f in info.fields}
 
 
-def fit_registration(body: Json) -> Json:
-    """A registration made fit for the wire, in place."""
-    _fit_text(body, ("hostname", "kernel", "agent_version", "backend_reason"), MAX_TEXT)
-    if isinstance(body.get("disks"), list):
-        body["disks"], _ = _fit_disks(body["disks"])
-    if isinstance(body.get("gpus"), list):
-        body["gpus"] = _fit_gpus(body["gpus"])
-    return body
+def _converter(t: msgspec.inspect.Type, required: bool) -> _Convert:
+    if isinstance(t, msgspec.inspect.Metadata):
+        if isinstance(t.type, msgspec.inspect.StrType) and (t.extra or {}).get("text"):
+            limit = t.type.max_length or MAX_TEXT
+            return (lambda v: printable(v, limit) or "?") if required else (lambda v: printable(v, limit))
+        t = t.type
+    if isinstance(t, msgspec.inspect.UnionType):
+        [inner] = [u for u in t.types if not isinstance(u, msgspec.inspect.NoneType)]
+        some = _converter(inner, required)
+        return lambda v: None if v is None else some(v)
+    if isinstance(t, msgspec.inspect.StructType):
+        cls = t.cls
+        return lambda v: v if isinstance(v, cls) else made(cls, v)
+    if isinstance(t, msgspec.inspect.VarTupleType | msgspec.inspect.ListType):
+        item = _converter(t.item_type, True)
+        return lambda v: tuple(item(x) for x in v)
+    if isinstance(t, msgspec.inspect.DictType):
+        value = _converter(t.value_type, True)
+        return lambda v: {k: value(x) for k, x in v.items()}
+    return lambda v: v
 
 
-def fit_heartbeat(summary: Json) -> Json:
-    """A window's summary made fit for the wire, in place: text escaped and
-    cut, lists trimmed (the busiest shards, the largest disks), and what was
-    left out counted (`shards_left_out`, `machine.disks_left_out`)."""
-    _fit_text(summary, ("backend_reason", "gpu_error"), MAX_TEXT)
-    machine = summary.get("machine")
-    if isinstance(machine, dict) and isinstance(machine.get("disks"), list):
-        machine["disks"], left_out = _fit_disks(machine["disks"])
-        if left_out:
-            machine["disks_left_out"] = left_out
-    shards = summary.get("shards")
-    if isinstance(shards, list):
-        shards, left_out = keep_busiest(shards, MAX_SHARDS, lambda s: (s.get("cpu_cores") or {}).get("mean"))
-        if left_out:
-            summary["shards"], summary["shards_left_out"] = shards, left_out
-        seen: set[str] = set()
-        for s in shards:
-            sid = base = printable(s.get("id"), MAX_NAME) or "?"
-            n = 0
-            while sid in seen:  # cut names may meet: keep each shard, and its id unique
-                n += 1
-                sid = base[: MAX_NAME - len(f"~{n}")] + f"~{n}"
-            seen.add(sid)
-            s["id"] = sid
-            _fit_text(s, ("model", "replica"), MAX_NAME)
-            _fit_text(s, ("namespace", "pod", "container"), MAX_K8S_NAME)
-            _fit_text(s, ("selector", "command", "metrics_error"), MAX_TEXT)
-            if isinstance(s.get("pgids"), list) and len(s["pgids"]) > MAX_PGIDS:
-                s["pgids"] = s["pgids"][:MAX_PGIDS]
-    if isinstance(summary.get("gpus"), list):
-        summary["gpus"] = _fit_gpus(summary["gpus"])
-    return summary
+def fit_disks(disks: Sequence[Disk] | None) -> tuple[tuple[Disk, ...] | None, int | None]:
+    """The largest `MAX_DISKS` disks, and how many were left out (None: none)."""
+    if disks is None or len(disks) <= MAX_DISKS:
+        return (None if disks is None else tuple(disks)), None
+    return tuple(sorted(disks, key=lambda d: -d.bytes)[:MAX_DISKS]), len(disks) - MAX_DISKS
+
+
+def fit_machine(fields: Mapping[str, Any]) -> Machine:
+    """The machine's figures, its disks within the wire's limit (`disks_left_out`)."""
+    machine = made(Machine, fields)
+    disks, left_out = fit_disks(machine.disks)
+    return machine if left_out is None else msgspec.structs.replace(machine, disks=disks, disks_left_out=left_out)
+
+
+def fit_gpus(gpus: Iterable[Mapping[str, Any]]) -> tuple[Gpu, ...]:
+    """The first `MAX_GPUS` cards, their text made printable."""
+    return tuple(made(Gpu, g) for g in itertools.islice(gpus, MAX_GPUS))
+
+
+def fit_shards(shards: Sequence[tuple[Shard, T]]) -> tuple[list[tuple[Shard, T]], int | None]:
+    """The busiest `MAX_SHARDS` shards, each with what the caller keeps beside
+    it, their ids unique (two names cut to one length may meet: each shard is
+    kept, the later one's id suffixed `~N`), their pgids within the limit; and
+    how many were left out (None: none)."""
+    kept, left_out = keep_busiest(shards, MAX_SHARDS, _mean_cores)
+    out, seen = [], set()
+    for shard, beside in kept:
+        sid = base = shard.id
+        n = 0
+        while sid in seen:
+            n += 1
+            sid = base[: MAX_NAME - len(f"~{n}")] + f"~{n}"
+        seen.add(sid)
+        changes: dict[str, Any] = {}
+        if sid != shard.id:
+            changes["id"] = sid
+        if shard.pgids is not None and len(shard.pgids) > MAX_PGIDS:
+            changes["pgids"] = shard.pgids[:MAX_PGIDS]
+        out.append((msgspec.structs.replace(shard, **changes) if changes else shard, beside))
+    return out, left_out or None
+
+
+def _mean_cores(pair: tuple[Shard, Any]) -> float | None:
+    return None if pair[0].cpu_cores is None else pair[0].cpu_cores.mean
+
+
+def encode(body: msgspec.Struct) -> bytes:
+    """A struct of the schema as its JSON body (`json_values`)."""
+    return _ENCODER.encode(json_values(body))
+
+
+_ENCODER = msgspec.json.Encoder()
 
 
 def dumps(body: Json) -> bytes:
+    """JSON values as a body (tests and tools: the agent sends structs, `encode`)."""
     return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()

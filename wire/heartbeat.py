@@ -28,7 +28,7 @@ from wire.checks import Dropped, Json, WireError, obj
 from wire.explain import checked
 from wire.limits import MAX_BODY_BYTES
 from wire.raw import parse_raw
-from wire.schema import Heartbeat, Registration
+from wire.schema import Heartbeat, Registration, json_values
 
 S = TypeVar("S", Heartbeat, Registration)
 
@@ -107,10 +107,9 @@ def decode_heartbeat(data: bytes, dropped: Dropped | None = None,
 
 
 def heartbeat_json(hb: Heartbeat) -> Json:
-    """A heartbeat as JSON values, keyed as on the wire (`shards` always there)."""
-    out: Json = msgspec.to_builtins(hb)
-    out["shards"] = out.get("shards", [])
-    return out
+    """A heartbeat as JSON values, keyed as on the wire (`shards` always there,
+    and the other keys the summary always has, `null` when not measured)."""
+    return json_values(hb)
 
 
 def parse_heartbeat(data: bytes, dropped: Dropped | None = None,

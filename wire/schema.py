@@ -21,10 +21,12 @@ takes 8 (bench/heartbeat_throughput.py has the whole ingest).
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import msgspec.inspect
+import msgspec.structs
 
 from wire.limits import (
     MAX_BYTES,
@@ -92,6 +94,9 @@ class _Checked(msgspec.Struct, gc=False, omit_defaults=True, frozen=True):
     # Filled in from the declarations once every struct exists (`_find_checks`).
     _text_fields: ClassVar[tuple[str, ...]] = ()
     _not_before: ClassVar[tuple[tuple[str, str], ...]] = ()  # (field, the field it may not be less than)
+    # Fields written even when not measured, as `null` (docs/summary.md promises their keys); every
+    # other field not measured is absent (`json_values`).
+    _always_sent: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         for key in self._text_fields:
@@ -149,6 +154,8 @@ class Disk(_Checked, frozen=True):
 
 
 class Machine(_Checked, frozen=True):
+    _always_sent = ("cpu_percent",)
+
     cpus: Cpus | None = None
     cpu_percent: PercentStats | None = None
     cpu_steal_percent: PercentStats | None = None
@@ -173,6 +180,8 @@ class RunqueueWait(_Checked, frozen=True):
 
 class Shard(_Checked, frozen=True):
     """One engine the heartbeat reports."""
+
+    _always_sent = ("cpu_cores", "memory_bytes")
 
     id: Name
     model: Name | None = None
@@ -235,6 +244,8 @@ class Heartbeat(_Checked, kw_only=True, frozen=True):
     """One window of one node (DESIGN.md, "The heartbeat's summary"). Its
     fields in the order a body is checked, the first problem named."""
 
+    _always_sent = ("backend_reason", "shards")
+
     node: NodeId
     seq: Seq
     backend: Literal["bpf", "proc"]
@@ -246,6 +257,35 @@ class Heartbeat(_Checked, kw_only=True, frozen=True):
     gpus: Annotated[tuple[Gpu, ...], msgspec.Meta(max_length=MAX_GPUS, extra=EACH)] | None = None
     gpu_error: Text | None = None
     raw: msgspec.Raw | None = None  # the window's samples while someone watches live (wire/raw.py): read only then
+
+
+class ProgramRuns(_Checked, frozen=True):
+    """One BPF program's runs in the window, from the kernel's own statistics (--bpf-stats)."""
+
+    _always_sent = ("ns_per_run",)
+
+    runs: Count
+    run_time_ns: Annotated[int, _unit("nanoseconds", ge=0, le=2**62)]
+    ns_per_run: Annotated[float, _unit("nanoseconds", ge=0, le=1e12)] | None = None
+
+
+class ProgramCost(_Checked, frozen=True):
+    """The kernel backend's own cost in the window."""
+
+    _always_sent = ("dropped_forks",)
+
+    dropped_forks: Count | None = None  # forks it could not count (its table of tasks full)
+    tickless_cpus: tuple[AffinityCpus, ...] | None = None  # a running task is learnt there at its next switch
+    programs: dict[str, ProgramRuns] | None = None  # with --bpf-stats
+
+
+class WindowSummary(Heartbeat, kw_only=True, frozen=True):
+    """A heartbeat as the agent makes it, and as `nodesampler sample --json`
+    prints it (docs/summary.md): with the agent's own costs, which the
+    control plane does not read (it ignores the keys it does not know)."""
+
+    gpu_read_seconds: Annotated[float, _unit("seconds", ge=0, le=1e6)] | None = None
+    bpf: ProgramCost | None = None
 
 
 class Registration(_Checked, frozen=True):
@@ -271,7 +311,7 @@ def _extra(t: msgspec.inspect.Type) -> dict[str, Any]:
 
 def _find_checks() -> None:
     for cls in (Stats, PercentStats, CoreStats, Load, Stall, Pressure, Disk, Machine, RunqueueWait, Shard, Gpu,
-                Window, Heartbeat, Registration):  # fmt: skip
+                Window, Heartbeat, ProgramRuns, ProgramCost, WindowSummary, Registration):  # fmt: skip
         info = msgspec.inspect.type_info(cls)
         assert isinstance(info, msgspec.inspect.StructType)
         cls._text_fields = tuple(f.name for f in info.fields if _extra(f.type).get("text"))
@@ -280,3 +320,39 @@ def _find_checks() -> None:
 
 
 _find_checks()
+
+
+def json_values(struct: msgspec.Struct) -> dict[str, Any]:
+    """A struct of the schema as JSON values, keyed as on the wire: a field not
+    measured is absent, but those `_always_sent` are there as `null` (an
+    empty list for `shards`). A raw block is left as it is (msgspec.Raw)."""
+    raw = getattr(struct, "raw", None)
+    if raw is not None:
+        struct = msgspec.structs.replace(struct, raw=None)
+    out: dict[str, Any] = msgspec.to_builtins(struct)
+    _fill(struct, out)
+    if raw is not None:
+        out["raw"] = raw
+    return out
+
+
+def _fill(struct: msgspec.Struct, out: dict[str, Any]) -> None:
+    for name, key, always in _keys(type(struct)):
+        value = getattr(struct, name)
+        if always and key not in out:
+            out[key] = [] if value == () else None
+        if isinstance(value, msgspec.Struct):
+            _fill(value, out[key])
+        elif isinstance(value, tuple) and value and isinstance(value[0], msgspec.Struct):
+            for item, item_out in zip(value, out[key], strict=True):
+                _fill(item, item_out)
+        elif isinstance(value, dict):
+            for k, item in value.items():
+                if isinstance(item, msgspec.Struct):
+                    _fill(item, out[key][k])
+
+
+@functools.cache
+def _keys(cls: type[msgspec.Struct]) -> tuple[tuple[str, str, bool], ...]:
+    always = getattr(cls, "_always_sent", ())
+    return tuple((f.name, f.encode_name, f.name in always) for f in msgspec.structs.fields(cls))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 
+import msgspec
+
+import wire
 from nodesampler.cli.sampling import kubelet_from, make_sampler, print_bpf
 
 
@@ -28,5 +30,5 @@ def cmd_sample(args: argparse.Namespace) -> int:
         summary = sampler.run_window(args.duration)
     finally:
         sampler.close()
-    print(json.dumps(summary, indent=2) if args.json else render(summary))
+    print(msgspec.json.format(wire.encode(summary), indent=2).decode() if args.json else render(summary))
     return 0

@@ -12,6 +12,7 @@ import aiohttp
 
 import wire
 from sampler.off_thread import Said
+from wire.schema import Registration, WindowSummary
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,11 @@ class HeartbeatClient:
         self.token = token if callable(token) else (lambda: token)
         self._dropped_said = Said(most=100)
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, path: str, body: Registration | WindowSummary) -> dict[str, Any]:
         """The answer to an accepted body ({} when it cannot be read: it says no more)."""
         headers = {"Authorization": f"Bearer {self.token()}", "Content-Type": "application/json"}
         try:
-            async with self.session.post(self.base_url + path, data=wire.dumps(body), headers=headers) as r:
+            async with self.session.post(self.base_url + path, data=wire.encode(body), headers=headers) as r:
                 if r.status == 200:
                     answer: Any = {}
                     with contextlib.suppress(ValueError):
@@ -73,10 +74,10 @@ class HeartbeatClient:
             if self._dropped_said.first(reason):
                 log.warning("the control plane left out %s: %s", str(d.get("field"))[:100], reason)
 
-    async def register(self, registration: dict[str, Any]) -> None:
+    async def register(self, registration: Registration) -> None:
         await self._post("/v1/register", registration)
 
-    async def heartbeat(self, summary: dict[str, Any]) -> bool:
+    async def heartbeat(self, summary: WindowSummary) -> bool:
         """Sends a window's summary; True when the control plane asks for the
         next windows' raw samples (someone watches this node live)."""
         return (await self._post("/v1/heartbeat", summary)).get("raw") is True

@@ -8,7 +8,8 @@ import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from wire.schema import WindowSummary
 
 BACKOFF_START_S = 1.0
 BACKOFF_CAP_S = 30.0
@@ -18,24 +19,24 @@ class NewestSummary:
     """A one-slot mailbox: a new summary replaces one not yet sent."""
 
     def __init__(self) -> None:
-        self._summary: dict[str, Any] | None = None
+        self._summary: WindowSummary | None = None
         self._ready = asyncio.Event()
         self.replaced = 0
 
-    def put(self, summary: dict[str, Any]) -> None:
+    def put(self, summary: WindowSummary) -> None:
         if self._summary is not None:
             self.replaced += 1
         self._summary = summary
         self._ready.set()
 
-    async def get(self) -> dict[str, Any]:
+    async def get(self) -> WindowSummary:
         await self._ready.wait()
         summary, self._summary = self._summary, None
         self._ready.clear()
         assert summary is not None
         return summary
 
-    def newer(self) -> dict[str, Any] | None:
+    def newer(self) -> WindowSummary | None:
         """A summary that arrived while the last was being sent, if any."""
         if self._summary is None:
             return None

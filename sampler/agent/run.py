@@ -27,6 +27,7 @@ from sampler.agent.config import ConfigFile, TokenFile
 from sampler.agent.delivery import Backoff, NewestSummary
 from sampler.off_thread import Said
 from sampler.window.sampler import WindowSampler
+from wire.schema import Registration, WindowSummary
 
 
 def _installed_version() -> str | None:
@@ -37,9 +38,6 @@ def _installed_version() -> str | None:
         return importlib.metadata.version("nodesampler")
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-AGENT_VERSION = _installed_version()
 
 
 AGENT_VERSION = _installed_version()
@@ -56,24 +54,22 @@ class AgentFailed(Exception):
 WINDOW_FAILURES_BEFORE_EXIT = 3  # one failed window is retried; three in a row is a broken agent
 
 
-def registration_body(sampler: WindowSampler, node: str, hostname: str | None = None) -> dict[str, Any]:
+def registration_body(sampler: WindowSampler, node: str, hostname: str | None = None) -> Registration:
     # The gauges of the last window: no /proc or statvfs here, on the event loop (a hung mount would stall it).
     gauges = sampler.last_gauges
-    body: dict[str, Any] = {
+    inventory = sampler.gpus.inventory() if sampler.gpus is not None else None
+    return wire.made(Registration, {
         "node": node,
         "hostname": hostname or socket.gethostname(),
         "kernel": platform.release(),
         "agent_version": AGENT_VERSION,
         "backend": sampler.backend.name,
-    }
-    if sampler.backend.reason:
-        body["backend_reason"] = sampler.backend.reason[: wire.MAX_TEXT]
-    for key in ("cpus", "memory_bytes", "disks"):
-        if key in gauges:
-            body[key] = gauges[key]
-    if sampler.gpus is not None and (inventory := sampler.gpus.inventory()) is not None:
-        body["gpus"] = inventory
-    return wire.fit_registration(body)
+        "backend_reason": sampler.backend.reason,
+        "cpus": gauges.cpus,
+        "memory_bytes": gauges.memory_bytes,
+        "disks": gauges.disks,
+        "gpus": None if inventory is None else wire.fit_gpus(inventory),
+    })  # fmt: skip
 
 
 class Agent:
@@ -133,7 +129,7 @@ class Agent:
             if not self.stopping.is_set():
                 loop.call_soon_threadsafe(self._window_done, summary)
 
-    def _window_done(self, summary: dict[str, Any]) -> None:
+    def _window_done(self, summary: WindowSummary) -> None:
         """On the event loop: the window goes to the sender, and the alive file says so."""
         self.mailbox.put(summary)
         if self.alive_file is None:

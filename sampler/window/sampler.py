@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import msgspec.structs
 import numpy as np
 
 import wire
@@ -32,10 +34,13 @@ from sampler.sources.machine import MachineCpuSampler, MachineGaugeReader, Press
 from sampler.sources.runqueue import RunQueueWaitSampler
 from sampler.window.series import RateSeries
 from wire import raw as raw_samples
+from wire.schema import Machine, ProgramCost, Shard, Window, WindowSummary
 
 BUSIEST_GROUPS = 5
 
 log = logging.getLogger(__name__)
+
+GpuSamples = dict[int, tuple[np.ndarray, np.ndarray]]  # a card's NVML utilisation samples: times (us) and values
 
 
 @dataclass
@@ -95,7 +100,7 @@ class WindowSampler:
         self._program_stats: dict[str, tuple[int, int]] = {}
         self._wait_cumulative: dict[str, float] = {}
         self._seq = 0
-        self.last_gauges: dict[str, Any] = {}
+        self.last_gauges = Machine()
         self._cpus = os.cpu_count() or 1
         # Set by the agent while the control plane asks for raw samples (someone
         # watches this node live): the window's samples go with its summary.
@@ -164,7 +169,7 @@ class WindowSampler:
         if self._said.first(problem):
             log.warning("%s", problem)
 
-    def run_window(self, seconds: float) -> dict[str, Any]:
+    def run_window(self, seconds: float) -> WindowSummary:
         """One window: the walk, `seconds` of samples at `hz`, and their summary with
         every source's figures merged, fit for the wire (docs/wire-format.md)."""
         start_wall = self._wall()
@@ -173,34 +178,31 @@ class WindowSampler:
         pressure_start, pressure_at = self.pressure.read(), self._clock()
         samples = self._take_samples(start, seconds)
         self._seq += 1
-        summary: dict[str, Any] = {
-            "node": self.node,
-            "seq": self._seq,
-            "backend": self.backend.name,
-            "backend_reason": self.backend.reason,
-            "window": {"start": start_wall, "end": self._wall(), "samples": samples.taken},
-        }
-        machine: dict[str, Any] = self.gauges.read()
-        self.last_gauges = dict(machine)  # for registration, which must not read disks on the event loop
-        machine["cpu_percent"] = samples.machine.summary()
-        if (stolen := samples.steal.summary()) is not None:
-            machine["cpu_steal_percent"] = stolen
+        end_wall = self._wall()
+        if end_wall < start_wall:  # the wall clock was stepped back during the window: its length is the monotonic one
+            self._say("the wall clock went back during a window: its start is taken as its end less its length")
+            start_wall = end_wall - (self._clock() - start)
+        window = Window(start=start_wall, end=end_wall, samples=samples.taken)
+        gauges = self.gauges.read()
         pressure = PressureReader.share(pressure_start, self.pressure.read(), self._clock() - pressure_at)
-        if pressure is not None:
-            machine["pressure"] = pressure
-        summary["machine"] = machine
+        machine = wire.fit_machine({**gauges, "cpu_percent": samples.machine.summary(),
+                                    "cpu_steal_percent": samples.steal.summary(), "pressure": pressure})  # fmt: skip
+        self.last_gauges = machine  # for registration, which must not read disks on the event loop
         memory = self.shard_sampler.memory()
-        summary["shards"] = [self._shard(w, samples.shards[w.id], memory.get(w.id)) for w in self.shard_sampler.specs]
-        series_of = {id(s): samples.shards[w.id]
-                     for s, w in zip(summary["shards"], self.shard_sampler.specs, strict=True)}  # fmt: skip
-        gpu_samples = self._merge_sources(summary)
-        if cost := self._program_cost():
-            summary["bpf"] = cost
-        wire.fit_heartbeat(summary)  # machine text escaped, lists within the wire's limits
-        if self.raw_wanted:
-            summary["raw"] = self._raw(summary, samples.first_from - start, samples.machine, series_of, gpu_samples,
-                                       start_wall)  # fmt: skip
-        return summary
+        figures = {w.id: self._shard(w, samples.shards[w.id], memory.get(w.id)) for w in self.shard_sampler.specs}
+        gpus, gpu_samples = self._merge_sources(figures)
+        shards, shards_left_out = wire.fit_shards([(wire.made(Shard, f), samples.shards[wid])
+                                                   for wid, f in figures.items()])  # fmt: skip
+        summary = wire.made(WindowSummary, {
+            "node": self.node, "seq": self._seq, "backend": self.backend.name, "backend_reason": self.backend.reason,
+            "window": window, "machine": machine, "shards": [shard for shard, _ in shards],
+            "shards_left_out": shards_left_out, "bpf": self._program_cost(), **gpus,
+        })  # fmt: skip
+        if not self.raw_wanted:
+            return summary
+        raw = self._raw(len(wire.encode(summary)), samples.first_from - start, samples.machine, shards, gpu_samples,
+                        start_wall)  # fmt: skip
+        return msgspec.structs.replace(summary, raw=msgspec.Raw(wire.dumps(raw)))
 
     def _take_samples(self, start: float, seconds: float) -> _WindowSamples:
         """The window's samples, one every 1/hz from `start`; the GPUs and the
@@ -252,43 +254,45 @@ class WindowSampler:
         self._last_sample_at = last
         return samples
 
-    def _merge_sources(self, summary: dict[str, Any]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Each shard's figures from the window's other sources: its waits for a
-        CPU, its cgroup's throttling, its GPUs (and the node's cards), its own
-        queues. The GPUs' utilisation samples, for the raw block."""
+    def _merge_sources(self, figures: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], GpuSamples]:
+        """Into each shard's figures, those of the window's other sources: its
+        waits for a CPU, its cgroup's throttling, its GPUs, its own queues.
+        The summary's GPU fields (the node's cards, or why there are none),
+        and the GPUs' utilisation samples, for the raw block."""
         waits = self._waits()
         bandwidth = self.cfs.read(self._members)  # once a window: cumulative counters
-        for shard in summary["shards"]:
-            if (wait := waits.get(shard["id"])) is not None:
+        for sid, shard in figures.items():
+            if (wait := waits.get(sid)) is not None:
                 shard["runqueue_wait_seconds"] = wait
-            shard.update(bandwidth.get(shard["id"], {}))
-        gpu_samples: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            shard.update(bandwidth.get(sid, {}))
+        gpus: dict[str, Any] = {}
+        gpu_samples: GpuSamples = {}
         if self.gpus is not None:
             if self.gpu_grace > 0:
                 self.gpus.wait(self.gpu_grace)
             reading = self.gpus.take()
-            self._add_gpus(summary, reading)
+            gpus = self._add_gpus(figures, reading)
             if reading is not None:
                 gpu_samples = reading.utilisation_samples
         if self.gpu_grace > 0:
             self.engine_metrics.wait(self.gpu_grace)
         queues = self.engine_metrics.take()
-        for shard in summary["shards"]:
-            shard.update(queues.get(shard["id"], {}))
-        return gpu_samples
+        for sid, shard in figures.items():
+            shard.update(queues.get(sid, {}))
+        return gpus, gpu_samples
 
     @staticmethod
-    def _raw(summary: dict[str, Any], first_from: float, machine: RateSeries, series_of: dict[int, RateSeries],
-             gpu_samples: dict[int, tuple[np.ndarray, np.ndarray]], start_wall: float) -> dict[str, Any]:  # fmt: skip
+    def _raw(summary_bytes: int, first_from: float, machine: RateSeries, shards: list[tuple[Shard, RateSeries]],
+             gpu_samples: GpuSamples, start_wall: float) -> dict[str, Any]:  # fmt: skip
         """The window's samples for a live viewer, as the summary counted them
         (wire/raw.py): machine CPU, each sent shard's cores
         (by its id as sent), and the GPUs' NVML samples."""
         cpu = raw_samples.rate_series(first_from, *machine.samples(), digits=4)
         gpus = [(index, raw_samples.gpu_points(t_us / 1e6 - start_wall, v)) for index, (t_us, v) in
                 sorted(gpu_samples.items())]  # fmt: skip
-        shards = [(s["id"], raw_samples.rate_series(first_from, *series_of[id(s)].samples(), digits=5))
-                  for s in summary["shards"]]  # fmt: skip
-        return raw_samples.fit_raw(len(wire.dumps(summary)), cpu, gpus, shards)
+        series = [(shard.id, raw_samples.rate_series(first_from, *cores.samples(), digits=5))
+                  for shard, cores in shards]  # fmt: skip
+        return raw_samples.fit_raw(summary_bytes, cpu, gpus, series)
 
     def _impossible(self, wid: str, r: ShardReading) -> None:
         """A sample of more cores than the machine has is a bug in a backend, not
@@ -317,20 +321,18 @@ class WindowSampler:
         return waits
 
     @staticmethod
-    def _add_gpus(summary: dict[str, Any], reading: GpuReading | None) -> None:
+    def _add_gpus(figures: dict[str, dict[str, Any]], reading: GpuReading | None) -> dict[str, Any]:
         if reading is None or reading.gpus is None:
             # Not measured: no "gpus" at all, which would read as a node without GPUs.
-            summary["gpu_error"] = reading.error if reading is not None else \
-                "NVML did not answer before the window ended"  # fmt: skip
-            return
-        summary["gpus"] = reading.gpus
-        summary["gpu_read_seconds"] = round(reading.seconds, 4)
-        for shard in summary["shards"]:
-            if (used := reading.shard_memory.get(shard["id"])) is not None:
+            error = reading.error if reading is not None else "NVML did not answer before the window ended"
+            return {"gpu_error": error}
+        for sid, shard in figures.items():
+            if (used := reading.shard_memory.get(sid)) is not None:
                 shard["gpu_memory_bytes"] = used
-            shard.update(reading.shard_utilisation.get(shard["id"], {}))
+            shard.update(reading.shard_utilisation.get(sid, {}))
+        return {"gpus": wire.fit_gpus(reading.gpus), "gpu_read_seconds": round(reading.seconds, 4)}
 
-    def _program_cost(self) -> dict[str, Any] | None:
+    def _program_cost(self) -> ProgramCost | None:
         """The kernel backend's forks it could not count, and (with
         --bpf-stats) its programs' run count and run time in this window, from
         the kernel's own BPF statistics."""
@@ -341,7 +343,7 @@ class WindowSampler:
         if tickless := self.shard_sampler.tickless_cpus:
             out["tickless_cpus"] = tickless  # a running task is learnt there at its next switch, not at the tick
         if not now:
-            return out
+            return wire.made(ProgramCost, out)
         before, self._program_stats = self._program_stats, now
         programs = {}
         for name, (ns, runs) in now.items():
@@ -349,7 +351,7 @@ class WindowSampler:
             d_ns, d_runs = ns - ns0, runs - runs0
             programs[name] = {"runs": d_runs, "run_time_ns": d_ns,
                               "ns_per_run": round(d_ns / d_runs, 1) if d_runs > 0 else None}  # fmt: skip
-        return {**out, "programs": programs}
+        return wire.made(ProgramCost, {**out, "programs": programs})
 
     def _shard(self, w: ShardSpec, cores: RateSeries, memory: int | None) -> dict[str, Any]:
         pgids, command = self.shard_sampler.describe(w.id)
