@@ -3,6 +3,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import wire
 from sampler.backend import BackendChoice
 from sampler.shards.proc_shards import PAGE_SIZE, USER_HZ, ProcShardSampler, ShardReading
 from sampler.shards.selectors import Selector, ShardSpec
@@ -181,6 +182,24 @@ def test_busiest_groups_are_named_by_command_and_outlive_a_restart(tmp_path: Pat
     shards = {s.id: s for s in w.run_window(1.0).shards}
     assert shards["comm:vllm"].pgids == (300,)
     assert cores_of(shards["comm:vllm"]).mean == pytest.approx(0.5)
+
+
+def test_a_wall_clock_stepped_back_costs_no_window(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """NTP steps the wall clock back 30 s during a window: the window's end is
+    the clock's, its start its end less the window's monotonic length, and
+    the control plane takes it (an end before its start is refused)."""
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(100, rss=1)
+    clock = FakeClock()
+    script = ScriptedProc(proc, clock)
+    walls = iter([1000.0, 971.0])
+    w = WindowSampler(proc.root, BackendChoice("proc", None), ProcShardSampler(proc.root, clock),
+                      [ShardSpec("s0", Selector.parse("pgid:100"))], hz=10, node="n1", clock=clock,
+                      wall_clock=lambda: next(walls), sleep=script.sleep)  # fmt: skip
+    summary = w.run_window(1.0)
+    assert summary.window.end == 971.0 and summary.window.start == pytest.approx(970.0)
+    assert wire.decode_heartbeat(wire.encode(summary)).heartbeat.window == summary.window
+    assert "wall clock went back" in caplog.text
 
 
 def test_a_300_ms_stall_keeps_every_figure(tmp_path: Path) -> None:
