@@ -17,15 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import aiohttp
 import numpy as np
 
-from controlplane.export.series import SeriesKey, SeriesLabels, series_of
+from controlplane.export.series import FlatLabels, SeriesKey, SeriesLabels, label_pairs, series_of
 from controlplane.state.registry import Received
-
-Labels = tuple[tuple[str, str], ...]
 
 HOUR_S = 3600.0
 MAX_SERIES_PER_NODE = 512  # columns: bounds a node's memory whatever its heartbeats hold
@@ -92,13 +90,15 @@ class _NodeRing:
     capacity: int
     t: np.ndarray = field(init=False)
     values: np.ndarray = field(init=False)  # (series, capacity)
-    columns: dict[tuple[str, Labels], int] = field(default_factory=dict)
-    # The series by family, with their labels and the node's name as a query matches them. Label
-    # pairs, not dicts: a tuple holding a dict is never untracked by the collector, and these were
-    # 65 of a node's 101 objects every full collection walked (0.82 s at 20,000 nodes).
+    columns: dict[SeriesKey, int] = field(default_factory=dict)
+    # The series by family, with their labels and the node's name as a query matches them. Flat
+    # tuples of strings, not dicts: a tuple holding a dict is never untracked by the collector, and
+    # these were 65 of a node's 101 objects every full collection walked (0.82 s at 20,000 nodes).
     # Tuples, not lists: a tuple of strings and numbers leaves the collector's
     # lists, and a node's 21 lists were most of what a full collection walked.
-    families: dict[str, tuple[tuple[Labels, int], ...]] = field(default_factory=dict)
+    # Each entry its labels, the node's, then its row, in one flat tuple: two levels of tuples in
+    # all, untracked by the young generations' collections before a full one sees them.
+    families: dict[str, tuple[tuple[str | int, ...], ...]] = field(default_factory=dict)
     n: int = 0  # heartbeats recorded, ever
     free: list[int] = field(default_factory=list)  # rows given up by series gone for the hour
     swept_at: int = -1  # n at the last look for series gone
@@ -140,17 +140,18 @@ class _NodeRing:
         values that have one."""
         columns = self.columns
         rows, kept = [], []
-        new: dict[str, list[tuple[Labels, int]]] = {}
+        new: dict[str, list[tuple[str | int, ...]]] = {}
         for key, value in zip(keys, values, strict=True):
             row = columns.get(key)
             if row is None:
                 row = self._take_row(len(keys))
                 if row is None:  # as many series, all with a value in the hour: this one waits
                     continue
-                self.values[row] = np.nan  # not measured at the heartbeats held before it came
+                # Not measured at the heartbeats held before it came: a row is NaN
+                # there as it is taken (made NaN by `_resize`, or given up as NaN).
                 columns[key] = row
                 family, labels = key
-                new.setdefault(family, []).append(((*labels, ("node", self.node)), row))
+                new.setdefault(family, []).append((*labels, "node", self.node, row))
             rows.append(row)
             kept.append(value)
         for family, entries in new.items():  # a family's tuple made once, not once a series (a node's first: 80)
@@ -176,9 +177,14 @@ class _NodeRing:
         return used
 
     def _resize(self, rows: int, slots: int) -> None:
+        """New rows NaN, so that a series taking one was not measured before it
+        came (one fill, not one a series: a node's first heartbeat filled 80
+        rows one by one, 9% of the control plane's time while a restarted
+        fleet came back); new slots are written before they are read."""
         grown = np.empty((rows, slots), dtype=np.float32)
         kept_rows, kept_slots = min(rows, self.values.shape[0]), min(slots, self.values.shape[1])
         grown[:kept_rows, :kept_slots] = self.values[:kept_rows, :kept_slots]
+        grown[kept_rows:] = np.nan
         self.values = grown
 
     def _give_up_unused(self) -> None:
@@ -191,7 +197,7 @@ class _NodeRing:
             return
         self.columns = {k: c for k, c in self.columns.items() if c not in gone}
         for family in list(self.families):
-            kept = tuple((labels, c) for labels, c in self.families[family] if c not in gone)
+            kept = tuple(entry for entry in self.families[family] if entry[-1] not in gone)
             if kept:
                 self.families[family] = kept
             else:
@@ -263,8 +269,8 @@ class EmbeddedHistory:
         rings = self._nodes.values() if node_filter is None else [one] if one is not None else []
         groups: dict[tuple[str, ...], dict[str, list[int]]] = {}
         for ring in rings:
-            for pairs, col in ring.families.get(spec.metric, ()):
-                labels = dict(pairs)
+            for entry in ring.families.get(spec.metric, ()):
+                labels, col = label_pairs(cast(FlatLabels, entry[:-1])), cast(int, entry[-1])
                 if want and any(labels.get(k) != v for k, v in want.items()):
                     continue
                 if spec.one_of and any(labels.get(k) not in values for k, values in spec.one_of):

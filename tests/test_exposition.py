@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane import pages_api
 from controlplane.export.exposition import FleetExposition
-from controlplane.export.series import FAMILIES, FAMILY_NAMES, series_of
+from controlplane.export.series import FAMILIES, FAMILY_NAMES, label_pairs, series_of
 from controlplane.history import EmbeddedHistory
 from controlplane.ingest import agent_api
 from controlplane.keys import METRICS
@@ -213,7 +213,7 @@ def test_the_history_keeps_exactly_what_the_exposition_exports_of_its_families()
             continue
         history.record(state.node, state.received, at=1000.0)
         keys, values = series_of(state.received)
-        kept = {(family, tuple(sorted(labels)), float(value))
+        kept = {(family, tuple(sorted(label_pairs(labels).items())), float(value))
                 for (family, labels), value in zip(keys, values, strict=True)}  # fmt: skip
         want = {(name, tuple(sorted((k, v) for k, v in labels.items() if k != "node")), value)
                 for family in FAMILIES if family.charted

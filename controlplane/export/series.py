@@ -238,9 +238,16 @@ FAMILIES: tuple[Family, ...] = (
 FAMILY_NAMES = frozenset(f.name for f in FAMILIES)
 
 
+FlatLabels = tuple[str, ...]  # name, value, name, value, ...
+
+
 class SeriesLabels:
-    """Label sets as sorted-by-use (name, value) tuples, the node's left out
-    (the history keeps each node apart): what `series_of` yields.
+    """Label sets as flat tuples of names and values (`FlatLabels`), the
+    node's left out (the history keeps each node apart): what `series_of`
+    yields. Flat: a tuple of strings is untracked by the collector the first
+    time it looks, where (name, value) pairs in a tuple took a full
+    collection a level, and a fleet's first heartbeats made three levels of
+    them (bench/held_heartbeats_gc.py).
 
     One maker a node, kept by its history: a label set is made once and the
     same object comes back at each heartbeat while the engine or card keeps
@@ -249,49 +256,56 @@ class SeriesLabels:
     plane's time at 10,000 nodes, bench/heartbeat_throughput.py). Bounded:
     engines restarting under new names for a day start it afresh."""
 
-    base: tuple[tuple[str, str], ...] = ()
-    info: tuple[tuple[str, str], ...] = ()  # no charted family is the node's status
+    base: FlatLabels = ()
+    info: FlatLabels = ()  # no charted family is the node's status
     MOST = 4096
 
     def __init__(self) -> None:
-        self._made: dict[Any, tuple[tuple[str, str], ...]] = {}
+        # Each kind its own: a shard's key could be written to equal a label set.
+        self._shards: dict[tuple[str | None, ...], FlatLabels] = {}
+        self._gpus: dict[tuple[int, str | None], FlatLabels] = {}
+        self._more: dict[FlatLabels, FlatLabels] = {}
 
-    def _kept(self, key: Any, labels: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
-        if len(self._made) >= self.MOST:
-            self._made.clear()
-        self._made[key] = labels
+    def _kept(self, made: dict[Any, FlatLabels], key: Any, labels: FlatLabels) -> FlatLabels:
+        if len(made) >= self.MOST:
+            made.clear()
+        made[key] = labels
         return labels
 
-    def shard(self, s: Shard) -> tuple[tuple[str, str], ...]:
+    def shard(self, s: Shard) -> FlatLabels:
         key = (s.id, s.model, s.replica, s.namespace, s.pod, s.container)
-        labels = self._made.get(key)
+        labels = self._shards.get(key)
         if labels is None:
-            labels = (("model", s.model or ""), ("replica", s.replica or ""), ("shard", s.id))
-            labels += tuple((k, v) for k, v in (("namespace", s.namespace), ("pod", s.pod), ("container", s.container))
-                            if v is not None)  # fmt: skip
-            labels = self._kept(key, labels)
+            made = ["model", s.model or "", "replica", s.replica or "", "shard", s.id]
+            for k, v in (("namespace", s.namespace), ("pod", s.pod), ("container", s.container)):
+                if v is not None:
+                    made += (k, v)
+            labels = self._kept(self._shards, key, tuple(made))
         return labels
 
-    def gpu(self, g: Gpu) -> tuple[tuple[str, str], ...]:
+    def gpu(self, g: Gpu) -> FlatLabels:
         key = (g.index, g.name)
-        labels = self._made.get(key)
+        labels = self._gpus.get(key)
         if labels is None:
-            labels = self._kept(key, (("gpu", str(g.index)), ("gpu_model", g.name or "")))
+            labels = self._kept(self._gpus, key, ("gpu", str(g.index), "gpu_model", g.name or ""))
         return labels
 
-    def mount(self, mount: str) -> tuple[tuple[str, str], ...]:
-        return (("mount", mount),)
+    def mount(self, mount: str) -> FlatLabels:
+        return ("mount", mount)
 
-    def more(self, labels: tuple[tuple[str, str], ...], *pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
-        key = (labels, pairs)
-        more = self._made.get(key)
-        if more is None:
-            more = self._kept(key, labels + pairs)
-        return more
+    def more(self, labels: FlatLabels, *pairs: tuple[str, str]) -> FlatLabels:
+        # Keyed by the set it makes (flat: no tuple of tuples for the collector to walk).
+        key = labels + tuple(x for pair in pairs for x in pair)
+        more = self._more.get(key)
+        return more if more is not None else self._kept(self._more, key, key)
+
+
+def label_pairs(labels: FlatLabels) -> dict[str, str]:
+    return dict(zip(labels[::2], labels[1::2], strict=True))
 
 
 _CHARTED_FAMILIES = tuple(f for f in FAMILIES if f.charted)
-SeriesKey = tuple[str, tuple[tuple[str, str], ...]]  # (family, labels)
+SeriesKey = tuple[str, FlatLabels]  # (family, labels)
 
 
 def series_of(r: Received, labels: SeriesLabels | None = None) -> tuple[tuple[SeriesKey, ...], list[float | int]]:
