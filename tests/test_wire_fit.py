@@ -5,6 +5,7 @@ whole by the control plane's parser."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +158,19 @@ def test_a_pods_names_travel_whole_or_cut_never_refused() -> None:
     raw = {**summary, "shards": [{"id": "x", "pod": "a\x1b[2J"}, {"id": "y", "namespace": ""}]}
     body = wire.parse_heartbeat(wire.dumps(raw), dropped)  # unfitted: each bad shard left out alone
     assert body["shards"] == [] and [d["field"] for d in dropped] == ["shards[0].pod", "shards[1].namespace"]
+
+
+def test_the_keys_the_summary_promises_are_there_as_null_and_no_others() -> None:
+    summary = wire.made(WindowSummary, {
+        "node": "n1", "seq": 1, "backend": "bpf", "window": {"start": 1.0, "end": 2.0, "samples": 1},
+        "machine": {"cpus": 2}, "shards": [{"id": "gone", "pgids": []}],
+        "gpus": [{"index": 0}], "bpf": {"programs": {"on_tick": {"runs": 0, "run_time_ns": 0}}},
+    })  # fmt: skip
+    body = json.loads(wire.encode(summary))
+    assert body["backend_reason"] is None and body["machine"]["cpu_percent"] is None
+    [shard] = body["shards"]
+    assert shard == {"id": "gone", "pgids": [], "cpu_cores": None, "memory_bytes": None}
+    assert body["gpus"] == [{"index": 0}]  # a card's figures not read are absent
+    assert body["bpf"] == {"dropped_forks": None, "programs": {"on_tick": {"runs": 0, "run_time_ns": 0,
+                                                                          "ns_per_run": None}}}  # fmt: skip
+    assert json.loads(wire.encode(wire.made(WindowSummary, {**body, "shards": []})))["shards"] == []

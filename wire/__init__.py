@@ -10,7 +10,7 @@ figures, fit for the wire).
 """
 
 from wire.checks import Dropped, Json, WireError, name, node_id
-from wire.fit import dumps, encode, fit_disks, fit_gpus, fit_machine, fit_shards, keep_busiest, made, printable
+from wire.fit import dumps, encode, fit_gpus, fit_machine, fit_shards, keep_busiest, made, printable
 from wire.heartbeat import (
     Decoded,
     decode_heartbeat,
@@ -36,6 +36,6 @@ from wire.limits import (
 __all__ = [
     "Decoded", "Dropped", "Json", "MAX_BODY_BYTES", "MAX_BYTES", "MAX_CORES", "MAX_DISKS", "MAX_GPUS",
     "MAX_K8S_NAME", "MAX_NAME", "MAX_PGIDS", "MAX_QUOTA_CORES", "MAX_SHARDS", "MAX_TEXT", "NODE_ID", "WireError",
-    "decode_heartbeat", "decode_registration", "dumps", "encode", "fit_disks", "fit_gpus", "fit_machine",
+    "decode_heartbeat", "decode_registration", "dumps", "encode", "fit_gpus", "fit_machine",
     "fit_shards", "heartbeat_json", "keep_busiest", "made", "name", "node_id", "parse_heartbeat", "printable",
 ]

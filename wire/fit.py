@@ -99,7 +99,7 @@ def _converter(t: msgspec.inspect.Type, required: bool) -> _Convert:
     return lambda v: v
 
 
-def fit_disks(disks: Sequence[Disk] | None) -> tuple[tuple[Disk, ...] | None, int | None]:
+def _fit_disks(disks: Sequence[Disk] | None) -> tuple[tuple[Disk, ...] | None, int | None]:
     """The largest `MAX_DISKS` disks, and how many were left out (None: none)."""
     if disks is None or len(disks) <= MAX_DISKS:
         return (None if disks is None else tuple(disks)), None
@@ -109,7 +109,7 @@ def fit_disks(disks: Sequence[Disk] | None) -> tuple[tuple[Disk, ...] | None, in
 def fit_machine(fields: Mapping[str, Any]) -> Machine:
     """The machine's figures, its disks within the wire's limit (`disks_left_out`)."""
     machine = made(Machine, fields)
-    disks, left_out = fit_disks(machine.disks)
+    disks, left_out = _fit_disks(machine.disks)
     return machine if left_out is None else msgspec.structs.replace(machine, disks=disks, disks_left_out=left_out)
 
 
