@@ -104,7 +104,12 @@ struct slot_time {
     u64 ns;
     u64 late;
 };
-BPF_F_TABLE("array", u32, struct slot_time, slot_ns, NR_CPUS * MAX_SLOTS, BPF_F_MMAPABLE);
+/* A CPU's row: one element, so that a reader of every slot (on_sample) looks
+ * it up once; laid out as NR_CPUS * MAX_SLOTS entries all the same. */
+struct slot_row {
+    struct slot_time t[MAX_SLOTS];
+};
+BPF_F_TABLE("array", u32, struct slot_row, slot_ns, NR_CPUS, BPF_F_MMAPABLE);
 
 /* What each CPU is running: its task's slot, that task's runtime when it was
  * switched in (or learnt), and when (ns, CLOCK_MONOTONIC). Read by userspace.
@@ -132,8 +137,9 @@ static __always_inline struct cpu_run *this_cpu_run(void)
 
 static __always_inline struct slot_time *this_cpu_slot(u32 slot)
 {
-    u32 i = bpf_get_smp_processor_id() * MAX_SLOTS + slot;
-    return slot_ns.lookup(&i);
+    u32 cpu = bpf_get_smp_processor_id();
+    struct slot_row *row = slot_ns.lookup(&cpu);
+    return row ? &row->t[slot & (MAX_SLOTS - 1)] : 0;
 }
 /* Forked processes that could not be given a slot (tgid above PID_MAX). */
 BPF_PERCPU_ARRAY(dropped_forks, u64, 1);
@@ -422,3 +428,175 @@ RAW_TRACEPOINT_PROBE(sched_process_exit)
         *slot = 0;
     return 0;
 }
+
+/* ---- Samples taken in the kernel ------------------------------------------
+ *
+ * on_sample fires at every sample boundary (a cpu-clock perf event on one
+ * CPU, at the agent's --hz: an hrtimer, so a sample's time is the kernel's and
+ * an agent that stalls loses none) and writes one sample into a ring the agent
+ * maps and reads once a second: what userspace's SlotCounters.totals reads at
+ * each of its samples, under the same sequence rules, and the machine's busy
+ * and stolen time from the kernel's own per-CPU accounting (kernel_cpustat,
+ * the counters /proc/stat prints).
+ *
+ * Defined only where the loader found what it needs (RING_LEN): the sampler
+ * falls back to userspace's loop without it.
+ *
+ * `sample_config` is written by userspace: which slots to sample, in which
+ * order (at most RING_SLOTS), and `gen`, odd while it is being written (a
+ * sequence lock, as cpu_run's). Each sample records the gen it was taken
+ * under; an odd one means the list was torn and the sample has no slots.
+ *
+ * kernel_cpustat is a per-CPU variable with no helper to reach it, and a
+ * typed ksym would need the kernel's symbol table to hold data symbols
+ * (CONFIG_KALLSYMS_ALL, which the CI host's kernel lacks). Every CPU's
+ * `struct rq` is reachable from any task (se.cfs_rq->tg->cfs_rq[cpu]->rq),
+ * and per-CPU variables keep their layout in every CPU's copy: kernel_cpustat
+ * lies KCPUSTAT_FROM_RQ bytes from runqueues (their offsets in the kernel
+ * BTF's .data..percpu section). Each CPU's rq is found once and checked
+ * (rq->cpu), then kept in `cpu_rq`.
+ */
+#ifdef RING_LEN
+struct sample_config {
+    u32 gen;
+    u32 count;
+    u8 slot[RING_SLOTS];   /* position -> slot */
+    u8 position[MAX_SLOTS]; /* slot -> position + 1 (0: not sampled) */
+};
+BPF_F_TABLE("array", u32, struct sample_config, sample_config, 1, BPF_F_MMAPABLE);
+
+struct sample_head {
+    u64 written; /* samples written, ever: sample n is at n % RING_LEN */
+    u64 spare[7];
+};
+BPF_F_TABLE("array", u32, struct sample_head, sample_head, 1, BPF_F_MMAPABLE);
+
+struct sample_time {
+    u64 at;    /* CLOCK_MONOTONIC ns */
+    u64 busy;  /* every CPU's user + nice + system + irq + softirq ns */
+    u64 steal; /* every CPU's stolen ns */
+    u32 gen;   /* sample_config's gen when taken; odd: no slots */
+    u32 cpus;  /* the CPUs whose time it holds */
+};
+BPF_F_TABLE("array", u32, struct sample_time, sample_time, RING_LEN, BPF_F_MMAPABLE);
+/* [position][sample]: a slot's samples together, so a reader of a few slots
+ * maps the pages of those alone. The totals, as slot_ns's (ns, late). */
+/* [position]: a slot's samples together (a column), so a reader of a few
+ * slots maps the pages of those alone. The totals, as slot_ns's (ns, late). */
+struct sample_column {
+    struct slot_time t[RING_LEN];
+};
+BPF_F_TABLE("array", u32, struct sample_column, sample_slots, RING_SLOTS, BPF_F_MMAPABLE);
+/* The sample being summed, before it goes into the columns: one element per CPU */
+struct sample_sums {
+    struct slot_time t[RING_SLOTS];
+};
+BPF_PERCPU_ARRAY(sample_sums, struct sample_sums, 1);
+/* cpu -> its struct rq's address, once found */
+BPF_ARRAY(cpu_rq, u64, NR_CPUS);
+
+static __always_inline u64 rq_of(u32 cpu, void *task)
+{
+    u64 *known = cpu_rq.lookup(&cpu);
+    if (!known)
+        return 0;
+    if (*known)
+        return *known;
+    void *cfs_rq = (void *)read_u64(task + TASK_CFS_RQ_OFF);
+    if (!cfs_rq)
+        return 0;
+    void *tg = (void *)read_u64(cfs_rq + CFS_RQ_TG_OFF);
+    if (!tg)
+        return 0;
+    void *per_cpu = (void *)read_u64(tg + TG_CFS_RQ_OFF);
+    if (!per_cpu)
+        return 0;
+    void *its_cfs_rq = (void *)read_u64(per_cpu + (u64)cpu * 8);
+    if (!its_cfs_rq)
+        return 0;
+    u64 rq = read_u64(its_cfs_rq + CFS_RQ_RQ_OFF);
+    if (!rq || read_u32((void *)rq + RQ_CPU_OFF) != cpu)
+        return 0;
+    *known = rq;
+    return rq;
+}
+
+#define barrier() asm volatile("" ::: "memory")
+
+int on_sample(struct bpf_perf_event_data *ctx)
+{
+    u32 zero = 0;
+    struct sample_head *head = sample_head.lookup(&zero);
+    struct sample_config *config = sample_config.lookup(&zero);
+    struct sample_sums *sums = sample_sums.lookup(&zero);
+    if (!head || !config || !sums)
+        return 0;
+    u64 n = head->written;
+    u32 e = n & (RING_LEN - 1);
+    struct sample_time *when = sample_time.lookup(&e);
+    if (!when)
+        return 0;
+    u32 gen = config->gen;
+    barrier();
+    __builtin_memset(sums, 0, sizeof(*sums));
+    u64 now = bpf_ktime_get_ns();
+    void *task = (void *)bpf_get_current_task();
+    u64 busy = 0, steal = 0;
+    u32 cpus = 0;
+    for (u32 cpu = 0; cpu < NR_CPUS; cpu++) {
+        struct cpu_run *run = cpu_run.lookup(&cpu);
+        struct slot_row *row = slot_ns.lookup(&cpu);
+        if (!run || !row)
+            break;
+        u32 seq = run->seq;
+        barrier();
+        u32 running = run->slot;
+        u64 since = run->since;
+        /* The count is read afresh at each use: a copy the loop's exits had
+         * narrowed would keep the verifier from merging its paths (it refused
+         * the program beyond 8 CPUs). */
+        for (u32 j = 0; j < RING_SLOTS && j < config->count; j++) {
+            u32 k = j;
+            asm volatile("" : "+r"(k)); /* indexed through the mask, not the loop's own (unrolled) counter */
+            k &= RING_SLOTS - 1;
+            struct slot_time *credited = &row->t[config->slot[k]];
+            sums->t[k].ns += credited->ns;
+            sums->t[k].late += credited->late;
+        }
+        barrier();
+        /* A CPU mid-switch (odd, or moved) is left out of the running slices, as userspace leaves it. */
+        if (running && !(seq & 1) && seq == run->seq && now > since) {
+            u32 j = config->position[running & (MAX_SLOTS - 1)];
+            if (j && j <= config->count && j <= RING_SLOTS)
+                sums->t[(j - 1) & (RING_SLOTS - 1)].ns += now - since;
+        }
+        u64 rq = rq_of(cpu, task);
+        if (!rq)
+            continue;
+        u64 stat[KCPUSTAT_FIELDS] = {};
+        if (bpf_probe_read_kernel(stat, sizeof(stat), (void *)(rq + KCPUSTAT_FROM_RQ)))
+            continue;
+        busy += stat[STAT_USER] + stat[STAT_NICE] + stat[STAT_SYSTEM] + stat[STAT_IRQ] + stat[STAT_SOFTIRQ];
+        steal += stat[STAT_STEAL];
+        cpus += 1;
+    }
+    for (u32 j = 0; j < RING_SLOTS && j < config->count; j++) {
+        struct sample_column *column = sample_slots.lookup(&j);
+        if (!column)
+            break;
+        u32 at = e;
+        asm volatile("" : "+r"(at)); /* the mask below reaches the verifier: e was spilled, its bound lost */
+        column->t[at & (RING_LEN - 1)] = sums->t[j];
+    }
+    barrier();
+    if (gen != config->gen)
+        gen |= 1; /* the list changed while it was read */
+    when->at = now;
+    when->busy = busy;
+    when->steal = steal;
+    when->gen = gen;
+    when->cpus = cpus;
+    __sync_fetch_and_add(&head->written, 1);
+    return 0;
+}
+#endif

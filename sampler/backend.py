@@ -14,11 +14,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from sampler.backend_unavailable import BackendUnavailable
 from sampler.shards.proc_shards import ProcShardSampler, ShardReading
 from sampler.shards.selectors import ProcessTable, ShardSpec
+
+if TYPE_CHECKING:
+    from sampler.kernel.sched import KernelSamples
 
 CHOICES = ("auto", "bpf", "proc")
 
@@ -43,6 +46,14 @@ class ShardSampler(Protocol):
     def program_stats(self) -> dict[str, tuple[int, int]]: ...
     def dropped_forks(self) -> int | None: ...
     def runqueue_waits(self) -> dict[str, dict[str, float] | None] | None: ...
+    # Why the caller's loop takes the samples where the kernel backend cannot
+    # (None: the kernel takes them, or the backend's own reason says why not).
+    agent_samples_why: str | None
+
+    # The kernel takes the samples where it can (the kernel backend's ring):
+    # started at `hz`, and read by take_kernel_samples; False, the caller's loop samples.
+    def samples_in_kernel(self, hz: float) -> bool: ...
+    def take_kernel_samples(self) -> KernelSamples: ...
 
 
 @dataclass(frozen=True)

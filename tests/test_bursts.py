@@ -14,7 +14,6 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import msgspec
 import pytest
@@ -25,7 +24,15 @@ from sampler.shards.selectors import Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
 from tests.conftest import AccuracyLog
 from tests.heartbeats import cores_of
-from tests.workloads import BURST_PERIOD_S, BURST_THREE, HALF_OF_20MS, PROC, process_cpu_seconds, start_group
+from tests.workloads import (
+    BURST_PERIOD_S,
+    BURST_THREE,
+    HALF_OF_20MS,
+    PROC,
+    after_each_reading,
+    process_cpu_seconds,
+    start_group,
+)
 
 pytestmark = pytest.mark.live
 
@@ -62,23 +69,17 @@ def window_against_truth(groups: ShardSampler, name: str, pgid: int, hz: float) 
     two edges (the priming sample, and the sample at or after its last slot)."""
     edges: list[tuple[float, float]] = []  # (time, the group's CPU seconds)
     final_slot = 0.0
-    sample = groups.sample
 
-    def sample_then_truth() -> Any:
-        readings = sample()
+    def truth() -> None:
         if (now := time.monotonic()) >= final_slot:
             edges.append((now, process_cpu_seconds(pgid)))
-        return readings
 
-    groups.sample = sample_then_truth  # type: ignore[method-assign]
-    try:
+    with after_each_reading(groups, truth):
         ws = WindowSampler(PROC, BackendChoice(name, None), groups,
                            [ShardSpec("w", Selector.parse(f"pgid:{pgid}"))], hz=hz, node="bursts")  # fmt: skip
         ws.prime(0)
         final_slot = time.monotonic() + WINDOW_S
         summary = ws.run_window(WINDOW_S)
-    finally:
-        del groups.sample  # the instance attribute goes: the class's method again
     [shard] = summary.shards
     (t0, s0), (t1, s1) = edges[0], edges[-1]
     figures: dict[str, float] = msgspec.to_builtins(cores_of(shard))

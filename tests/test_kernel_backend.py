@@ -31,6 +31,7 @@ from tests.workloads import (
     PROC,
     QUARTER_WORKERS,
     GroupTruth,
+    after_each_reading,
     group_cpu_at,
     group_members,
     start_group,
@@ -50,9 +51,7 @@ def spec(pgid: int, wid: str = "w") -> ShardSpec:
     return ShardSpec(wid, Selector.parse(f"pgid:{pgid}"))
 
 
-def windows_against_truth(
-    groups: sched.KernelShardSampler, pgid: int, n: int, monkeypatch: pytest.MonkeyPatch
-) -> list[tuple[float, float]]:
+def windows_against_truth(groups: sched.KernelShardSampler, pgid: int, n: int) -> list[tuple[float, float]]:
     """(window mean, truth) for n consecutive windows. The truth is read right
     after the sampler's own reading at each window's edge (the priming sample,
     then every window's last), so both cover the same interval: read after the
@@ -63,29 +62,26 @@ def windows_against_truth(
     edges: list[tuple[float, float]] = []  # (time, the group's CPU seconds) at each window's edge
     at_edge: tuple[float, float] | None = None
     final_slot = 0.0
-    sample = groups.sample
     members = group_members(pgid)  # walked here: under emulation a walk takes 140-280 ms
 
-    def sample_then_truth() -> dict[str, Any]:
+    def truth() -> None:
         nonlocal at_edge
-        readings = sample()
         if time.monotonic() >= final_slot:
             at_edge = group_cpu_at(pgid, members)
-        return readings
 
-    monkeypatch.setattr(groups, "sample", sample_then_truth)
     ws = WindowSampler(PROC, BackendChoice("bpf", None), groups, [spec(pgid)], hz=HZ)
-    ws.prime(0)
-    assert at_edge is not None
-    edges.append(at_edge)
     out: list[tuple[float, float]] = []
-    for _ in range(n):
-        final_slot, at_edge = time.monotonic() + WINDOW_S, None
-        [shard] = ws.run_window(WINDOW_S).shards
+    with after_each_reading(groups, truth):
+        ws.prime(0)
         assert at_edge is not None
-        (t0, s0), (t1, s1) = edges[-1], at_edge
         edges.append(at_edge)
-        out.append((cores_of(shard).mean, (s1 - s0) / (t1 - t0)))
+        for _ in range(n):
+            final_slot, at_edge = time.monotonic() + WINDOW_S, None
+            [shard] = ws.run_window(WINDOW_S).shards
+            assert at_edge is not None
+            (t0, s0), (t1, s1) = edges[-1], at_edge
+            edges.append(at_edge)
+            out.append((cores_of(shard).mean, (s1 - s0) / (t1 - t0)))
     return out
 
 
@@ -100,7 +96,7 @@ def test_steady_workloads_every_window_after_the_first_within_3_percent(
 ) -> None:
     p = start_group(code)
     group.append(p)
-    results = windows_against_truth(bpf_groups, p.pid, 3, monkeypatch)
+    results = windows_against_truth(bpf_groups, p.pid, 3)
     for measured, truth in results[1:]:
         accuracy.record(f"window mean, {request.node.callspec.id}", measured, truth, 0.03)
     for measured, truth in results[1:]:
@@ -118,7 +114,7 @@ def test_forked_children_are_counted_from_their_first_slice(
     them, the kernel counts each from its first slice."""
     p = start_group(FORKER)
     group.append(p)
-    [(measured, truth)] = windows_against_truth(bpf_groups, p.pid, 1, monkeypatch)
+    [(measured, truth)] = windows_against_truth(bpf_groups, p.pid, 1)
     accuracy.record("window mean, forker", measured, truth, 0.05)
     assert truth > 0.6
     assert measured == pytest.approx(truth, rel=0.05)
@@ -344,7 +340,7 @@ def test_the_raw_tracepoint_fallback_counts_the_same(
     assert any("sched_switch attached as a raw tracepoint (asked for)" in n for n in groups.programs.notes)
     p = start_group(QUARTER_WORKERS)
     group.append(p)
-    results = windows_against_truth(groups, p.pid, 2, monkeypatch)
+    results = windows_against_truth(groups, p.pid, 2)
     measured, truth = results[1]
     accuracy.record("window mean, raw sched_switch, three-quarter-workers", measured, truth, 0.03)
     assert truth > 0.5

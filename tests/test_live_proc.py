@@ -10,10 +10,12 @@ interval's two ends (tests/workloads.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -33,6 +35,7 @@ from tests.workloads import (
     group_cpu_at,
     group_members,
     start_group,
+    then_after_each_reading,
 )
 
 pytestmark = pytest.mark.live
@@ -97,34 +100,49 @@ def test_sample_command_reports_the_busy_group(group: list[subprocess.Popen[str]
 
 
 def window_with_a_stall(groups: Any, backend: str, pgid: int) -> tuple[dict[str, float], float]:
-    """One window in which the group sampler stalls once for 300 ms, for real
-    (a GC pause, a slow walk), and the kernel's account over the same
-    interval: read right after the sampler's own readings at the window's two
-    edges (the priming sample, and the sample at or after the final slot)."""
+    """One window in which the sampler's reading of its groups stalls once
+    for 300 ms, for real (a GC pause, a slow walk), and the kernel's account
+    over the same interval: read right after the sampler's own readings at
+    the window's two edges (the priming sample, and the last reading, at or
+    after the final slot). This process's loop skips the slots it missed;
+    samples the kernel takes are all there."""
     edges: list[tuple[float, float]] = []
-    final_slot, calls = 0.0, 0
-    sample = groups.sample
+    final_slot, stall_at, stalled = 0.0, math.inf, False
     members = group_members(pgid)
 
-    def stalling() -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 12:
-            time.sleep(0.3)
-        readings = sample()
+    def truth() -> None:
         if time.monotonic() >= final_slot:
             edges.append(group_cpu_at(pgid, members))
-        return readings
 
-    groups.sample = stalling
-    specs = [ShardSpec("w", Selector.parse(f"pgid:{pgid}"))]
-    sampler = WindowSampler(PROC, BackendChoice(backend, None), groups, specs, hz=10)
-    sampler.prime(0)
-    final_slot = time.monotonic() + WINDOW_S
-    summary = sampler.run_window(WINDOW_S)
+    def stalling(read: Callable[[], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            nonlocal stalled
+            if not stalled and time.monotonic() >= stall_at:
+                stalled = True
+                time.sleep(0.3)
+            return read()
+
+        return call
+
+    sample, take = then_after_each_reading(groups, truth)
+    groups.sample, groups.take_kernel_samples = stalling(sample), stalling(take)
+    try:
+        specs = [ShardSpec("w", Selector.parse(f"pgid:{pgid}"))]
+        sampler = WindowSampler(PROC, BackendChoice(backend, None), groups, specs, hz=10)
+        sampler.prime(0)
+        final_slot = time.monotonic() + WINDOW_S
+        stall_at = time.monotonic() + 1.15
+        summary = sampler.run_window(WINDOW_S)
+    finally:
+        del groups.sample, groups.take_kernel_samples
+    assert stalled
     (t0, s0), (t1, s1) = edges[0], edges[-1]
     [shard] = summary.shards
-    assert summary.window.samples < WINDOW_S * 10  # slots skipped, not bunched
+    ring = getattr(groups, "ring", None)
+    if ring is not None and ring.hz is not None:
+        assert summary.window.samples >= WINDOW_S * 10 - 1  # the kernel's samples: none lost to the stall
+    else:
+        assert summary.window.samples < WINDOW_S * 10  # slots skipped, not bunched
     figures: dict[str, float] = msgspec.to_builtins(cores_of(shard))
     return figures, (s1 - s0) / (t1 - t0)
 

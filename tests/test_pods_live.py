@@ -21,7 +21,6 @@ import uuid
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -33,7 +32,7 @@ from sampler.window.sampler import WindowSampler
 from tests.conftest import CGROUP, AccuracyLog, unavailable
 from tests.fakekubelet import FakeKubelet, pod_doc
 from tests.heartbeats import cores_of
-from tests.workloads import PROC, busy_threads, process_cpu_seconds, stamped, start_group
+from tests.workloads import PROC, busy_threads, process_cpu_seconds, stamped, start_group, then_after_each_reading
 from wire.schema import Shard
 
 pytestmark = pytest.mark.kernel
@@ -127,14 +126,12 @@ class EdgeTruth:
     def __init__(self, groups: ShardSampler, monkeypatch: pytest.MonkeyPatch) -> None:
         self.pids: dict[str, int] = {}
         self.last: dict[str, tuple[float, float]] | None = None  # each pod (when, seconds), stamped as read
-        sample = groups.sample
-
-        def sample_then_truth() -> Any:
-            readings = sample()
+        def truth() -> None:
             self.last = {k: stamped(partial(process_cpu_seconds, p)) for k, p in self.pids.items()}
-            return readings
 
-        monkeypatch.setattr(groups, "sample", sample_then_truth)
+        sample, take = then_after_each_reading(groups, truth)
+        monkeypatch.setattr(groups, "sample", sample)
+        monkeypatch.setattr(groups, "take_kernel_samples", take)
 
     def window(self, sampler: WindowSampler) -> tuple[dict[str, Shard], dict[str, float]]:
         """One window's shards by id, and each pod's cores over the same interval."""

@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 PROC = Path("/proc")
 HZ = os.sysconf("SC_CLK_TCK")
@@ -191,3 +193,41 @@ class GroupTruth:
         self.at, self.seconds = at, seconds
         return cores
 
+
+
+def then_after_each_reading(groups: Any, then: Callable[[], None]) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """A group sampler's `sample` and `take_kernel_samples`, each calling
+    `then` right after the sampler's own reading of its groups: each sample
+    of the window sampler's loop, and where the kernel takes the samples,
+    each read of them, after the kernel has written a new one, so that the
+    last sample read is as fresh as the loop's own. A truth read in `then`
+    covers what the samples do."""
+    sample, take = groups.sample, groups.take_kernel_samples
+
+    def sample_then() -> Any:
+        readings = sample()
+        then()
+        return readings
+
+    def take_then() -> Any:
+        ring, waited_since = groups.ring, time.monotonic()
+        written = ring.written()
+        # The kernel's next sample: written into shared memory, with no
+        # descriptor to wait on; at most one period away.
+        while ring.written() == written and time.monotonic() - waited_since < 2.0:
+            pass
+        got = take()
+        then()
+        return got
+
+    return sample_then, take_then
+
+
+@contextmanager
+def after_each_reading(groups: Any, then: Callable[[], None]) -> Iterator[None]:
+    """`then` called after each reading (then_after_each_reading) while the block runs."""
+    groups.sample, groups.take_kernel_samples = then_after_each_reading(groups, then)
+    try:
+        yield
+    finally:
+        del groups.sample, groups.take_kernel_samples  # the instance's attributes go: the class's methods again

@@ -121,3 +121,88 @@ def task_offsets(path: Path = VMLINUX) -> dict[str, int]:
     except BtfError:
         pass
     return out
+
+
+KIND_ENUM, KIND_VAR, KIND_DATASEC = 6, 14, 15
+
+
+def _walk(data: bytes) -> tuple[bytes, bytes, list[tuple[int, int, int, int, int]]]:
+    """The type section, the strings, and each type's (id, kind, vlen,
+    name offset, where its trailer starts)."""
+    if len(data) < 24:
+        raise BtfError("BTF too short")
+    magic, _version, _flags, hdr_len = struct.unpack_from("<HBBI", data, 0)
+    if magic != MAGIC:
+        raise BtfError(f"not BTF (magic {magic:#x})")
+    type_off, type_len, str_off, str_len = struct.unpack_from("<IIII", data, 8)
+    types = data[hdr_len + type_off : hdr_len + type_off + type_len]
+    strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
+    out, pos, type_id = [], 0, 0
+    while pos + 12 <= len(types):
+        type_id += 1
+        name_off, info, _size = struct.unpack_from("<III", types, pos)
+        kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
+        if kind not in _TRAILER:
+            raise BtfError(f"unknown BTF kind {kind} at {pos}")
+        fixed, per = _TRAILER[kind]
+        out.append((type_id, kind, vlen, name_off, pos + 12))
+        pos += 12 + fixed + per * vlen
+    return types, strings, out
+
+
+def percpu_and_enums(data: bytes, variables: list[str], enum: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Where per-CPU variables lie in the kernel's per-CPU section
+    (.data..percpu, as every CPU's copy lays them out), and the values of an
+    enum's names."""
+    types, strings, index = _walk(data)
+
+    def name(off: int) -> str:
+        return strings[off : strings.find(b"\0", off)].decode()
+
+    var_names = {tid: name(name_off) for tid, kind, _v, name_off, _b in index if kind == KIND_VAR}
+    offsets: dict[str, int] = {}
+    values: dict[str, int] = {}
+    for _tid, kind, vlen, name_off, body in index:
+        if kind == KIND_DATASEC and name(name_off) == ".data..percpu":
+            for i in range(vlen):
+                var, offset, _size = struct.unpack_from("<III", types, body + 12 * i)
+                if var_names.get(var) in variables:
+                    offsets[var_names[var]] = offset
+        elif kind == KIND_ENUM and name(name_off) == enum:
+            for i in range(vlen):
+                v_name, value = struct.unpack_from("<Ii", types, body + 8 * i)
+                values[name(v_name)] = value
+    for v in variables:
+        if v not in offsets:
+            raise BtfError(f"the kernel's BTF has no per-CPU variable {v}")
+    if not values:
+        raise BtfError(f"the kernel's BTF has no enum {enum}")
+    return offsets, values
+
+
+CPUTIME_FIELDS = ("CPUTIME_USER", "CPUTIME_NICE", "CPUTIME_SYSTEM", "CPUTIME_SOFTIRQ", "CPUTIME_IRQ", "CPUTIME_STEAL")
+
+
+def sample_offsets(path: Path = VMLINUX) -> dict[str, int]:
+    """What the kernel's sample program (on_sample) reads, in the running
+    kernel: the way from a task to every CPU's run queue (se.cfs_rq, then
+    its group's per-CPU cfs_rq array, then each one's rq, checked by rq.cpu;
+    CONFIG_FAIR_GROUP_SCHED), where kernel_cpustat lies from runqueues in
+    every CPU's per-CPU area, and the indices of the busy and stolen time in
+    its counters. BtfError where any is missing."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BtfError(f"kernel BTF unreadable ({path}: {e.strerror})") from None
+    found = struct_member_offsets(data, {"task_struct": ["se"], "sched_entity": ["cfs_rq"],
+                                         "cfs_rq": ["tg", "rq"], "task_group": ["cfs_rq"], "rq": ["cpu"]})  # fmt: skip
+    percpu, stats = percpu_and_enums(data, ["kernel_cpustat", "runqueues"], "cpu_usage_stat")
+    missing = [f for f in CPUTIME_FIELDS if f not in stats]
+    if missing:
+        raise BtfError(f"enum cpu_usage_stat has no {', '.join(missing)}")
+    out = {"TASK_CFS_RQ_OFF": found["task_struct"]["se"] + found["sched_entity"]["cfs_rq"],
+           "CFS_RQ_TG_OFF": found["cfs_rq"]["tg"], "CFS_RQ_RQ_OFF": found["cfs_rq"]["rq"],
+           "TG_CFS_RQ_OFF": found["task_group"]["cfs_rq"], "RQ_CPU_OFF": found["rq"]["cpu"],
+           "KCPUSTAT_FROM_RQ": percpu["kernel_cpustat"] - percpu["runqueues"],
+           "KCPUSTAT_FIELDS": max(stats[f] for f in CPUTIME_FIELDS) + 1}  # fmt: skip
+    return out | {f.replace("CPUTIME_", "STAT_"): stats[f] for f in CPUTIME_FIELDS}

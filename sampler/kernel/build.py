@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,16 @@ from sampler.sources.cpu_lists import format_cpu_list, possible_cpus, tick_cpus
 SOURCE = Path(__file__).resolve().parents[2] / "bpf" / "sched_groups.bpf.c"
 MAX_SLOTS = 256  # slot 0 is "not watched"; the kernel keeps a slot in one byte
 TICK_NS = 10_000_000
+# The kernel's samples (on_sample): the ring holds RING_LEN of them, 4 s at
+# the highest --hz (4 MiB of kernel memory, mapped by the agent a slot's column
+# at a time), and each holds at most RING_SLOTS slots. The verifier walks every
+# CPU's loop over them: 64 on 256 possible CPUs loads; 1024 CPUs do not.
+RING_LEN = 4096
+RING_SLOTS = 64
 # The programs as the kernel names them; sched_switch's is on_switch (tp_btf)
 # or, where that cannot load, on_switch_raw (a raw tracepoint).
-PROGRAMS = ("on_switch", "on_tick", "raw_tracepoint__sched_process_fork", "raw_tracepoint__sched_process_exit")
+PROGRAMS = ("on_switch", "on_tick", "raw_tracepoint__sched_process_fork", "raw_tracepoint__sched_process_exit",
+            "on_sample")
 SWITCH_PROGRAMS = ("on_switch", "on_switch_raw")
 
 
@@ -93,6 +101,30 @@ class Attached:
     cpus: int  # rows of the per-CPU arrays
     tickless_cpus: list[int]
     notes: list[str]
+    sample_event: int | None = None  # on_sample's perf event; None: not attached, for `sample_error`
+    sample_cpu: int | None = None  # the CPU it fires on
+    sample_error: str | None = None  # why the kernel takes no samples
+
+
+def attach_sampler(bpf: Any, cpu: int) -> int:
+    """on_sample loaded (bcc hands it over with the others) and attached to a
+    cpu-clock perf event on `cpu`, left disabled until the agent sets its
+    period (sampler/kernel/sample_ring.py): the event's descriptor. Through
+    libbcc's call rather than BPF.attach_perf_event, which keeps one set of
+    events per event type and would drop on_tick's."""
+    from bcc import BPF, PerfSWConfig, PerfType
+    from bcc.libbcc import lib
+
+    fn = bpf.load_func(b"on_sample", BPF.PERF_EVENT)
+    fd = int(lib.bpf_attach_perf_event(fn.fd, PerfType.SOFTWARE, PerfSWConfig.CPU_CLOCK, TICK_NS, 0, -1, cpu, -1))
+    if fd < 0:
+        raise OSError(-fd, f"perf_event_open on CPU {cpu}: {os.strerror(-fd)}")
+    fcntl.ioctl(fd, PERF_EVENT_IOC_DISABLE, 0)
+    return fd
+
+
+# linux/perf_event.h: _IO('$', 0), _IO('$', 1), _IOW('$', 4, __u64)
+PERF_EVENT_IOC_ENABLE, PERF_EVENT_IOC_DISABLE, PERF_EVENT_IOC_PERIOD = 0x2400, 0x2401, 0x40082404
 
 
 def attach_switch(bpf: Any, raw: bool) -> tuple[dict[str, int], list[int], str | None]:
@@ -135,8 +167,14 @@ def compile_and_attach(
     except (OSError, ValueError) as e:
         raise BackendUnavailable(f"cannot tell which CPUs are possible: {e}") from None
     cflags = compile_flags(offsets, pid_max, cpus) + headers.cflags
-    bpf = _compile(BPF, Path(source), cflags, headers.env)
     notes = [f"kernel backend compiled against {headers.name}"]
+    sample_error = None
+    try:
+        sample_flags = [f"-D{name}={value}" for name, value in btf.sample_offsets(Path(btf_path)).items()]
+        cflags += [*sample_flags, f"-DRING_LEN={RING_LEN}", f"-DRING_SLOTS={RING_SLOTS}"]
+    except btf.BtfError as e:
+        sample_error = str(e)
+    bpf = _compile(BPF, Path(source), cflags, headers.env)
     try:
         ticked, tickless = tick_cpus(Path(sysfs))
     except (OSError, ValueError) as e:
@@ -172,4 +210,15 @@ def compile_and_attach(
         raise BackendUnavailable(f"attaching the cpu-clock perf event failed: {e}") from None
     if tickless:
         notes.append(f"no cpu-clock tick on CPUs {format_cpu_list(tickless)} (nohz_full or isolated)")
-    return Attached(bpf, own_programs, own_attachments, pid_max, cpus, tickless, notes)
+    sample_event = sample_cpu = None
+    if any(f.startswith("-DRING_LEN=") for f in cflags):
+        # On a CPU that keeps its ticks: the first housekeeping one.
+        cpu = ticked[0] if ticked else 0
+        try:
+            sample_event, sample_cpu = attach_sampler(bpf, cpu), cpu
+        except Exception as e:
+            sample_error = f"on_sample did not load or attach: {str(e).strip()[-300:]}"
+    if sample_error:
+        notes.append(f"samples taken by the agent, not the kernel: {sample_error}")
+    return Attached(bpf, own_programs, own_attachments, pid_max, cpus, tickless, notes, sample_event, sample_cpu,
+                    sample_error)  # fmt: skip

@@ -29,7 +29,8 @@ from typing import Any, BinaryIO
 from sampler.backend_unavailable import BackendUnavailable
 from sampler.kernel.libbpf import BpfMap, libbpf
 
-MAPS = ("task_slot", "slot_ns", "cpu_run", "dropped_forks", "wait_log")
+MAPS = ("task_slot", "slot_ns", "cpu_run", "dropped_forks", "wait_log", "sample_config", "sample_head", "sample_time",
+        "sample_slots")
 FDS_PER_MESSAGE = 200  # the kernel takes at most 253 descriptors in one message (SCM_MAX_FD)
 CHILD_SECONDS = 600  # compiling under emulation takes a minute; a child stuck in the kernel is given up on
 
@@ -48,13 +49,19 @@ class LoadedPrograms:
     tickless_cpus: list[int]
     notes: list[str]
     loader_peak_kib: int | None = None  # the child's peak resident memory (VmHWM): the compile's
+    # on_sample's perf event, disabled, and where and how it samples (the CPU,
+    # ring_len and ring_slots): None where the kernel takes no samples, and
+    # `sample` says why ("error").
+    sample_event: int | None = None
+    sample: dict[str, Any] | None = None
 
     def close(self) -> None:
         """Detach first, then let the programs and maps go."""
-        for fd in [*self.attachments, *self.programs.values(), *(m.fd for m in self.maps.values())]:
+        events = [self.sample_event] if self.sample_event is not None else []
+        for fd in [*events, *self.attachments, *self.programs.values(), *(m.fd for m in self.maps.values())]:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self.attachments, self.programs, self.maps = [], {}, {}
+        self.attachments, self.programs, self.maps, self.sample_event = [], {}, {}, None
 
 
 def scratch_file(name: str) -> BinaryIO:
@@ -102,8 +109,10 @@ def load_programs(options: dict[str, Any]) -> LoadedPrograms:
     maps = {m["name"]: BpfMap(m["name"], next(it), m["value_size"], m["percpu"]) for m in header["maps"]}
     programs = {name: next(it) for name in header["programs"]}
     attachments = list(it)
+    sample = header.get("sample")
+    sample_event = attachments.pop() if sample is not None and "error" not in sample else None
     return LoadedPrograms(maps, programs, attachments, header["pid_max"], header["cpus"], header["tickless_cpus"],
-                          header["notes"], header.get("peak_kib"))  # fmt: skip
+                          header["notes"], header.get("peak_kib"), sample_event, sample)  # fmt: skip
 
 
 def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:

@@ -48,9 +48,13 @@ def _child(options: dict[str, Any], sock: socket.socket) -> None:
     fds.extend(attached.own_attachments)
     for events in bpf.open_perf_events.values():
         fds.extend(events.values())
+    sample: dict[str, Any] = {"error": attached.sample_error}
+    if attached.sample_event is not None:  # last, apart from the attachments: the agent sets its period
+        fds.append(attached.sample_event)
+        sample = {"cpu": attached.sample_cpu, "ring_len": build.RING_LEN, "ring_slots": build.RING_SLOTS}
     _send(sock, {"maps": maps, "programs": list(programs), "pid_max": attached.pid_max, "cpus": attached.cpus,
-                 "tickless_cpus": attached.tickless_cpus, "notes": attached.notes, "peak_kib": _peak_kib()},
-          fds)  # fmt: skip
+                 "tickless_cpus": attached.tickless_cpus, "notes": attached.notes, "peak_kib": _peak_kib(),
+                 "sample": sample}, fds)  # fmt: skip
 
 
 def _peak_kib() -> int | None:

@@ -16,6 +16,7 @@ attaching.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from sampler.kernel.build import MAX_SLOTS, SOURCE, TICK_NS
 from sampler.kernel.counters import SlotCounters
 from sampler.kernel.membership import TaskSlots
 from sampler.kernel.program_stats import enable_bpf_stats, program_stats
+from sampler.kernel.sample_ring import RingSamples, SampleRing
 from sampler.kernel.slices import SWITCH_SLACK_S, place_late, settle
 from sampler.kernel.waits import WaitHistograms
 from sampler.shards.proc_shards import PAGE_SIZE, ShardReading, within_capacity
@@ -37,6 +39,18 @@ from sampler.sources import procfs
 
 log = logging.getLogger(__name__)
 
+
+
+@dataclass
+class KernelSamples:
+    """Samples the kernel took, oldest first."""
+
+    at: np.ndarray  # each one's time (monotonic seconds)
+    seconds: np.ndarray  # the time each covers (NaN for the first the sampler ever read)
+    machine: np.ndarray  # the machine's busy share of its online CPUs, percent (NaN: not measured)
+    steal: np.ndarray  # the share stolen by the hypervisor, percent
+    shards: dict[str, np.ndarray]  # each shard's cores in each (NaN: not measured)
+    lost: int  # samples written over before they were read
 
 
 @dataclass
@@ -109,6 +123,16 @@ class KernelShardSampler:
         # Compiled out where the kernel has no run_delay (TASK_RUN_DELAY_OFF).
         wait_log = programs.maps.get("wait_log")
         self._waits = WaitHistograms(wait_log) if wait_log is not None else None
+        # The samples the kernel takes, where on_sample loaded; None: the caller's loop samples.
+        self.ring: SampleRing | None = None
+        # Why the caller's loop samples, while it does (None: the kernel does).
+        self.agent_samples_why: str | None = (programs.sample or {}).get("error") or "no sample program was loaded"
+        if programs.sample_event is not None and programs.sample is not None:
+            self.ring = SampleRing(programs.maps, programs.sample_event, programs.sample["ring_len"],
+                                   programs.sample["ring_slots"])  # fmt: skip
+            self.agent_samples_why = None
+        self._machine_at: tuple[float, float, float, int] | None = None  # the last kernel sample: at, busy, steal, cpus
+        self._machine_carry = (0.0, 0.0)  # busy and stolen ns beyond the samples' capacity, for the next
 
     @property
     def specs(self) -> list[ShardSpec]:
@@ -123,6 +147,8 @@ class KernelShardSampler:
         if self._closed:
             return
         self._closed = True
+        if self.ring is not None:
+            self.ring.close()
         self.members.close()
         self.counters.close()
         self.programs.close()
@@ -177,6 +203,12 @@ class KernelShardSampler:
             for wid in next(c for c, s in slot_of.items() if s == slot):
                 self._member_of[index[wid], j] = 1.0
         self.counters.read_slots(self._slots)
+        if self.ring is not None:
+            self.agent_samples_why = None
+            if not self.ring.sample_slots(self._slots.tolist()):
+                self.agent_samples_why = (f"{len(self._slots)} sets of shards, more than a kernel sample holds "
+                                          f"({self.ring.ring_slots})")  # fmt: skip
+                log.warning("%s: sampled by the agent", self.agent_samples_why)
         now_ns, _ = self.counters.totals()
         self._prev_ns = np.array([prev_ns.get(s, now_ns[j].tolist()) for j, s in enumerate(self._slots.tolist())],
                                  dtype=np.int64).reshape(-1, 2)  # fmt: skip
@@ -186,6 +218,10 @@ class KernelShardSampler:
 
     def sample(self) -> dict[str, ShardReading]:
         current, now = self.counters.totals()
+        return self._readings(current, now)
+
+    def _readings(self, current: np.ndarray, now: float) -> dict[str, ShardReading]:
+        """Each shard's reading from its slots' totals at `now` ([slot, (ns, late ns)])."""
         elapsed = None if self._last_at is None else now - self._last_at
         self._last_at = now
         # A slice is counted by wall time while it runs and credited with its
@@ -201,23 +237,123 @@ class KernelShardSampler:
         # the threads had room, never over them, never lost.
         previous, self._prev_ns = self._prev_ns, current
         used_s, late_s = (self._member_of @ ((current - previous).astype(np.float64) / 1e9)).T
-        out = {}
-        for i, w in enumerate(self._specs.values()):
-            wid = w.spec.id
-            late = min(max(0.0, float(late_s[i])), max(0.0, float(used_s[i])))
-            used, debt = settle(float(used_s[i]) - late, self._debt.pop(wid, 0.0))
-            if debt:
-                self._debt[wid] = debt
-            valid = elapsed is not None and elapsed > 0 and not w.fresh and bool(w.pids)
-            w.fresh = False
-            if not valid or not elapsed:
-                out[wid] = ShardReading(None, None, elapsed)
+        return {w.spec.id: ShardReading(self._credit(w, float(used_s[i]), float(late_s[i]), elapsed), None, elapsed)
+                for i, w in enumerate(self._specs.values())}  # fmt: skip
+
+    def _credit(self, w: _KernelShard, used_s: float, late_s: float, elapsed: float | None) -> float | None:
+        """One sample of one shard: `used_s` seconds counted for its slots,
+        `late_s` of them credited late, in `elapsed` seconds: its cores, or
+        None where not measured."""
+        wid = w.spec.id
+        late = min(max(0.0, late_s), max(0.0, used_s))
+        used, debt = settle(used_s - late, self._debt.pop(wid, 0.0))
+        if debt:
+            self._debt[wid] = debt
+        valid = elapsed is not None and elapsed > 0 and not w.fresh and bool(w.pids)
+        w.fresh = False
+        if not valid or not elapsed:
+            return None
+        capacity = min(w.threads, self._cpus) * elapsed
+        credit, w.carried = within_capacity(used + w.carried, capacity, SWITCH_SLACK_S)
+        credit, w.late = place_late(credit, w.late + late, capacity)
+        return credit / elapsed
+
+    def samples_in_kernel(self, hz: float) -> bool:
+        """Whether the kernel takes the samples, at `hz` from now on: where
+        on_sample loaded and a sample holds every slot in use; else its event
+        is stopped, and the caller samples."""
+        ring = self.ring
+        if ring is None:
+            return False
+        if self.agent_samples_why is not None:
+            if ring.hz is not None:
+                ring.stop()
+            return False
+        if ring.hz != hz:
+            ring.start(hz)
+            self._machine_at = None  # what came before was not sampled by the kernel
+        return True
+
+    def take_kernel_samples(self) -> KernelSamples:
+        """The samples the kernel took since the last call (the ring must be
+        started): each one's time, what it covers, the machine's busy and
+        stolen shares and each shard's cores, as `sample` reads them (a
+        thousand a second: whole arrays at a time, one shard's sample at a
+        time only where it carries something into the next)."""
+        assert self.ring is not None
+        got = self.ring.take(self._slots)
+        n = len(got.at)
+        previous_at = math.nan if self._last_at is None else self._last_at
+        elapsed = np.diff(got.at, prepend=previous_at)
+        if n:
+            self._last_at = float(got.at[-1])
+        # A slot a sample does not hold keeps its last totals: nothing in that sample.
+        filled = got.totals
+        for j in np.flatnonzero(~got.held.all(axis=0)).tolist():
+            last_held = np.maximum.accumulate(np.where(got.held[:, j], np.arange(n), -1))
+            filled[:, j] = np.where(last_held[:, None] >= 0, got.totals[last_held, j], self._prev_ns[j])
+        steps = np.diff(np.concatenate([self._prev_ns[None], filled]), axis=0).astype(np.float64) / 1e9
+        if n:
+            self._prev_ns = filled[-1]
+        used, late = steps[..., 0] @ self._member_of.T, steps[..., 1] @ self._member_of.T
+        unheld = (~got.held).astype(np.float64) @ self._member_of.T > 0
+        shards = {w.spec.id: self._credit_samples(w, used[:, i], late[:, i], elapsed, unheld[:, i])
+                  for i, w in enumerate(self._specs.values())}  # fmt: skip
+        machine, steal = self._machine_shares(got)
+        return KernelSamples(got.at, elapsed, machine, steal, shards, got.lost)
+
+    def _credit_samples(self, w: _KernelShard, used: np.ndarray, late: np.ndarray, elapsed: np.ndarray,
+                        unheld: np.ndarray) -> np.ndarray:  # fmt: skip
+        """_credit over a shard's samples, in order: its cores in each (NaN:
+        not measured). A sample that neither carries anything in nor out (no
+        late credit, no debt, within its threads' time) is its used time over
+        its length, taken a run of them at once."""
+        n = len(used)
+        cores = np.full(n, np.nan)
+        capacity = min(w.threads, self._cpus) * elapsed
+        with np.errstate(invalid="ignore"):
+            plain = ~unheld & (late == 0) & (used >= 0) & (used <= capacity) & (elapsed > 0)
+        stops = np.flatnonzero(~plain)
+        i = 0
+        while i < n:
+            if plain[i] and not (w.fresh or w.carried or w.late or self._debt.get(w.spec.id) or not w.pids):
+                end = int(stops[np.searchsorted(stops, i)]) if len(stops) and stops[-1] > i else n
+                cores[i:end] = used[i:end] / elapsed[i:end]
+                i = end
                 continue
-            capacity = min(w.threads, self._cpus) * elapsed
-            credit, w.carried = within_capacity(used + w.carried, capacity, SWITCH_SLACK_S)
-            credit, w.late = place_late(credit, w.late + late, capacity)
-            out[wid] = ShardReading(credit / elapsed, None, elapsed)
-        return out
+            if not unheld[i]:
+                seconds = float(elapsed[i])
+                got = self._credit(w, float(used[i]), float(late[i]), None if math.isnan(seconds) else seconds)
+                if got is not None:
+                    cores[i] = got
+            i += 1
+        return cores
+
+    def _machine_shares(self, got: RingSamples) -> tuple[np.ndarray, np.ndarray]:
+        """The machine's busy and stolen shares of its online CPUs' time in
+        each sample, percent (NaN: not measured, as where a CPU's counters
+        were not all read). The counters move a tick at a time: what a
+        sample's time cannot hold goes into the next, never over its CPUs'
+        time, nothing lost."""
+        n = len(got.at)
+        busy_out, steal_out = np.full(n, np.nan), np.full(n, np.nan)
+        online = os.sysconf("SC_NPROCESSORS_ONLN")
+        last = self._machine_at
+        carry_busy, carry_steal = self._machine_carry
+        at_l, busy_l, steal_l, cpus_l = got.at.tolist(), got.busy.tolist(), got.steal.tolist(), got.cpus.tolist()
+        for i in range(n):
+            at, busy, steal, cpus = at_l[i], busy_l[i], steal_l[i], cpus_l[i]
+            if last is not None and at > last[0] and cpus == last[3] and cpus > 0 and busy >= last[1] \
+                    and steal >= last[2]:  # fmt: skip
+                capacity = (at - last[0]) * 1e9 * online
+                used, carry_busy = within_capacity(busy - last[1] + carry_busy, capacity)
+                stolen, carry_steal = within_capacity(steal - last[2] + carry_steal, capacity)
+                busy_out[i], steal_out[i] = 100.0 * used / capacity, 100.0 * stolen / capacity
+            else:
+                carry_busy = carry_steal = 0.0
+            last = (at, busy, steal, cpus)
+        self._machine_at, self._machine_carry = last, (carry_busy, carry_steal)
+        return busy_out, steal_out
 
     def memory(self) -> dict[str, int | None]:
         """Resident memory of each shard's processes known to userspace, read

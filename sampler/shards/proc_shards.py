@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from sampler.shards.selectors import ProcessTable, ShardSpec
 from sampler.sources import procfs
@@ -128,6 +129,7 @@ class ProcShardSampler:
         # The processes' own CPU clocks where they name this procfs's processes; else ticks.
         self._cpu_ns = process_cpu_ns if own_pid_namespace(proc) else None
         self.finest_hz: float | None = FINEST_HZ
+        self.agent_samples_why: str | None = None  # the backend's own reason says it
         self.tickless_cpus: list[int] = []  # /proc needs no tick of ours
         self._cpus = os.cpu_count() or 1
         self._states: dict[str, _ShardState] = {}
@@ -197,6 +199,12 @@ class ProcShardSampler:
 
     def runqueue_waits(self) -> dict[str, dict[str, float] | None] | None:
         return None  # no kernel histogram: the window sampler reads schedstat
+
+    def samples_in_kernel(self, hz: float) -> bool:
+        return False  # the window sampler's loop takes every sample (the backend says why: agent_samples_why is None)
+
+    def take_kernel_samples(self) -> NoReturn:
+        raise RuntimeError("the /proc backend takes no samples in the kernel")
 
     def _sample_one(self, state: _ShardState, elapsed: float | None) -> ShardReading:
         used = 0.0

@@ -37,6 +37,7 @@ from wire import raw as raw_samples
 from wire.schema import Machine, ProgramCost, Shard, Window, WindowSummary
 
 BUSIEST_GROUPS = 5
+KERNEL_READ_S = 1.0  # how often the agent reads the samples the kernel takes (the ring holds 4 s at 1000 Hz)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class WindowSampler:
         host_root: Path | None = None,
         cgroup_root: Path | None = None,
         kubelet: KubeletPods | None = None,
+        kernel_samples: bool = True,
     ) -> None:
         if hz <= 0:
             raise ValueError("hz must be positive")
@@ -105,6 +107,10 @@ class WindowSampler:
         # Set by the agent while the control plane asks for raw samples (someone
         # watches this node live): the window's samples go with its summary.
         self.raw_wanted = False
+        # Samples taken by the kernel where the backend can (it says so each
+        # window); False: by this process's loop, whatever the backend.
+        self.kernel_samples = kernel_samples
+        self._kernel_lost = 0
 
     def close(self) -> None:
         """Its backend, readers and pollers closed."""
@@ -122,6 +128,8 @@ class WindowSampler:
         if self.kubelet is not None and any(w.selector.kind == "k8s" for w in self.specs or ()):
             self.kubelet.wait_for_poll(0, self.kubelet.deadline_s + 1)  # the first window knows the pods
         self._discover()
+        if self.kernel_samples and self.shard_sampler.samples_in_kernel(self.hz):
+            self.shard_sampler.take_kernel_samples()  # taken before this sampler was: none of its windows'
         # Stamped where the machine's counters are read, as in run_window: the
         # first window's first sample covers the readings that follow too.
         self._last_sample_at = self._clock()
@@ -176,7 +184,13 @@ class WindowSampler:
         start = self._clock()
         self._discover()
         pressure_start, pressure_at = self.pressure.read(), self._clock()
-        samples = self._take_samples(start, seconds)
+        reason = self.backend.reason
+        if self.kernel_samples and self.shard_sampler.samples_in_kernel(self.hz):
+            samples = self._take_kernel_samples(start, seconds)
+        else:
+            samples = self._take_samples(start, seconds)
+            if (why := self.shard_sampler.agent_samples_why) is not None and self.kernel_samples:
+                reason = f"samples taken by the agent, not the kernel: {why}"
         self._seq += 1
         end_wall = self._wall()
         if end_wall < start_wall:  # the wall clock was stepped back during the window: its length is the monotonic one
@@ -194,7 +208,7 @@ class WindowSampler:
         shards, shards_left_out = wire.fit_shards([(wire.made(Shard, f), samples.shards[wid])
                                                    for wid, f in figures.items()])  # fmt: skip
         summary = wire.made(WindowSummary, {
-            "node": self.node, "seq": self._seq, "backend": self.backend.name, "backend_reason": self.backend.reason,
+            "node": self.node, "seq": self._seq, "backend": self.backend.name, "backend_reason": reason,
             "window": window, "machine": machine, "shards": [shard for shard, _ in shards],
             "shards_left_out": shards_left_out, "bpf": self._program_cost(), **gpus,
         })  # fmt: skip
@@ -251,6 +265,48 @@ class WindowSampler:
             # so a slow one is not followed by one a few ms long. The window's
             # last slot is always taken.
             k = min(n, max(k + 1, int((self._clock() - start) * self.hz + 1e-6) + 1))
+        self._last_sample_at = last
+        return samples
+
+    def _take_kernel_samples(self, start: float, seconds: float) -> _WindowSamples:
+        """The window's samples as the kernel took them (sampler/kernel/sample_ring.py),
+        read once a second: this process does not wake for each. The GPUs and
+        the engines' endpoints asked for before it ends, as in _take_samples."""
+        n = max(1, round(seconds * self.hz))
+        tick = 1.0 / USER_HZ  # the machine's counters move a scheduler tick at a time
+        last = start if self._last_sample_at is None else self._last_sample_at
+        shards = {w.id: RateSeries(n, 0.0) for w in self.shard_sampler.specs}  # nanoseconds: no tick to merge
+        samples = _WindowSamples(RateSeries(n, tick), RateSeries(n, tick), shards, taken=0, first_from=last)
+        end = start + seconds
+        gpu_at = end - min(0.5, seconds / 2)
+        gpu_asked = False
+        while True:
+            now = self._clock()
+            wake = min(now + KERNEL_READ_S, end if gpu_asked else gpu_at)
+            if wake > now:
+                self._sleep(wake - now)
+            got = self.shard_sampler.take_kernel_samples()
+            if got.lost:
+                self._kernel_lost += got.lost
+                self._say("the agent read the kernel's samples too late: some were written over "
+                          "(their time is in the next sample read)")  # fmt: skip
+            if len(got.at):
+                covers = np.diff(got.at, prepend=last)
+                samples.machine.extend(got.machine, covers)
+                samples.steal.extend(got.steal, covers)
+                for wid, cores in got.shards.items():
+                    if (over := np.flatnonzero(cores > self._cpus * 1.01)).size:
+                        self._impossible(wid, ShardReading(float(cores[over[0]]), None, float(covers[over[0]])))
+                    samples.shards[wid].extend(cores, covers)
+                last = float(got.at[-1])
+                samples.taken += len(got.at)
+            if not gpu_asked and self._clock() >= gpu_at:
+                if self.gpus is not None:
+                    self.gpus.request(self._members)
+                self.engine_metrics.request((w.id, w.metrics_url) for w in self.shard_sampler.specs if w.metrics_url)
+                gpu_asked = True
+            if self._clock() >= end:
+                break
         self._last_sample_at = last
         return samples
 

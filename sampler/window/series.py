@@ -56,6 +56,21 @@ class RateSeries:
         self.seconds[self.n] = seconds
         self.n += 1
 
+    def extend(self, values: np.ndarray, seconds: np.ndarray) -> None:
+        """`add` for each (value, seconds), NaN a value not measured: copied
+        in one go where no sample can be too short to be a rate."""
+        if self.min_seconds > 0 or self._carry is not None:
+            for value, length in zip(values.tolist(), seconds.tolist(), strict=True):
+                self.add(None if value != value else value, length)  # NaN is not equal to itself
+            return
+        while self.n + len(values) > self.capacity:
+            self.values = np.concatenate([self.values, np.full(self.capacity, np.nan)])
+            self.seconds = np.concatenate([self.seconds, np.zeros(self.capacity)])
+            self.capacity *= 2
+        self.values[self.n : self.n + len(values)] = values
+        self.seconds[self.n : self.n + len(values)] = seconds
+        self.n += len(values)
+
     def samples(self) -> tuple[np.ndarray, np.ndarray]:
         """The window's samples as the summary counts them: each value (NaN:
         not measured) and its length in seconds, a short last sample merged

@@ -1,0 +1,200 @@
+"""The samples the kernel takes (on_sample in bpf/sched_groups.bpf.c, read
+by sampler/kernel/sample_ring.py), on this kernel: at the rate asked, at the
+kernel's own time, none lost to an agent that stalls, the machine's CPU as
+/proc/stat counts it, and the agent's own loop where a sample cannot hold
+every set of shards.
+
+Needs root (CI is root). With NODESAMPLER_REQUIRE_BPF=1 a test that cannot
+load the programs fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from sampler.backend import BackendChoice
+from sampler.kernel import sched
+from sampler.kernel.headers import kernel_version_code
+from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
+from sampler.sources import procfs
+from sampler.window.sampler import WindowSampler
+from tests.conftest import AccuracyLog
+from tests.heartbeats import cores_of, cpu_of
+from tests.workloads import BURN_ONE_CORE, PROC, after_each_reading, process_cpu_seconds, start_group
+
+pytestmark = pytest.mark.kernel
+
+
+def busy_group(group: list[subprocess.Popen[str]]) -> int:
+    p = start_group(BURN_ONE_CORE)
+    group.append(p)
+    return p.pid
+
+
+def sampler_of(groups: sched.KernelShardSampler, pgid: int, hz: float) -> WindowSampler:
+    return WindowSampler(PROC, BackendChoice("bpf", None), groups, [ShardSpec("w", Selector.parse(f"pgid:{pgid}"))],
+                         hz=hz, node="ring")  # fmt: skip
+
+
+@contextmanager
+def stalled_once(groups: sched.KernelShardSampler, when: Callable[[], bool], seconds: float) -> Iterator[list[bool]]:
+    """The agent's read of the kernel's samples stalls once for `seconds`, for real."""
+    take, stalled = groups.take_kernel_samples, [False]
+
+    def stalling() -> Any:
+        if not stalled[0] and when():
+            stalled[0] = True
+            time.sleep(seconds)
+        return take()
+
+    hooked = vars(groups).get("take_kernel_samples")  # another hook's, inside which this one runs
+    groups.take_kernel_samples = stalling  # type: ignore[method-assign]
+    try:
+        yield stalled
+    finally:
+        if hooked is None:
+            del groups.take_kernel_samples
+        else:
+            groups.take_kernel_samples = hooked  # type: ignore[method-assign]
+
+
+def test_the_kernel_takes_the_samples_from_5_15_on(bpf_groups: sched.KernelShardSampler) -> None:
+    """bpf_timer's kernels and later take the samples in the kernel (on_sample
+    loads with bounded loops and probe reads alone: 5.10 too, where it loads)."""
+    if kernel_version_code(os.uname().release) >= (5 << 16) + (15 << 8):
+        assert bpf_groups.ring is not None, bpf_groups.programs.notes
+
+
+@pytest.fixture
+def ring(bpf_groups: sched.KernelShardSampler) -> sched.KernelShardSampler:
+    if bpf_groups.ring is None:
+        pytest.skip(f"the kernel takes no samples here: {bpf_groups.programs.notes}")
+    return bpf_groups
+
+
+@pytest.mark.parametrize("hz", [10, 100, 1000])
+def test_a_sample_every_period_at_the_kernel_s_time(ring: sched.KernelShardSampler, group: list[subprocess.Popen[str]],
+                                                    hz: int) -> None:  # fmt: skip
+    ws = sampler_of(ring, busy_group(group), hz)
+    ws.prime(0)
+    ws.run_window(1.0)
+    ring.take_kernel_samples()  # those taken since the window's end
+    time.sleep(1.0)  # the kernel samples while this process sleeps
+    got = ring.take_kernel_samples()
+    gaps = np.diff(got.at)
+    assert len(got.at) == pytest.approx(hz, rel=0.05, abs=1)
+    assert float(np.median(gaps)) == pytest.approx(1 / hz, rel=0.01)
+    assert np.isfinite(got.shards["w"]).all() and float(np.mean(got.shards["w"])) == pytest.approx(1.0, abs=0.05)
+
+
+def test_an_agent_that_stalls_loses_no_sample(ring: sched.KernelShardSampler, group: list[subprocess.Popen[str]],
+                                              accuracy: AccuracyLog) -> None:  # fmt: skip
+    """Stalled 2.5 s, more than two reads of the ring, less than it holds at 1000 Hz."""
+    pgid = busy_group(group)
+    ws = sampler_of(ring, pgid, 1000)
+    edges: list[tuple[float, float]] = []
+    final = 0.0
+
+    def truth() -> None:
+        if (now := time.monotonic()) >= final:
+            edges.append((now, process_cpu_seconds(pgid)))
+
+    with after_each_reading(ring, truth):
+        ws.prime(0)
+        start = time.monotonic()
+        final = start + 4.0
+        with stalled_once(ring, lambda: time.monotonic() >= start + 0.5, 2.5) as stalled:
+            summary = ws.run_window(4.0)
+    assert stalled[0]
+    (t0, s0), (t1, s1) = edges[0], edges[-1]
+    cores = cores_of(summary.shards[0])
+    accuracy.record("window mean, 1000 Hz, a 2.5 s stall", cores.mean, (s1 - s0) / (t1 - t0), 0.03)
+    assert summary.window.samples == pytest.approx(4000, rel=0.02)
+    assert cores.mean == pytest.approx((s1 - s0) / (t1 - t0), rel=0.03)
+    assert cores.max <= 1.01
+
+
+def test_samples_written_over_are_said_and_their_time_kept(ring: sched.KernelShardSampler,
+                                                           group: list[subprocess.Popen[str]],
+                                                           caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """Stalled past the ring (4096 samples, 4.1 s at 1000 Hz): the samples
+    written over are lost, their time is not: the next sample read covers it."""
+    caplog.set_level(logging.WARNING)
+    pgid = busy_group(group)
+    ws = sampler_of(ring, pgid, 1000)
+    ws.raw_wanted = True
+    ws.prime(0)
+    before = time.monotonic(), process_cpu_seconds(pgid)
+    with stalled_once(ring, lambda: True, 5.0):
+        summary = ws.run_window(6.0)
+    after = time.monotonic(), process_cpu_seconds(pgid)
+    assert "some were written over" in caplog.text
+    assert summary.window.samples < 6000 - 800
+    assert summary.raw is not None
+    [series] = msgspec.json.decode(summary.raw)["shards"]
+    seconds = np.array(series["cpu_cores"]["us"]) / 1e6
+    # All the window's time is in its samples, the gap's in one of them.
+    assert float(seconds.sum()) == pytest.approx(after[0] - before[0], abs=0.1)
+    assert float(seconds.max()) > 0.8
+    assert cores_of(summary.shards[0]).mean == pytest.approx((after[1] - before[1]) / (after[0] - before[0]), rel=0.05)
+
+
+def test_the_machine_s_cpu_is_what_proc_stat_counts(ring: sched.KernelShardSampler,
+                                                    group: list[subprocess.Popen[str]],
+                                                    accuracy: AccuracyLog) -> None:  # fmt: skip
+    """One core busy: the kernel's samples of the machine, against /proc/stat
+    read after the first and last samples; no sample above 100%."""
+    ws = sampler_of(ring, busy_group(group), 100)
+    edges: list[procfs.CpuTimes] = []
+    final = 0.0
+
+    def truth() -> None:
+        if time.monotonic() >= final:
+            edges.append(procfs.parse_cpu_times(procfs.read_bytes(PROC / "stat")))
+
+    with after_each_reading(ring, truth):
+        ws.prime(0)
+        final = time.monotonic() + 3.0
+        summary = ws.run_window(3.0)
+    first, last = edges[0], edges[-1]
+    busy = last.busy - first.busy
+    total = busy + (last.idle - first.idle) + max(0, last.steal - first.steal)
+    cpu = cpu_of(summary)
+    accuracy.record("machine CPU mean, 100 Hz", cpu.mean, 100 * busy / total, 0.03)
+    assert cpu.mean == pytest.approx(100 * busy / total, abs=3.0)
+    assert cpu.mean > 100 / len(os.sched_getaffinity(0)) * 0.9
+    assert cpu.max <= 100.0
+
+
+def test_more_sets_of_shards_than_a_sample_holds_are_sampled_by_the_agent(
+    ring: sched.KernelShardSampler, group: list[subprocess.Popen[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    assert ring.ring is not None
+    sleepers = [subprocess.Popen(["sleep", "60"], process_group=0) for _ in range(ring.ring.ring_slots + 1)]
+    try:
+        specs = [ShardSpec(f"s{p.pid}", Selector.parse(f"pgid:{p.pid}")) for p in sleepers]
+        ws = WindowSampler(PROC, BackendChoice("bpf", None), ring, specs, hz=20, node="ring")
+        ws.prime(0)
+        summary = ws.run_window(1.0)
+        assert summary.window.samples == pytest.approx(20, abs=2)
+        assert summary.backend_reason is not None and "by the agent" in summary.backend_reason
+        assert "more than a kernel sample holds" in caplog.text
+        ring.discover([], ProcessTable.walk(PROC))
+        ws.specs = [ShardSpec("w", Selector.parse(f"pgid:{busy_group(group)}"))]
+        summary = ws.run_window(1.0)
+        assert summary.backend_reason is None  # the kernel samples again
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
