@@ -135,11 +135,17 @@ static __always_inline struct cpu_run *this_cpu_run(void)
     return cpu_run.lookup(&cpu);
 }
 
+/* The empty asm keeps the compiler from computing the entry's address before
+ * the null check (newer clangs do, and the verifier refuses arithmetic on a
+ * pointer that may be null). */
 static __always_inline struct slot_time *this_cpu_slot(u32 slot)
 {
     u32 cpu = bpf_get_smp_processor_id();
     struct slot_row *row = slot_ns.lookup(&cpu);
-    return row ? &row->t[slot & (MAX_SLOTS - 1)] : 0;
+    if (!row)
+        return 0;
+    asm volatile("" : "+r"(row));
+    return &row->t[slot & (MAX_SLOTS - 1)];
 }
 /* Forked processes that could not be given a slot (tgid above PID_MAX). */
 BPF_PERCPU_ARRAY(dropped_forks, u64, 1);
@@ -548,6 +554,7 @@ int on_sample(struct bpf_perf_event_data *ctx)
         struct slot_row *row = slot_ns.lookup(&cpu);
         if (!run || !row)
             break;
+        asm volatile("" : "+r"(row)); /* as in this_cpu_slot */
         u32 seq = run->seq;
         barrier();
         u32 running = run->slot;
@@ -584,6 +591,7 @@ int on_sample(struct bpf_perf_event_data *ctx)
         struct sample_column *column = sample_slots.lookup(&j);
         if (!column)
             break;
+        asm volatile("" : "+r"(column)); /* as in this_cpu_slot */
         u32 at = e;
         asm volatile("" : "+r"(at)); /* the mask below reaches the verifier: e was spilled, its bound lost */
         column->t[at & (RING_LEN - 1)] = sums->t[j];

@@ -73,6 +73,8 @@ def test_the_kernel_takes_the_samples_from_5_15_on(bpf_groups: sched.KernelShard
     loads with bounded loops and probe reads alone: 5.10 too, where it loads)."""
     if kernel_version_code(os.uname().release) >= (5 << 16) + (15 << 8):
         assert bpf_groups.ring is not None, bpf_groups.programs.notes
+    elif bpf_groups.ring is None:  # said in the harness's output, for the next one to read
+        pytest.skip(f"the agent's loop samples on this kernel: {bpf_groups.agent_samples_why}")
 
 
 @pytest.fixture

@@ -67,7 +67,7 @@ fi
 # under emulation).
 tier=$(grep -l '^pytestmark = pytest.mark.kernel' tests/test_*.py)
 NODESAMPLER_REQUIRE_BPF=1 NODESAMPLER_ACCURACY_LOG=/tmp/accuracy.jsonl \
-    $python -m pytest -v -p no:cacheprovider -o addopts= --timeout=300 --durations=15 -m kernel $tier 2>&1
+    $python -m pytest -v -rs -p no:cacheprovider -o addopts= --timeout=300 --durations=15 -m kernel $tier 2>&1
 tier=$?
 echo "NODESAMPLER-UPTIME=tests $(cut -d' ' -f1 /proc/uptime)"
 # The tier ran with no kernel headers installed. Now the kernel's own,

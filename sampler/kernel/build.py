@@ -106,21 +106,23 @@ class Attached:
     sample_error: str | None = None  # why the kernel takes no samples
 
 
-def attach_sampler(bpf: Any, cpu: int) -> int:
-    """on_sample loaded (bcc hands it over with the others) and attached to a
-    cpu-clock perf event on `cpu`, left disabled until the agent sets its
-    period (sampler/kernel/sample_ring.py): the event's descriptor. Through
-    libbcc's call rather than BPF.attach_perf_event, which keeps one set of
-    events per event type and would drop on_tick's."""
-    from bcc import BPF, PerfSWConfig, PerfType
+def attach_sampler(bpf: Any, cpu: int) -> tuple[int, int]:
+    """on_sample loaded (by this module, so that a refusal carries the
+    verifier's reason) and attached to a cpu-clock perf event on `cpu`, left
+    disabled until the agent sets its period (sampler/kernel/sample_ring.py):
+    (program, event) descriptors. Through libbcc's attach call rather than
+    BPF.attach_perf_event, which keeps one set of events per event type and
+    would drop on_tick's."""
+    from bcc import PerfSWConfig, PerfType
     from bcc.libbcc import lib
 
-    fn = bpf.load_func(b"on_sample", BPF.PERF_EVENT)
-    fd = int(lib.bpf_attach_perf_event(fn.fd, PerfType.SOFTWARE, PerfSWConfig.CPU_CLOCK, TICK_NS, 0, -1, cpu, -1))
+    prog = tp_btf.load(bpf.dump_func(b"on_sample"), "on_sample", tp_btf.BPF_PROG_TYPE_PERF_EVENT, "a perf event")
+    fd = int(lib.bpf_attach_perf_event(prog, PerfType.SOFTWARE, PerfSWConfig.CPU_CLOCK, TICK_NS, 0, -1, cpu, -1))
     if fd < 0:
+        os.close(prog)
         raise OSError(-fd, f"perf_event_open on CPU {cpu}: {os.strerror(-fd)}")
     fcntl.ioctl(fd, PERF_EVENT_IOC_DISABLE, 0)
-    return fd
+    return prog, fd
 
 
 # linux/perf_event.h: _IO('$', 0), _IO('$', 1), _IOW('$', 4, __u64)
@@ -138,7 +140,10 @@ def attach_switch(bpf: Any, raw: bool) -> tuple[dict[str, int], list[int], str |
             return {"on_switch": prog}, [link], None
         except OSError as e:
             why = e.strerror or str(e)
-    bpf.attach_raw_tracepoint(tp=b"sched_switch", fn_name=b"on_switch_raw")
+    try:
+        bpf.attach_raw_tracepoint(tp=b"sched_switch", fn_name=b"on_switch_raw")
+    except Exception as e:
+        raise RuntimeError(f"{e} (as tp_btf: {why})") from None
     return {}, [], f"sched_switch attached as a raw tracepoint ({why}): a task switching in is read through a helper"
 
 
@@ -215,7 +220,8 @@ def compile_and_attach(
         # On a CPU that keeps its ticks: the first housekeeping one.
         cpu = ticked[0] if ticked else 0
         try:
-            sample_event, sample_cpu = attach_sampler(bpf, cpu), cpu
+            own_programs["on_sample"], sample_event = attach_sampler(bpf, cpu)
+            sample_cpu = cpu
         except Exception as e:
             sample_error = f"on_sample did not load or attach: {str(e).strip()[-300:]}"
     if sample_error:

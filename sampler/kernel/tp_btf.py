@@ -24,7 +24,7 @@ from typing import Any
 from sampler.kernel import libbpf
 
 BPF_PROG_LOAD, BPF_RAW_TRACEPOINT_OPEN = 5, 17
-BPF_PROG_TYPE_TRACING, BPF_TRACE_RAW_TP = 26, 23
+BPF_PROG_TYPE_PERF_EVENT, BPF_PROG_TYPE_TRACING, BPF_TRACE_RAW_TP = 7, 26, 23
 SYSCALL_NR = {"x86_64": 321, "aarch64": 280}
 LOG_BYTES = 1 << 16
 
@@ -110,19 +110,19 @@ def _load(attr: LoadAttr) -> int:
     return bpf(BPF_PROG_LOAD, attr)
 
 
-def load_and_attach(insns: bytes, name: str, tracepoint: str) -> tuple[int, int]:
-    """(program fd, attachment fd) of `insns` as tp_btf/<tracepoint>; closing
-    the attachment detaches it. OSError on failure, with the verifier's last
-    lines where it refused the program."""
-    btf_id = tracepoint_btf_id(tracepoint)
+def load(insns: bytes, name: str, prog_type: int, what: str, expected_attach_type: int = 0,
+         attach_btf_id: int = 0) -> int:  # fmt: skip
+    """A program's descriptor: `insns` loaded as `prog_type`; OSError on
+    failure, with the verifier's last lines where it refused the program
+    (`what` names it in the message)."""
     code = ctypes.create_string_buffer(insns, len(insns))
     license = ctypes.create_string_buffer(b"GPL")
     log = ctypes.create_string_buffer(LOG_BYTES)
-    attr = LoadAttr(prog_type=BPF_PROG_TYPE_TRACING, insn_cnt=len(insns) // 8, insns=ctypes.addressof(code),
+    attr = LoadAttr(prog_type=prog_type, insn_cnt=len(insns) // 8, insns=ctypes.addressof(code),
                     license=ctypes.addressof(license), prog_name=name.encode()[:15],
-                    expected_attach_type=BPF_TRACE_RAW_TP, attach_btf_id=btf_id)  # fmt: skip
+                    expected_attach_type=expected_attach_type, attach_btf_id=attach_btf_id)  # fmt: skip
     try:
-        prog = _load(attr)
+        return _load(attr)
     except OSError as e:
         # Again with the verifier's log, only now: logging slows a load that works.
         attr.log_level, attr.log_size, attr.log_buf = 1, LOG_BYTES, ctypes.addressof(log)
@@ -130,8 +130,16 @@ def load_and_attach(insns: bytes, name: str, tracepoint: str) -> tuple[int, int]
             os.close(_load(attr))
         said = [ln for ln in log.value.decode(errors="replace").splitlines()
                 if ln.strip() and not ln.startswith(("processed ", "verification time"))][-2:]  # fmt: skip
-        raise OSError(e.errno, f"loading {name} as tp_btf/{tracepoint}: {e.strerror}"
+        raise OSError(e.errno, f"loading {name} as {what}: {e.strerror}"
                       + (f": {' / '.join(said)}" if said else "")) from None  # fmt: skip
+
+
+def load_and_attach(insns: bytes, name: str, tracepoint: str) -> tuple[int, int]:
+    """(program fd, attachment fd) of `insns` as tp_btf/<tracepoint>; closing
+    the attachment detaches it. OSError on failure, with the verifier's last
+    lines where it refused the program."""
+    btf_id = tracepoint_btf_id(tracepoint)
+    prog = load(insns, name, BPF_PROG_TYPE_TRACING, f"tp_btf/{tracepoint}", BPF_TRACE_RAW_TP, btf_id)
     try:
         link = bpf(BPF_RAW_TRACEPOINT_OPEN, RawTracepointAttr(name=0, prog_fd=prog))
     except OSError as e:
