@@ -473,7 +473,11 @@ BPF_F_TABLE("array", u32, struct sample_config, sample_config, 1, BPF_F_MMAPABLE
 
 struct sample_head {
     u64 written; /* samples written, ever: sample n is at n % RING_LEN */
-    u64 spare[7];
+    /* Why a CPU's run queue was not found, by the step that failed (task's
+     * cfs_rq, its group, the group's per-CPU array, the CPU's cfs_rq, its rq,
+     * rq.cpu), and kernel_cpustat reads that failed: the agent's reason. */
+    u64 no_rq[6];
+    u64 no_stat;
 };
 BPF_F_TABLE("array", u32, struct sample_head, sample_head, 1, BPF_F_MMAPABLE);
 
@@ -501,7 +505,7 @@ BPF_PERCPU_ARRAY(sample_sums, struct sample_sums, 1);
 /* cpu -> its struct rq's address, once found */
 BPF_ARRAY(cpu_rq, u64, NR_CPUS);
 
-static __always_inline u64 rq_of(u32 cpu, void *task)
+static __always_inline u64 rq_of(u32 cpu, void *task, struct sample_head *head)
 {
     u64 *known = cpu_rq.lookup(&cpu);
     if (!known)
@@ -509,25 +513,41 @@ static __always_inline u64 rq_of(u32 cpu, void *task)
     if (*known)
         return *known;
     void *cfs_rq = (void *)read_u64(task + TASK_CFS_RQ_OFF);
-    if (!cfs_rq)
+    if (!cfs_rq) {
+        head->no_rq[0] += 1;
         return 0;
+    }
     void *tg = (void *)read_u64(cfs_rq + CFS_RQ_TG_OFF);
-    if (!tg)
+    if (!tg) {
+        head->no_rq[1] += 1;
         return 0;
+    }
     void *per_cpu = (void *)read_u64(tg + TG_CFS_RQ_OFF);
-    if (!per_cpu)
+    if (!per_cpu) {
+        head->no_rq[2] += 1;
         return 0;
+    }
     void *its_cfs_rq = (void *)read_u64(per_cpu + (u64)cpu * 8);
-    if (!its_cfs_rq)
+    if (!its_cfs_rq) {
+        head->no_rq[3] += 1;
         return 0;
+    }
     u64 rq = read_u64(its_cfs_rq + CFS_RQ_RQ_OFF);
-    if (!rq || read_u32((void *)rq + RQ_CPU_OFF) != cpu)
+    if (!rq) {
+        head->no_rq[4] += 1;
         return 0;
+    }
+    if (read_u32((void *)rq + RQ_CPU_OFF) != cpu) {
+        head->no_rq[5] += 1;
+        return 0;
+    }
     *known = rq;
     return rq;
 }
 
+#ifndef barrier /* the kernel's headers, where bcc compiles against them, define it so */
 #define barrier() asm volatile("" ::: "memory")
+#endif
 
 int on_sample(struct bpf_perf_event_data *ctx)
 {
@@ -549,9 +569,13 @@ int on_sample(struct bpf_perf_event_data *ctx)
     void *task = (void *)bpf_get_current_task();
     u64 busy = 0, steal = 0;
     u32 cpus = 0;
+    /* A loop counter never has its address taken (a lookup's key is a copy):
+     * the verifiers of 6.1 and 6.12 lose a counter spilled to the stack, and
+     * call the loop infinite. */
     for (u32 cpu = 0; cpu < NR_CPUS; cpu++) {
-        struct cpu_run *run = cpu_run.lookup(&cpu);
-        struct slot_row *row = slot_ns.lookup(&cpu);
+        u32 key = cpu;
+        struct cpu_run *run = cpu_run.lookup(&key);
+        struct slot_row *row = slot_ns.lookup(&key);
         if (!run || !row)
             break;
         asm volatile("" : "+r"(row)); /* as in this_cpu_slot */
@@ -559,9 +583,9 @@ int on_sample(struct bpf_perf_event_data *ctx)
         barrier();
         u32 running = run->slot;
         u64 since = run->since;
-        /* The count is read afresh at each use: a copy the loop's exits had
-         * narrowed would keep the verifier from merging its paths (it refused
-         * the program beyond 8 CPUs). */
+        /* The count is read afresh at each use: a copy the exits had narrowed
+         * would keep the verifier from merging the paths after them (it
+         * refused the program beyond 8 CPUs). */
         for (u32 j = 0; j < RING_SLOTS && j < config->count; j++) {
             u32 k = j;
             asm volatile("" : "+r"(k)); /* indexed through the mask, not the loop's own (unrolled) counter */
@@ -577,24 +601,32 @@ int on_sample(struct bpf_perf_event_data *ctx)
             if (j && j <= config->count && j <= RING_SLOTS)
                 sums->t[(j - 1) & (RING_SLOTS - 1)].ns += now - since;
         }
-        u64 rq = rq_of(cpu, task);
+        u64 rq = rq_of(key, task, head);
         if (!rq)
             continue;
         u64 stat[KCPUSTAT_FIELDS] = {};
-        if (bpf_probe_read_kernel(stat, sizeof(stat), (void *)(rq + KCPUSTAT_FROM_RQ)))
+        if (bpf_probe_read_kernel(stat, sizeof(stat), (void *)(rq + KCPUSTAT_FROM_RQ))) {
+            head->no_stat += 1;
             continue;
+        }
         busy += stat[STAT_USER] + stat[STAT_NICE] + stat[STAT_SYSTEM] + stat[STAT_IRQ] + stat[STAT_SOFTIRQ];
         steal += stat[STAT_STEAL];
         cpus += 1;
     }
-    for (u32 j = 0; j < RING_SLOTS && j < config->count; j++) {
-        struct sample_column *column = sample_slots.lookup(&j);
+    u32 at = e;
+    asm volatile("" : "+r"(at)); /* the mask below reaches the verifier: e was spilled, its bound lost */
+    at &= RING_LEN - 1;
+    for (u32 j = 0; j < RING_SLOTS; j++) {
+        if (j >= config->count)
+            break;
+        u32 key = j;
+        struct sample_column *column = sample_slots.lookup(&key);
         if (!column)
             break;
         asm volatile("" : "+r"(column)); /* as in this_cpu_slot */
-        u32 at = e;
-        asm volatile("" : "+r"(at)); /* the mask below reaches the verifier: e was spilled, its bound lost */
-        column->t[at & (RING_LEN - 1)] = sums->t[j];
+        u32 k = j;
+        asm volatile("" : "+r"(k)); /* the mask below reaches the verifier, whatever it makes of j */
+        column->t[at] = sums->t[k & (RING_SLOTS - 1)];
     }
     barrier();
     if (gen != config->gen)

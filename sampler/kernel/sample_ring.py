@@ -63,7 +63,8 @@ class SampleRing:
         self._gen = np.frombuffer(self._config_map, dtype=np.uint32, count=2)  # gen, count
         self._list = np.frombuffer(self._config_map, dtype=np.uint8, count=ring_slots, offset=8)
         self._position = np.frombuffer(self._config_map, dtype=np.uint8, count=MAX_SLOTS, offset=8 + ring_slots)
-        self._head = np.frombuffer(self._head_map, dtype=np.uint64, count=1)
+        self._head_words = np.frombuffer(self._head_map, dtype=np.uint64, count=8)
+        self._head = self._head_words[:1]
         self._time = np.frombuffer(self._time_map, dtype=SAMPLE_TIME)
         self._columns = np.frombuffer(self._slots_map, dtype=np.uint64).reshape(ring_slots, ring_len, 2)
         self._lists: dict[int, np.ndarray] = {int(self._gen[0]): self._list[: self._gen[1]].astype(np.int64)}
@@ -85,6 +86,15 @@ class SampleRing:
     def written(self) -> int:
         """The samples the kernel has written since it loaded."""
         return int(self._head[0])
+
+    def machine_misses(self) -> dict[str, int]:
+        """Why the kernel's samples could not read CPUs' busy time, as it
+        counted: by the step of the way to a CPU's run queue that failed, and
+        the reads of its counters that did."""
+        counts = self._head_words[1:8].tolist()
+        steps = ("task's cfs_rq", "its group", "the group's per-CPU cfs_rq", "the CPU's cfs_rq", "its rq", "rq.cpu",
+                 "kernel_cpustat read")  # fmt: skip
+        return {step: int(n) for step, n in zip(steps, counts, strict=True) if n}
 
     def sample_slots(self, slots: list[int]) -> bool:
         """The kernel samples these slots, in this order, from its next
@@ -136,7 +146,7 @@ class SampleRing:
         """Stopped and unmapped; a view still held is unmapped when it goes."""
         with contextlib.suppress(OSError):
             self.stop()
-        del self._gen, self._list, self._position, self._head, self._time, self._columns
+        del self._gen, self._list, self._position, self._head, self._head_words, self._time, self._columns
         for mapping in (self._config_map, self._head_map, self._time_map, self._slots_map):
             try:
                 mapping.close()

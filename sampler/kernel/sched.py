@@ -127,6 +127,7 @@ class KernelShardSampler:
         self.ring: SampleRing | None = None
         # Why the caller's loop samples, while it does (None: the kernel does).
         self.agent_samples_why: str | None = (programs.sample or {}).get("error") or "no sample program was loaded"
+        self._no_machine: str | None = None  # why the kernel's samples cannot read the machine's time, once seen
         if programs.sample_event is not None and programs.sample is not None:
             self.ring = SampleRing(programs.maps, programs.sample_event, programs.sample["ring_len"],
                                    programs.sample["ring_slots"])  # fmt: skip
@@ -204,7 +205,7 @@ class KernelShardSampler:
                 self._member_of[index[wid], j] = 1.0
         self.counters.read_slots(self._slots)
         if self.ring is not None:
-            self.agent_samples_why = None
+            self.agent_samples_why = self._no_machine
             if not self.ring.sample_slots(self._slots.tolist()):
                 self.agent_samples_why = (f"{len(self._slots)} sets of shards, more than a kernel sample holds "
                                           f"({self.ring.ring_slots})")  # fmt: skip
@@ -300,6 +301,13 @@ class KernelShardSampler:
         shards = {w.spec.id: self._credit_samples(w, used[:, i], late[:, i], elapsed, unheld[:, i])
                   for i, w in enumerate(self._specs.values())}  # fmt: skip
         machine, steal = self._machine_shares(got)
+        if n and not got.cpus.any():
+            # No CPU's time read in any sample: the machine's figures would be
+            # missing every window; the agent's loop samples from the next.
+            self._no_machine = (f"the kernel's samples read no CPU's busy time (failed: "
+                                f"{self.ring.machine_misses() or 'nothing counted'})")  # fmt: skip
+            self.agent_samples_why = self._no_machine
+            log.warning("%s: sampled by the agent", self._no_machine)
         return KernelSamples(got.at, elapsed, machine, steal, shards, got.lost)
 
     def _credit_samples(self, w: _KernelShard, used: np.ndarray, late: np.ndarray, elapsed: np.ndarray,
