@@ -58,15 +58,18 @@ class SampleRing:
         self._head_map = mmap.mmap(maps["sample_head"].fd, HEAD_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
         self._time_map = mmap.mmap(maps["sample_time"].fd, ring_len * SAMPLE_TIME.itemsize, mmap.MAP_SHARED,
                                    mmap.PROT_READ)  # fmt: skip
-        self._slots_map = mmap.mmap(maps["sample_slots"].fd, ring_slots * ring_len * 16, mmap.MAP_SHARED,
-                                    mmap.PROT_READ)  # fmt: skip
+        # A column (one slot's samples) mapped when first read: the kernel maps
+        # every page of a BPF array's mapping at once, all of them resident (4
+        # MiB for the whole ring; 64 KiB a column).
+        self._slots_fd = maps["sample_slots"].fd
+        self._column_maps: dict[int, mmap.mmap] = {}
+        self._column_views: dict[int, np.ndarray] = {}
         self._gen = np.frombuffer(self._config_map, dtype=np.uint32, count=2)  # gen, count
         self._list = np.frombuffer(self._config_map, dtype=np.uint8, count=ring_slots, offset=8)
         self._position = np.frombuffer(self._config_map, dtype=np.uint8, count=MAX_SLOTS, offset=8 + ring_slots)
         self._head_words = np.frombuffer(self._head_map, dtype=np.uint64, count=8)
         self._head = self._head_words[:1]
         self._time = np.frombuffer(self._time_map, dtype=SAMPLE_TIME)
-        self._columns = np.frombuffer(self._slots_map, dtype=np.uint64).reshape(ring_slots, ring_len, 2)
         self._lists: dict[int, np.ndarray] = {int(self._gen[0]): self._list[: self._gen[1]].astype(np.int64)}
         self._read = int(self._head[0])  # what was written before is no one's
         self.hz: float | None = None
@@ -131,7 +134,7 @@ class SampleRing:
             where = {slot: j for j, slot in enumerate(listed.tolist())}
             for k, slot in enumerate(slots.tolist()):
                 if (j := where.get(slot)) is not None:
-                    totals[rows, k, :] = self._columns[j, index[rows], :]
+                    totals[rows, k, :] = self._column(j)[index[rows], :]
                     held[rows, k] = True
         # An entry the kernel may have begun to write again while it was read is dropped.
         after = int(self._head[0])
@@ -142,12 +145,22 @@ class SampleRing:
                            times["steal"][keep].astype(np.float64), times["cpus"][keep], totals[keep], held[keep],
                            lost)  # fmt: skip
 
+    def _column(self, position: int) -> np.ndarray:
+        """The samples of the slot at `position` of a list: [sample, (ns, late ns)]."""
+        if (view := self._column_views.get(position)) is None:
+            size = self.ring_len * 16
+            mapping = mmap.mmap(self._slots_fd, size, mmap.MAP_SHARED, mmap.PROT_READ, offset=position * size)
+            self._column_maps[position] = mapping
+            view = self._column_views[position] = np.frombuffer(mapping, dtype=np.uint64).reshape(self.ring_len, 2)
+        return view
+
     def close(self) -> None:
         """Stopped and unmapped; a view still held is unmapped when it goes."""
         with contextlib.suppress(OSError):
             self.stop()
-        del self._gen, self._list, self._position, self._head, self._head_words, self._time, self._columns
-        for mapping in (self._config_map, self._head_map, self._time_map, self._slots_map):
+        del self._gen, self._list, self._position, self._head, self._head_words, self._time
+        self._column_views.clear()
+        for mapping in (self._config_map, self._head_map, self._time_map, *self._column_maps.values()):
             try:
                 mapping.close()
             except BufferError:
