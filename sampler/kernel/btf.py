@@ -49,17 +49,22 @@ class BtfError(Exception):
     """BTF missing, malformed, or without the struct or member asked for."""
 
 
-def struct_member_offsets(data: bytes, wanted: dict[str, list[str]]) -> dict[str, dict[str, int]]:
-    """Byte offsets of named (non-bitfield, top-level) members of structs, in
-    one pass over the types: {struct: {member: offset}}."""
+def _sections(data: bytes) -> tuple[bytes, bytes]:
+    """BTF's type section and its strings."""
     if len(data) < 24:
         raise BtfError("BTF too short")
     magic, _version, _flags, hdr_len = struct.unpack_from("<HBBI", data, 0)
     if magic != MAGIC:
         raise BtfError(f"not BTF (magic {magic:#x})")
     type_off, type_len, str_off, str_len = struct.unpack_from("<IIII", data, 8)
-    types = data[hdr_len + type_off : hdr_len + type_off + type_len]
-    strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
+    return (data[hdr_len + type_off : hdr_len + type_off + type_len],
+            data[hdr_len + str_off : hdr_len + str_off + str_len])  # fmt: skip
+
+
+def struct_member_offsets(data: bytes, wanted: dict[str, list[str]]) -> dict[str, dict[str, int]]:
+    """Byte offsets of named (non-bitfield, top-level) members of structs, in
+    one pass over the types: {struct: {member: offset}}."""
+    types, strings = _sections(data)
 
     def name(off: int) -> bytes:
         return strings[off : strings.find(b"\0", off)]
@@ -129,14 +134,7 @@ KIND_ENUM, KIND_VAR, KIND_DATASEC = 6, 14, 15
 def _walk(data: bytes) -> tuple[bytes, bytes, list[tuple[int, int, int, int, int]]]:
     """The type section, the strings, and each type's (id, kind, vlen,
     name offset, where its trailer starts)."""
-    if len(data) < 24:
-        raise BtfError("BTF too short")
-    magic, _version, _flags, hdr_len = struct.unpack_from("<HBBI", data, 0)
-    if magic != MAGIC:
-        raise BtfError(f"not BTF (magic {magic:#x})")
-    type_off, type_len, str_off, str_len = struct.unpack_from("<IIII", data, 8)
-    types = data[hdr_len + type_off : hdr_len + type_off + type_len]
-    strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
+    types, strings = _sections(data)
     out, pos, type_id = [], 0, 0
     while pos + 12 <= len(types):
         type_id += 1
