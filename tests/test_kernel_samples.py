@@ -79,8 +79,18 @@ def test_the_kernel_takes_the_samples_from_5_15_on(bpf_groups: sched.KernelShard
 
 @pytest.fixture
 def ring(bpf_groups: sched.KernelShardSampler) -> sched.KernelShardSampler:
+    """The shared backend where the kernel takes the samples: its first
+    samples read, to know it can (a kernel whose samples read no CPU's time
+    has the agent's loop sample instead), else skipped with the reason."""
     if bpf_groups.ring is None:
         pytest.skip(f"the kernel takes no samples here: {bpf_groups.programs.notes}")
+    if bpf_groups.samples_in_kernel(100):
+        written, since = bpf_groups.ring.written(), time.monotonic()
+        while bpf_groups.ring.written() < written + 2 and time.monotonic() - since < 2.0:
+            pass  # the kernel's next samples: written into shared memory, nothing to wait on
+        bpf_groups.take_kernel_samples()
+    if bpf_groups.agent_samples_why is not None:
+        pytest.skip(f"the agent's loop samples here: {bpf_groups.agent_samples_why}")
     return bpf_groups
 
 
