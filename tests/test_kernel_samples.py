@@ -121,14 +121,17 @@ def test_an_agent_that_stalls_loses_no_sample(ring: sched.KernelShardSampler, gr
     edges: list[tuple[float, float]] = []
     final = 0.0
 
+    assert ring.ring is not None
+    base: list[int] = []  # what the kernel had written at the priming read: none of it the window's
+
     def truth() -> None:
         if (now := time.monotonic()) >= final:
+            if not edges:
+                base.append(ring.ring.written())  # type: ignore[union-attr]
             edges.append((now, process_cpu_seconds(pgid)))
 
-    assert ring.ring is not None
     with after_each_reading(ring, truth):
         ws.prime(0)
-        written = ring.ring.written()  # what the kernel wrote before this window (the priming read took it)
         start = time.monotonic()
         final = start + 4.0
         with stalled_once(ring, lambda: time.monotonic() >= start + 0.5, 2.5) as stalled:
@@ -136,14 +139,15 @@ def test_an_agent_that_stalls_loses_no_sample(ring: sched.KernelShardSampler, gr
     # Those written since the window's last read (its summary took 35 ms in an
     # emulated guest: 35 samples), then the count: one or two may come between.
     since = len(ring.take_kernel_samples().at)
-    written = ring.ring.written() - written
+    written = ring.ring.written() - base[0]
     assert stalled[0]
     (t0, s0), (t1, s1) = edges[0], edges[-1]
     cores = cores_of(summary.shards[0])
     accuracy.record("window mean, 1000 Hz, a 2.5 s stall", cores.mean, (s1 - s0) / (t1 - t0), 0.03)
     # Every sample the kernel took in the window (an emulated guest's timer
     # skips periods it could not fire in time: fewer than 4000 there).
-    assert written - 2 <= summary.window.samples + since <= written
+    # A sample or two may be written between a read and the count beside it.
+    assert written - 2 <= summary.window.samples + since <= written + 2
     assert summary.window.samples > 4000 * 0.8
     assert cores.mean == pytest.approx((s1 - s0) / (t1 - t0), rel=0.03)
     assert cores.max <= 1.01
