@@ -194,6 +194,10 @@ def sample_offsets(path: Path = VMLINUX) -> dict[str, int]:
         raise BtfError(f"kernel BTF unreadable ({path}: {e.strerror})") from None
     found = struct_member_offsets(data, {"task_struct": ["se"], "sched_entity": ["cfs_rq"],
                                          "cfs_rq": ["tg", "rq"], "task_group": ["cfs_rq"], "rq": ["cpu"]})  # fmt: skip
+    if not _array_of_pointers(data, "task_group", "cfs_rq"):
+        # 7.2 (seen in Debian's guest): one per-CPU pointer, which a program
+        # cannot index by CPU without the per-CPU offsets.
+        raise BtfError("task_group.cfs_rq is not an array of per-CPU pointers here: no way to every CPU's rq")
     percpu, stats = percpu_and_enums(data, ["kernel_cpustat", "runqueues"], "cpu_usage_stat")
     missing = [f for f in CPUTIME_FIELDS if f not in stats]
     if missing:
@@ -204,3 +208,33 @@ def sample_offsets(path: Path = VMLINUX) -> dict[str, int]:
            "KCPUSTAT_FROM_RQ": percpu["kernel_cpustat"] - percpu["runqueues"],
            "KCPUSTAT_FIELDS": max(stats[f] for f in CPUTIME_FIELDS) + 1}  # fmt: skip
     return out | {f.replace("CPUTIME_", "STAT_"): stats[f] for f in CPUTIME_FIELDS}
+
+
+def _array_of_pointers(data: bytes, struct_name: str, member: str) -> bool:
+    """Whether a struct's member is a pointer to pointers (`struct x **`)."""
+    types, strings, index = _walk(data)
+    by_id = {tid: (kind, body) for tid, kind, _v, _n, body in index}
+
+    def name(off: int) -> str:
+        return strings[off : strings.find(b"\0", off)].decode()
+
+    def pointee(type_id: int) -> int | None:
+        """The type a pointer points at, through typedefs and qualifiers; None: not a pointer."""
+        for _ in range(16):
+            kind, body = by_id.get(type_id, (0, 0))
+            referred = struct.unpack_from("<I", types, body - 4)[0] if kind else 0
+            if kind == 2:
+                return int(referred)
+            if kind not in (8, 9, 10, 11, 18):  # typedef, volatile, const, restrict, type tag
+                return None
+            type_id = referred
+        return None
+
+    for _tid, kind, vlen, name_off, body in index:
+        if kind == KIND_STRUCT and name(name_off) == struct_name:
+            for i in range(vlen):
+                m_name, m_type, _off = struct.unpack_from("<III", types, body + 12 * i)
+                if name(m_name) == member:
+                    first = pointee(m_type)
+                    return first is not None and pointee(first) is not None
+    return False
