@@ -110,7 +110,6 @@ class WindowSampler:
         # Samples taken by the kernel where the backend can (it says so each
         # window); False: by this process's loop, whatever the backend.
         self.kernel_samples = kernel_samples
-        self._kernel_lost = 0
 
     def close(self) -> None:
         """Its backend, readers and pollers closed."""
@@ -287,7 +286,6 @@ class WindowSampler:
                 self._sleep(wake - now)
             got = self.shard_sampler.take_kernel_samples()
             if got.lost:
-                self._kernel_lost += got.lost
                 self._say("the agent read the kernel's samples too late: some were written over "
                           "(their time is in the next sample read)")  # fmt: skip
             if len(got.at):
