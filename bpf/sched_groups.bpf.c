@@ -345,6 +345,31 @@ int on_switch_raw(struct bpf_raw_tracepoint_args *ctx)
     return switch_tasks(ctx->args, 0);
 }
 
+#ifdef RING_LEN
+/* cpu -> its struct rq's address, once found (on_sample reads each CPU's
+ * kernel_cpustat beside it) */
+BPF_ARRAY(cpu_rq, u64, NR_CPUS);
+#endif
+
+#if defined(RING_LEN) && defined(RQ_FROM_TICK)
+/* Where a task group's cfs_rq is one per-CPU pointer (7.2), which no program
+ * can index by CPU, each CPU's rq is learnt by its own tick: the running
+ * task's (the idle task's too) se.cfs_rq->rq, checked by rq.cpu. */
+static __always_inline void learn_own_rq(void *task)
+{
+    u32 cpu = bpf_get_smp_processor_id();
+    u64 *known = cpu_rq.lookup(&cpu);
+    if (!known || *known)
+        return;
+    void *cfs_rq = (void *)read_u64(task + TASK_CFS_RQ_OFF);
+    if (!cfs_rq)
+        return;
+    u64 rq = read_u64(cfs_rq + CFS_RQ_RQ_OFF);
+    if (rq && read_u32((void *)rq + RQ_CPU_OFF) == cpu)
+        *known = rq;
+}
+#endif
+
 /* The cpu-clock tick: learn the slot of whoever runs now, which may have been
  * running since before the programs were loaded, been given (or lost) a slot
  * by userspace since it was switched in, or been switched in unseen. Only an
@@ -357,6 +382,9 @@ int on_tick(struct bpf_perf_event_data *ctx)
     if (!run)
         return 0;
     void *task = (void *)bpf_get_current_task();
+#if defined(RING_LEN) && defined(RQ_FROM_TICK)
+    learn_own_rq(task);
+#endif
     u8 *slot = slot_of(bpf_get_current_pid_tgid() >> 32);
     u8 now_slot = slot ? *slot : 0;
     u8 unseen = run->task && run->task != (u64)task; /* switched in without the tracepoint */
@@ -456,11 +484,13 @@ RAW_TRACEPOINT_PROBE(sched_process_exit)
  * kernel_cpustat is a per-CPU variable with no helper to reach it, and a
  * typed ksym would need the kernel's symbol table to hold data symbols
  * (CONFIG_KALLSYMS_ALL, which the CI host's kernel lacks). Every CPU's
- * `struct rq` is reachable from any task (se.cfs_rq->tg->cfs_rq[cpu]->rq),
- * and per-CPU variables keep their layout in every CPU's copy: kernel_cpustat
- * lies KCPUSTAT_FROM_RQ bytes from runqueues (their offsets in the kernel
- * BTF's .data..percpu section). Each CPU's rq is found once and checked
- * (rq->cpu), then kept in `cpu_rq`.
+ * `struct rq` is reachable from any task (se.cfs_rq->tg->cfs_rq[cpu]->rq)
+ * where a task group's cfs_rq is an array of pointers, one per CPU (to 7.1);
+ * where it is one per-CPU pointer (7.2), each CPU's tick learns its own
+ * (learn_own_rq, RQ_FROM_TICK). Per-CPU variables keep their layout in every
+ * CPU's copy: kernel_cpustat lies KCPUSTAT_FROM_RQ bytes from runqueues
+ * (their offsets in the kernel BTF's .data..percpu section). Each CPU's rq is
+ * found once and checked (rq->cpu), then kept in `cpu_rq`.
  */
 #ifdef RING_LEN
 struct sample_config {
@@ -502,9 +532,6 @@ struct sample_sums {
     struct slot_time t[RING_SLOTS];
 };
 BPF_PERCPU_ARRAY(sample_sums, struct sample_sums, 1);
-/* cpu -> its struct rq's address, once found */
-BPF_ARRAY(cpu_rq, u64, NR_CPUS);
-
 static __always_inline u64 rq_of(u32 cpu, void *task, struct sample_head *head)
 {
     u64 *known = cpu_rq.lookup(&cpu);
@@ -512,6 +539,10 @@ static __always_inline u64 rq_of(u32 cpu, void *task, struct sample_head *head)
         return 0;
     if (*known)
         return *known;
+#ifdef RQ_FROM_TICK
+    head->no_rq[3] += 1; /* its tick has not run yet (or never will: no tick there) */
+    return 0;
+#else
     void *cfs_rq = (void *)read_u64(task + TASK_CFS_RQ_OFF);
     if (!cfs_rq) {
         head->no_rq[0] += 1;
@@ -543,6 +574,7 @@ static __always_inline u64 rq_of(u32 cpu, void *task, struct sample_head *head)
     }
     *known = rq;
     return rq;
+#endif
 }
 
 #ifndef barrier /* the kernel's headers, where bcc compiles against them, define it so */

@@ -70,17 +70,19 @@ def bpf_groups_with_stats() -> Iterator[KernelShardSampler]:
     yield from _bpf_groups(bpf_stats=True)
 
 
-@pytest.fixture
-def bpf_groups_raw_switch() -> Iterator[KernelShardSampler]:
-    """With sched_switch attached as a raw tracepoint, the fallback where tp_btf cannot load."""
-    yield from _bpf_groups(bpf_stats=False, raw_switch=True)
+@pytest.fixture(scope="module")
+def bpf_groups_fallbacks() -> Iterator[KernelShardSampler]:
+    """The fallbacks: sched_switch attached as a raw tracepoint (where tp_btf
+    cannot load), and each CPU's run queue found by its tick for the
+    kernel's samples (where a task group's cfs_rq is one per-CPU pointer)."""
+    yield from _bpf_groups(bpf_stats=False, raw_switch=True, rq_from_tick=True)
 
 
-def _bpf_groups(bpf_stats: bool, raw_switch: bool = False) -> Iterator[KernelShardSampler]:
+def _bpf_groups(bpf_stats: bool, raw_switch: bool = False, rq_from_tick: bool = False) -> Iterator[KernelShardSampler]:
     from sampler.kernel import sched
 
     try:
-        sampler = sched.load(PROC, bpf_stats=bpf_stats, raw_switch=raw_switch)
+        sampler = sched.load(PROC, bpf_stats=bpf_stats, raw_switch=raw_switch, rq_from_tick=rq_from_tick)
     except BackendUnavailable as e:
         if REQUIRE_BPF:
             pytest.fail(f"NODESAMPLER_REQUIRE_BPF=1 and the kernel backend cannot load: {e}")

@@ -328,14 +328,13 @@ def test_sched_switch_is_attached_typed_where_the_kernel_names_it(bpf_groups: sc
 
 
 def test_the_raw_tracepoint_fallback_counts_the_same(
-    bpf_groups_raw_switch: sched.KernelShardSampler,
+    bpf_groups_fallbacks: sched.KernelShardSampler,
     group: list[subprocess.Popen[str]],
-    monkeypatch: pytest.MonkeyPatch,
     accuracy: AccuracyLog,
 ) -> None:
     """Where tp_btf cannot load, sched_switch is a raw tracepoint (each read of
     a task through a helper): the same counts, on a group that switches often."""
-    groups = bpf_groups_raw_switch
+    groups = bpf_groups_fallbacks
     assert "on_switch_raw" in groups.programs.programs and "on_switch" not in groups.programs.programs
     assert any("sched_switch attached as a raw tracepoint (asked for)" in n for n in groups.programs.notes)
     p = start_group(QUARTER_WORKERS)

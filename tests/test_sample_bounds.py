@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sampler.backend import BackendChoice
-from sampler.kernel.slices import place_late, settle
+from sampler.kernel.slices import SWITCH_SLACK_S, into_room_before, place_late, settle
 from sampler.shards.proc_shards import ProcShardSampler, ShardReading, within_capacity
 from sampler.shards.selectors import Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
@@ -124,3 +124,29 @@ def test_time_seen_late_fills_room_never_more(drawn: list[tuple[float, float, fl
         credited += credit
     on_time = sum(min(o, c) for o, _, c in drawn)
     assert math.isclose(credited + pending, on_time + sum(la for _, la, _ in drawn), abs_tol=1e-9)
+
+
+def test_a_slice_left_out_of_one_sample_goes_back_into_it() -> None:
+    """One thread busy, 1 ms samples; the kernel read a CPU mid-switch at the
+    third, which holds none of the 40 ms slice so far: the fourth holds it,
+    and the two come back to one thread each, not 0 and 2."""
+    capacity = np.full(6, 0.001)
+    used = np.array([0.001, 0.001, -0.039, 0.041, 0.001, 0.001])
+    np.testing.assert_allclose(into_room_before(used, capacity), np.full(6, 0.001))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(-0.05, 0.05), st.floats(0.0, 0.01)), min_size=1, max_size=100))
+def test_moving_time_into_the_sample_before_loses_none_nor_overfills(drawn: list[tuple[float, float]]) -> None:
+    used = np.array([u for u, _ in drawn])
+    capacity = np.array([c for _, c in drawn])
+    moved = into_room_before(used, capacity)
+    assert math.isclose(float(moved.sum()), float(used.sum()), abs_tol=1e-9)
+    grew = moved > used + 1e-15
+    assert (moved[grew] <= capacity[grew] + 1e-12).all()  # filled up to its room, never over
+    shrank = moved < used - 1e-15
+    assert (moved[shrank] >= capacity[shrank] - 1e-12).all()  # gave only what was beyond its threads
+    assert not shrank[0] and not grew[-1] if len(used) > 1 else True
+    # An excess beyond the slack stays only where the sample before had no room.
+    for i in np.flatnonzero(moved[1:] - capacity[1:] > SWITCH_SLACK_S) + 1:
+        assert moved[i - 1] >= capacity[i - 1] - 1e-12

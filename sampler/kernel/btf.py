@@ -183,30 +183,31 @@ CPUTIME_FIELDS = ("CPUTIME_USER", "CPUTIME_NICE", "CPUTIME_SYSTEM", "CPUTIME_SOF
 
 def sample_offsets(path: Path = VMLINUX) -> dict[str, int]:
     """What the kernel's sample program (on_sample) reads, in the running
-    kernel: the way from a task to every CPU's run queue (se.cfs_rq, then
-    its group's per-CPU cfs_rq array, then each one's rq, checked by rq.cpu;
+    kernel: the way to every CPU's run queue (se.cfs_rq, then its group's
+    per-CPU cfs_rq array, then each one's rq, checked by rq.cpu;
     CONFIG_FAIR_GROUP_SCHED), where kernel_cpustat lies from runqueues in
     every CPU's per-CPU area, and the indices of the busy and stolen time in
-    its counters. BtfError where any is missing."""
+    its counters. Where a group's cfs_rq is one per-CPU pointer (7.2), no
+    program can index it by CPU: RQ_FROM_TICK, each CPU's tick learns its
+    own rq from the task it interrupts. BtfError where any is missing."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise BtfError(f"kernel BTF unreadable ({path}: {e.strerror})") from None
     found = struct_member_offsets(data, {"task_struct": ["se"], "sched_entity": ["cfs_rq"],
                                          "cfs_rq": ["tg", "rq"], "task_group": ["cfs_rq"], "rq": ["cpu"]})  # fmt: skip
-    if not _array_of_pointers(data, "task_group", "cfs_rq"):
-        # 7.2 (seen in Debian's guest): one per-CPU pointer, which a program
-        # cannot index by CPU without the per-CPU offsets.
-        raise BtfError("task_group.cfs_rq is not an array of per-CPU pointers here: no way to every CPU's rq")
     percpu, stats = percpu_and_enums(data, ["kernel_cpustat", "runqueues"], "cpu_usage_stat")
     missing = [f for f in CPUTIME_FIELDS if f not in stats]
     if missing:
         raise BtfError(f"enum cpu_usage_stat has no {', '.join(missing)}")
     out = {"TASK_CFS_RQ_OFF": found["task_struct"]["se"] + found["sched_entity"]["cfs_rq"],
-           "CFS_RQ_TG_OFF": found["cfs_rq"]["tg"], "CFS_RQ_RQ_OFF": found["cfs_rq"]["rq"],
-           "TG_CFS_RQ_OFF": found["task_group"]["cfs_rq"], "RQ_CPU_OFF": found["rq"]["cpu"],
+           "CFS_RQ_RQ_OFF": found["cfs_rq"]["rq"], "RQ_CPU_OFF": found["rq"]["cpu"],
            "KCPUSTAT_FROM_RQ": percpu["kernel_cpustat"] - percpu["runqueues"],
            "KCPUSTAT_FIELDS": max(stats[f] for f in CPUTIME_FIELDS) + 1}  # fmt: skip
+    if _array_of_pointers(data, "task_group", "cfs_rq"):
+        out |= {"CFS_RQ_TG_OFF": found["cfs_rq"]["tg"], "TG_CFS_RQ_OFF": found["task_group"]["cfs_rq"]}
+    else:
+        out["RQ_FROM_TICK"] = 1
     return out | {f.replace("CPUTIME_", "STAT_"): stats[f] for f in CPUTIME_FIELDS}
 
 

@@ -149,7 +149,7 @@ def attach_switch(bpf: Any, raw: bool) -> tuple[dict[str, int], list[int], str |
 
 def compile_and_attach(
     proc: str, kernel_headers: list[str] | str | None, source: str, btf_path: str, sysfs: str,
-    raw_switch: bool = False,
+    raw_switch: bool = False, rq_from_tick: bool = False,
 ) -> Attached:  # fmt: skip
     """What the loader child does (everything bcc is needed for): the
     programs compiled, loaded and attached, with pid_max, the per-CPU arrays'
@@ -175,7 +175,15 @@ def compile_and_attach(
     notes = [f"kernel backend compiled against {headers.name}"]
     sample_error = None
     try:
-        sample_flags = [f"-D{name}={value}" for name, value in btf.sample_offsets(Path(btf_path)).items()]
+        found = btf.sample_offsets(Path(btf_path))
+        if rq_from_tick and "RQ_FROM_TICK" not in found:
+            found = {k: v for k, v in found.items() if k not in ("CFS_RQ_TG_OFF", "TG_CFS_RQ_OFF")}
+            found["RQ_FROM_TICK"] = 1
+            notes.append("the kernel's samples find each CPU's run queue by its tick (asked for)")
+        elif "RQ_FROM_TICK" in found:
+            notes.append("the kernel's samples find each CPU's run queue by its tick "
+                         "(a task group's cfs_rq is one per-CPU pointer here)")  # fmt: skip
+        sample_flags = [f"-D{name}={value}" for name, value in found.items()]
         cflags += [*sample_flags, f"-DRING_LEN={RING_LEN}", f"-DRING_SLOTS={RING_SLOTS}"]
     except btf.BtfError as e:
         sample_error = str(e)
@@ -216,7 +224,10 @@ def compile_and_attach(
     if tickless:
         notes.append(f"no cpu-clock tick on CPUs {format_cpu_list(tickless)} (nohz_full or isolated)")
     sample_event = sample_cpu = None
-    if any(f.startswith("-DRING_LEN=") for f in cflags):
+    if "-DRQ_FROM_TICK=1" in cflags and tickless and not sample_error:
+        sample_error = (f"CPUs {format_cpu_list(tickless)} have no tick, which is what finds a CPU's run queue "
+                        "where a task group's cfs_rq is one per-CPU pointer (7.2)")  # fmt: skip
+    elif any(f.startswith("-DRING_LEN=") for f in cflags):
         # On a CPU that keeps its ticks: the first housekeeping one.
         cpu = ticked[0] if ticked else 0
         try:

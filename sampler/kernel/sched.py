@@ -31,7 +31,7 @@ from sampler.kernel.counters import SlotCounters
 from sampler.kernel.membership import TaskSlots
 from sampler.kernel.program_stats import enable_bpf_stats, program_stats
 from sampler.kernel.sample_ring import RingSamples, SampleRing
-from sampler.kernel.slices import SWITCH_SLACK_S, place_late, settle
+from sampler.kernel.slices import SWITCH_SLACK_S, into_room_before, place_late, settle
 from sampler.kernel.waits import WaitHistograms
 from sampler.shards.proc_shards import PAGE_SIZE, ShardReading, within_capacity
 from sampler.shards.selectors import ProcessTable, ShardSpec
@@ -75,6 +75,7 @@ def load(
     bpf_stats: bool = False,
     sysfs: Path = Path("/sys"),
     raw_switch: bool = False,
+    rq_from_tick: bool = False,
 ) -> KernelShardSampler:
     """The programs compiled, loaded and attached (by a child process, so that
     this one never holds the compiler: sampler/kernel/handoff.py). With
@@ -82,10 +83,12 @@ def load(
     lives (they time every BPF program on the host, not ours alone) and each
     window reports the programs' runs and run time. `raw_switch`: sched_switch
     as a raw tracepoint even where tp_btf would load (the fallback, as tests
-    and benchmarks run it)."""
+    and benchmarks run it). `rq_from_tick`: the kernel's samples find each
+    CPU's run queue by its tick even where the way from a task holds (7.2's
+    way, as tests run it)."""
     headers = ["tree", str(kernel_headers)] if isinstance(kernel_headers, Path) else kernel_headers
     options = {"proc": str(proc), "kernel_headers": headers, "source": str(source), "btf_path": str(btf_path),
-               "sysfs": str(sysfs), "raw_switch": raw_switch}  # fmt: skip
+               "sysfs": str(sysfs), "raw_switch": raw_switch, "rq_from_tick": rq_from_tick}  # fmt: skip
     programs = handoff.load_programs(options)
     for note in programs.notes:
         log.info("%s", note)
@@ -319,6 +322,7 @@ class KernelShardSampler:
         n = len(used)
         cores = np.full(n, np.nan)
         capacity = min(w.threads, self._cpus) * elapsed
+        used = into_room_before(used, capacity)
         with np.errstate(invalid="ignore"):
             plain = ~unheld & (late == 0) & (used >= 0) & (used <= capacity) & (elapsed > 0)
         stops = np.flatnonzero(~plain)
@@ -345,13 +349,15 @@ class KernelShardSampler:
         time, nothing lost."""
         n = len(got.at)
         busy_out, steal_out = np.full(n, np.nan), np.full(n, np.nan)
+        # Every possible CPU where the way from a task to each CPU holds; the
+        # CPUs whose ticks have run where each tick finds its own (7.2).
         online = os.sysconf("SC_NPROCESSORS_ONLN")
         last = self._machine_at
         carry_busy, carry_steal = self._machine_carry
         at_l, busy_l, steal_l, cpus_l = got.at.tolist(), got.busy.tolist(), got.steal.tolist(), got.cpus.tolist()
         for i in range(n):
             at, busy, steal, cpus = at_l[i], busy_l[i], steal_l[i], cpus_l[i]
-            if last is not None and at > last[0] and cpus == last[3] and cpus > 0 and busy >= last[1] \
+            if last is not None and at > last[0] and cpus == last[3] and cpus >= online and busy >= last[1] \
                     and steal >= last[2]:  # fmt: skip
                 capacity = (at - last[0]) * 1e9 * online
                 used, carry_busy = within_capacity(busy - last[1] + carry_busy, capacity)
