@@ -370,6 +370,71 @@ static __always_inline void learn_own_rq(void *task)
 }
 #endif
 
+#ifdef SIGNAL_PGID_OFF
+/* Membership followed by the tick, where a watched group alone decides the
+ * slot of its processes (pgid, pid, cmdline and comm selectors; userspace
+ * says so): a process seen running in a watched group takes the group's
+ * slot, one that left for a group not watched loses its slot (setpgid,
+ * setsid), both within a tick of their running, not at the next walk.
+ *
+ * pgid / 8 -> eight one-byte slots, the group's (0: not watched); written by
+ * userspace through shared memory, as task_slot. */
+BPF_F_TABLE("array", u32, u64, group_slot, (PID_MAX + 7) / 8, BPF_F_MMAPABLE);
+/* slot / 8 -> eight bytes: 1 where the slot's processes are its groups'. */
+BPF_F_TABLE("array", u32, u64, group_keyed, MAX_SLOTS / 8, BPF_F_MMAPABLE);
+/* Processes the tick moved: [0] into a watched group, [1] out of one. */
+BPF_ARRAY(tick_moves, u64, 2);
+
+static __always_inline u8 *byte_of(u64 *eight, u32 i)
+{
+    return (u8 *)eight + (i & 7);
+}
+
+#ifndef PF_EXITING /* the kernel's headers, where bcc compiles against them, define it so */
+#define PF_EXITING 0x00000004
+#endif
+
+/* The running process's slot (`slot`, its task_slot byte) made its group's.
+ * Never for a thread on its way out (PF_EXITING), nor a process whose last
+ * thread is (signal->live 0): sched_process_exit clears the slot then, and a
+ * tick after it would give a dead pid its group's slot back. */
+static __always_inline void follow_group(u8 *slot, void *me)
+{
+    if (task_u32(me, TASK_FLAGS_OFF, CURRENT_TYPED) & PF_EXITING)
+        return;
+    void *signal = (void *)task_u64(me, TASK_SIGNAL_OFF, CURRENT_TYPED);
+    if (!signal)
+        return;
+    int live = 0;
+    bpf_probe_read_kernel(&live, sizeof(live), signal + SIGNAL_LIVE_OFF);
+    if (live <= 0)
+        return;
+    void *pid = (void *)read_u64(signal + SIGNAL_PGID_OFF);
+    if (!pid)
+        return;
+    u32 pgid = read_u32(pid + PID_NR_OFF);
+    u32 at = pgid / 8;
+    u64 *eight = group_slot.lookup(&at);
+    if (!eight)
+        return;
+    u8 want = *byte_of(eight, pgid), have = *slot;
+    if (want == have)
+        return;
+    u32 moved = 0;
+    if (!want) {
+        u32 keyed_at = have / 8;
+        u64 *keyed = group_keyed.lookup(&keyed_at);
+        if (!keyed || !*byte_of(keyed, have))
+            return; /* a slot some other rule gave it */
+        moved = 1;
+    }
+    *slot = want;
+    u64 *n = tick_moves.lookup(&moved);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+#endif
+
 /* The cpu-clock tick: learn the slot of whoever runs now, which may have been
  * running since before the programs were loaded, been given (or lost) a slot
  * by userspace since it was switched in, or been switched in unseen. Only an
@@ -386,6 +451,10 @@ int on_tick(struct bpf_perf_event_data *ctx)
     learn_own_rq(task);
 #endif
     u8 *slot = slot_of(bpf_get_current_pid_tgid() >> 32);
+#ifdef SIGNAL_PGID_OFF
+    if (slot)
+        follow_group(slot, current_task());
+#endif
     u8 now_slot = slot ? *slot : 0;
     u8 unseen = run->task && run->task != (u64)task; /* switched in without the tracepoint */
     if (now_slot == run->slot && !unseen)
@@ -488,7 +557,7 @@ RAW_TRACEPOINT_PROBE(sched_process_exit)
  * where a task group's cfs_rq is an array of pointers, one per CPU (to 7.1);
  * where it is one per-CPU pointer (7.2), each CPU's tick learns its own
  * (learn_own_rq, RQ_FROM_TICK). Per-CPU variables keep their layout in every
- * CPU's copy: kernel_cpustat lies KCPUSTAT_FROM_RQ bytes from runqueues
+ * CPU's copy: kernel_cpustat.cpustat lies KCPUSTAT_FROM_RQ bytes from runqueues
  * (their offsets in the kernel BTF's .data..percpu section). Each CPU's rq is
  * found once and checked (rq->cpu), then kept in `cpu_rq`.
  */

@@ -8,6 +8,7 @@ Root (CI is root); NODESAMPLER_REQUIRE_BPF=1 fails instead of skipping.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ from sampler.window.sampler import WindowSampler
 from tests.conftest import AccuracyLog, unavailable
 from tests.heartbeats import cores_of
 from tests.test_kernel_backend import start_with_pid
-from tests.workloads import PROC, process_cpu_seconds, start_group
+from tests.workloads import PROC, after_each_reading, process_cpu_seconds, start_group
 
 pytestmark = pytest.mark.kernel
 
@@ -196,3 +197,101 @@ def test_a_fork_storm_while_discovery_and_sampling_run(
     while bpf_groups.members.pids():  # a killed child's exit is the kernel's own: no event reaches us
         assert time.monotonic() < deadline, bpf_groups.members.pids()
         time.sleep(0.01)
+
+
+# Children forked once the test says go: three burn as members and leave by
+# setsid at LEAVES (and burn on, outside); one leaves by setpgid at once,
+# burns outside, joins back at JOIN and stops burning at STOP. Each says its
+# CPU time at each move.
+LEAVE_AND_JOIN = """
+import os, sys, time
+LEAVES, JOIN, STOP, END = (0.6, 1.2, 1.8), 1.0, 2.5, 3.6
+group = os.getpgid(0)
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+
+def burn_until(t):
+    while time.monotonic() < t0 + t:
+        pass
+
+def say(what):
+    print(f"{what} {os.getpid()} {time.process_time()!r}", flush=True)
+
+for leave in LEAVES:
+    if os.fork() == 0:
+        burn_until(leave)
+        say("left")
+        os.setsid()
+        burn_until(END)
+        os._exit(0)
+if os.fork() == 0:
+    say("left")
+    os.setpgid(0, 0)
+    burn_until(JOIN)
+    say("joined")
+    os.setpgid(0, group)
+    burn_until(STOP)
+    say("stopped")
+    os._exit(0)
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+time.sleep(60)
+"""
+
+
+def tick_moves(groups: sched.KernelShardSampler) -> tuple[int, int]:
+    raw = groups.programs.maps["tick_moves"]
+    return int.from_bytes(raw.lookup(0)[:8], "little"), int.from_bytes(raw.lookup(1)[:8], "little")
+
+
+def test_processes_that_leave_or_join_a_watched_group_are_followed_within_a_tick(
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
+) -> None:
+    """Mid-window, with no walk between: members that setsid out stop being
+    counted, and a process that setpgid's into the group is counted, each
+    from its first tick after the move (the walk would see them at the next
+    window: here that would count the leavers' 1.8 s more and the joiner not
+    at all)."""
+    assert bpf_groups.members.group_slot is not None, "the kernel's BTF says where a task's group is, 5.10 on"
+    p = subprocess.Popen([sys.executable, "-c", LEAVE_AND_JOIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, process_group=0)  # fmt: skip
+    group.append(p)
+    assert p.stdin is not None and p.stdout is not None and p.stdout.readline() == "ready\n"
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, [spec(p.pid)], hz=100)
+    edges: list[tuple[float, float]] = []
+    final = 0.0
+
+    def truth() -> None:
+        if (now := time.monotonic()) >= final:
+            edges.append((now, process_cpu_seconds(p.pid)))
+
+    moves_before = tick_moves(bpf_groups)
+    said: list[list[str]] = []
+    try:
+        with after_each_reading(bpf_groups, truth):
+            ws.prime(0)
+            start = time.monotonic()
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            final = start + 3.0
+            summary = ws.run_window(3.0)
+        said = [p.stdout.readline().split() for _ in range(6)]
+    finally:
+        for _, pid, _cpu in said:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    cpu = {(what, int(pid)): float(seconds) for what, pid, seconds in said}
+    joiner = next(pid for what, pid in cpu if what == "joined")
+    members = sum(s for (what, pid), s in cpu.items() if what == "left" and pid != joiner)
+    members += cpu[("left", joiner)] + cpu[("stopped", joiner)] - cpu[("joined", joiner)]
+    (t0, s0), (t1, s1) = edges[0], edges[-1]
+    expected = (members + s1 - s0) / (t1 - t0)
+    measured = cores_of(summary.shards[0]).mean
+    accuracy.record("members that leave and join, 3 s", measured, expected, 0.05)
+    assert measured == pytest.approx(expected, rel=0.05)
+    joined, left = (after - before for after, before in zip(tick_moves(bpf_groups), moves_before, strict=True))
+    assert joined >= 1 and left >= 4

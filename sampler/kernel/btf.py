@@ -119,6 +119,18 @@ def task_offsets(path: Path = VMLINUX) -> dict[str, int]:
            # The process's live threads (an atomic_t: its counter first), for its last thread's exit.
            "signal": task["signal"], "live": found["signal_struct"]["live"]}  # fmt: skip
     try:
+        # The process group of a task, as the host's pid namespace numbers it
+        # (signal->pids[PIDTYPE_PGID]->numbers[0].nr): optional, its absence
+        # leaves joins and leaves of watched groups to the walk.
+        pids = struct_member_offsets(data, {"signal_struct": ["pids"], "pid": ["numbers"], "upid": ["nr"],
+                                            "task_struct": ["flags"]})  # fmt: skip
+        pgid_index = enum_values(data, "pid_type")["PIDTYPE_PGID"]
+        out["pgid"] = pids["signal_struct"]["pids"] + 8 * pgid_index
+        out["pid_nr"] = pids["pid"]["numbers"] + pids["upid"]["nr"]
+        out["flags"] = pids["task_struct"]["flags"]
+    except (BtfError, KeyError):
+        pass
+    try:
         # The scheduler's run-queue wait per task (CONFIG_SCHED_INFO): optional,
         # its absence only leaves the wait histogram out.
         info = struct_member_offsets(data, {"task_struct": ["sched_info"], "sched_info": ["run_delay"]})
@@ -146,6 +158,20 @@ def _walk(data: bytes) -> tuple[bytes, bytes, list[tuple[int, int, int, int, int
         out.append((type_id, kind, vlen, name_off, pos + 12))
         pos += 12 + fixed + per * vlen
     return types, strings, out
+
+
+def enum_values(data: bytes, enum: str) -> dict[str, int]:
+    """The values of an enum's names; BtfError where the BTF has no such enum."""
+    types, strings, index = _walk(data)
+
+    def name(off: int) -> str:
+        return strings[off : strings.find(b"\0", off)].decode()
+
+    for _tid, kind, vlen, name_off, body in index:
+        if kind == KIND_ENUM and name(name_off) == enum:
+            return {name(v_name): value for v_name, value in
+                    (struct.unpack_from("<Ii", types, body + 8 * i) for i in range(vlen))}  # fmt: skip
+    raise BtfError(f"the kernel's BTF has no enum {enum}")
 
 
 def percpu_and_enums(data: bytes, variables: list[str], enum: str) -> tuple[dict[str, int], dict[str, int]]:
@@ -185,8 +211,8 @@ def sample_offsets(path: Path = VMLINUX) -> dict[str, int]:
     """What the kernel's sample program (on_sample) reads, in the running
     kernel: the way to every CPU's run queue (se.cfs_rq, then its group's
     per-CPU cfs_rq array, then each one's rq, checked by rq.cpu;
-    CONFIG_FAIR_GROUP_SCHED), where kernel_cpustat lies from runqueues in
-    every CPU's per-CPU area, and the indices of the busy and stolen time in
+    CONFIG_FAIR_GROUP_SCHED), where kernel_cpustat's counters lie from
+    runqueues in every CPU's per-CPU area, and the indices of the busy and stolen time in
     its counters. Where a group's cfs_rq is one per-CPU pointer (7.2), no
     program can index it by CPU: RQ_FROM_TICK, each CPU's tick learns its
     own rq from the task it interrupts. BtfError where any is missing."""
@@ -195,14 +221,16 @@ def sample_offsets(path: Path = VMLINUX) -> dict[str, int]:
     except OSError as e:
         raise BtfError(f"kernel BTF unreadable ({path}: {e.strerror})") from None
     found = struct_member_offsets(data, {"task_struct": ["se"], "sched_entity": ["cfs_rq"],
-                                         "cfs_rq": ["tg", "rq"], "task_group": ["cfs_rq"], "rq": ["cpu"]})  # fmt: skip
+                                         "cfs_rq": ["tg", "rq"], "task_group": ["cfs_rq"], "rq": ["cpu"],
+                                         "kernel_cpustat": ["cpustat"]})  # fmt: skip
     percpu, stats = percpu_and_enums(data, ["kernel_cpustat", "runqueues"], "cpu_usage_stat")
     missing = [f for f in CPUTIME_FIELDS if f not in stats]
     if missing:
         raise BtfError(f"enum cpu_usage_stat has no {', '.join(missing)}")
     out = {"TASK_CFS_RQ_OFF": found["task_struct"]["se"] + found["sched_entity"]["cfs_rq"],
            "CFS_RQ_RQ_OFF": found["cfs_rq"]["rq"], "RQ_CPU_OFF": found["rq"]["cpu"],
-           "KCPUSTAT_FROM_RQ": percpu["kernel_cpustat"] - percpu["runqueues"],
+           # 7.2 keeps the idle accounting of tickless CPUs ahead of the counters.
+           "KCPUSTAT_FROM_RQ": percpu["kernel_cpustat"] + found["kernel_cpustat"]["cpustat"] - percpu["runqueues"],
            "KCPUSTAT_FIELDS": max(stats[f] for f in CPUTIME_FIELDS) + 1}  # fmt: skip
     if _array_of_pointers(data, "task_group", "cfs_rq"):
         out |= {"CFS_RQ_TG_OFF": found["cfs_rq"]["tg"], "TG_CFS_RQ_OFF": found["task_group"]["cfs_rq"]}

@@ -46,6 +46,8 @@ def compile_flags(offsets: dict[str, int], pid_max: int, cpus: int) -> list[str]
         f"-DTASK_SIGNAL_OFF={offsets['signal']}",
         f"-DSIGNAL_LIVE_OFF={offsets['live']}",
         *([f"-DTASK_RUN_DELAY_OFF={offsets['run_delay']}"] if "run_delay" in offsets else []),
+        *([f"-DSIGNAL_PGID_OFF={offsets['pgid']}", f"-DPID_NR_OFF={offsets['pid_nr']}",
+           f"-DTASK_FLAGS_OFF={offsets['flags']}"] if "pgid" in offsets else []),
     ]
 
 

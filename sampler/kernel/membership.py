@@ -1,7 +1,10 @@
 """Membership in the kernel: the `task_slot` map, a byte per tgid saying
 which slot (set of shards) counts it. Shared memory: reading and writing it
 costs no system call. The walk of /proc writes it once a window; processes
-forked inside a group join it in the kernel, at fork, and leave at exit."""
+forked inside a group join it in the kernel, at fork, and leave at exit.
+Where the watched groups alone decide the slots (`group_slot`, a byte per
+pgid), the tick moves a process that joined or left one (setpgid, setsid)
+within a tick of its running."""
 
 from __future__ import annotations
 
@@ -19,12 +22,48 @@ from sampler.sources import procfs
 log = logging.getLogger(__name__)
 
 
+def _shared_bytes(array_map: Any, length: int) -> tuple[mmap.mmap, np.ndarray]:
+    """An mmapable array map of u64 words, as bytes this process writes in place."""
+    mapped = mmap.mmap(array_map.fd, (length + 7) // 8 * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    return mapped, np.frombuffer(mapped, dtype=np.uint8)
+
+
 class TaskSlots:
-    def __init__(self, task_slot_map: Any, pid_max: int, proc: Path) -> None:
+    def __init__(self, task_slot_map: Any, pid_max: int, proc: Path, group_slot_map: Any = None,
+                 group_keyed_map: Any = None) -> None:  # fmt: skip
         self.proc = proc
-        self._map = mmap.mmap(task_slot_map.fd, (pid_max + 7) // 8 * 8, mmap.MAP_SHARED,
-                              mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
-        self.task_slot = np.frombuffer(self._map, dtype=np.uint8)
+        self._map, self.task_slot = _shared_bytes(task_slot_map, pid_max)
+        # Compiled out where the kernel's BTF does not say where a task's group is.
+        self._group_maps: list[mmap.mmap] = []
+        self.group_slot: np.ndarray | None = None
+        self._group_keyed: np.ndarray | None = None
+        if group_slot_map is not None and group_keyed_map is not None:
+            mapped, self.group_slot = _shared_bytes(group_slot_map, pid_max)
+            keyed_map, self._group_keyed = _shared_bytes(group_keyed_map, MAX_SLOTS)
+            self._group_maps = [mapped, keyed_map]
+        self._groups_written = np.zeros(0, dtype=np.int64)
+
+    def follow_groups(self, slot_of_group: dict[int, int] | None) -> bool:
+        """The tick's rule from now on: a process running in a group of
+        `slot_of_group` (pgid -> slot) takes that slot, one in such a slot
+        outside those groups loses it. None: the walk alone decides (a
+        selector other than by group is in use). False where the kernel cannot
+        follow groups."""
+        if self.group_slot is None or self._group_keyed is None:
+            return False
+        groups = slot_of_group or {}
+        pgids = np.fromiter(groups.keys(), dtype=np.int64, count=len(groups))
+        slots = np.fromiter(groups.values(), dtype=np.uint8, count=len(groups))
+        keep = pgids < len(self.group_slot)
+        pgids, slots = pgids[keep], slots[keep]
+        # The slots first: a group's old slot stays its own until its new one is written.
+        keyed = np.zeros(MAX_SLOTS, dtype=np.uint8)
+        keyed[slots] = 1
+        self.group_slot[np.setdiff1d(self._groups_written, pgids)] = 0
+        self.group_slot[pgids] = slots
+        self._group_keyed[:] = keyed
+        self._groups_written = pgids
+        return True
 
     def sync(self, table: ProcessTable, want: dict[int, int]) -> bool:
         """Make task_slot say what the walk found. Entries the kernel added at
@@ -75,7 +114,9 @@ class TaskSlots:
     def close(self) -> None:
         """Unmapped; a view still held (a traceback's frame) is unmapped when it goes."""
         del self.task_slot
-        try:
-            self._map.close()
-        except BufferError:
-            log.debug("task_slot still viewed at close: unmapped later")
+        self.group_slot = self._group_keyed = None
+        for mapped in [self._map, *self._group_maps]:
+            try:
+                mapped.close()
+            except BufferError:
+                log.debug("a membership map still viewed at close: unmapped later")

@@ -39,6 +39,11 @@ from sampler.sources import procfs
 
 log = logging.getLogger(__name__)
 
+# Selectors that name whole process groups: where every shard's is one, a
+# group alone decides its processes' slot, and the kernel's tick follows
+# processes into and out of watched groups between walks.
+GROUP_KINDS = frozenset({"pgid", "pid", "cmdline", "comm"})
+
 
 
 @dataclass
@@ -109,7 +114,8 @@ class KernelShardSampler:
         self.programs, self.proc, self._clock = programs, proc, clock
         self.finest_hz: float | None = None  # nanoseconds, up to each sample
         self.tickless_cpus = programs.tickless_cpus  # CPUs without the cpu-clock tick (nohz_full, isolated)
-        self.members = TaskSlots(programs.maps["task_slot"], programs.pid_max, proc)
+        self.members = TaskSlots(programs.maps["task_slot"], programs.pid_max, proc, programs.maps.get("group_slot"),
+                                 programs.maps.get("group_keyed"))  # fmt: skip
         self.counters = SlotCounters(programs.maps["slot_ns"], programs.maps["cpu_run"], programs.cpus, clock)
         self._closed = False
         self._dropped_table = programs.maps["dropped_forks"]
@@ -194,6 +200,9 @@ class KernelShardSampler:
             slot_of[c] = free.pop(0)
         self._specs, self._slot_of = new, slot_of
         want = {pid: slot_of[frozenset(ws)] for pid, ws in watches_of.items() if frozenset(ws) in slot_of}
+        groups = {table.stats[pid].pgrp: slot for pid, slot in want.items()
+                  if pid in table.stats and table.stats[pid].pgrp > 0}  # fmt: skip
+        self.members.follow_groups(groups if all(w.selector.kind in GROUP_KINDS for w in specs) else None)
         if self.members.sync(table, want):
             # A new member already on a CPU is learnt at the next tick: until then
             # its slice is not counted. Wait that long, so that a new shard's
