@@ -17,6 +17,7 @@ no thresholds.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import statistics
@@ -26,7 +27,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def status(pid: int) -> dict[str, int]:
@@ -38,9 +38,19 @@ def status(pid: int) -> dict[str, int]:
     return out
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    """The process's CPU time, every thread's (those that ended too), to the
+    nanosecond: its CPU-time clock (clock_getcpuclockid). /proc/PID/stat's
+    utime and stime move in ticks of 10 ms: an agent that uses 60 ms in a
+    25 s measurement read 1.33 in one run and 1.83 in the next for the
+    same ratio."""
+    clock = ctypes.c_int()
+    if err := _LIBC.clock_getcpuclockid(pid, ctypes.byref(clock)):
+        raise OSError(err, f"clock_getcpuclockid({pid}): {os.strerror(err)}")
+    return time.clock_gettime(clock.value)
 
 
 def agent_of(up: int, deadline: float) -> int:
