@@ -150,3 +150,20 @@ def test_moving_time_into_the_sample_before_loses_none_nor_overfills(drawn: list
     # An excess beyond the slack stays only where the sample before had no room.
     for i in np.flatnonzero(moved[1:] - capacity[1:] > SWITCH_SLACK_S) + 1:
         assert moved[i - 1] >= capacity[i - 1] - 1e-12
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.one_of(st.none(), st.floats(0.0, 4.0)), st.floats(0.0, 0.03)), max_size=40),
+                max_size=5), st.sampled_from([0.0, 0.01]))  # fmt: skip
+def test_a_batch_of_samples_is_kept_as_one_at_a_time(batches: list[list[tuple[float | None, float]]],
+                                                     tick: float) -> None:  # fmt: skip
+    """`extend` (the kernel's samples, a second's at once) keeps what `add`
+    would, short samples merged alike, across batches."""
+    one, batch = RateSeries(4, tick), RateSeries(4, tick)
+    for drawn in batches:
+        for value, seconds in drawn:
+            one.add(value, seconds)
+        batch.extend(np.array([np.nan if v is None else v for v, _ in drawn], dtype=np.float64),
+                     np.array([s for _, s in drawn], dtype=np.float64))  # fmt: skip
+    for a, b in zip(one.samples(), batch.samples(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=0.0)

@@ -58,11 +58,9 @@ class RateSeries:
 
     def extend(self, values: np.ndarray, seconds: np.ndarray) -> None:
         """`add` for each (value, seconds), NaN a value not measured: copied
-        in one go where no sample can be too short to be a rate."""
+        in one go, after the short samples are merged as `add` merges them."""
         if self.min_seconds > 0 or self._carry is not None:
-            for value, length in zip(values.tolist(), seconds.tolist(), strict=True):
-                self.add(None if value != value else value, length)  # NaN is not equal to itself
-            return
+            values, seconds = self._merged(values, seconds)
         while self.n + len(values) > self.capacity:
             self.values = np.concatenate([self.values, np.full(self.capacity, np.nan)])
             self.seconds = np.concatenate([self.seconds, np.zeros(self.capacity)])
@@ -70,6 +68,33 @@ class RateSeries:
         self.values[self.n : self.n + len(values)] = values
         self.seconds[self.n : self.n + len(values)] = seconds
         self.n += len(values)
+
+    def _merged(self, values: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """What `add` keeps of these samples, a sample shorter than
+        min_seconds carried into the next: the same arithmetic in one loop
+        over plain floats. The machine's series at 1000 samples a second
+        merges ten into each, and `add` a call at a time was most of what the
+        agent's CPU grew by from 10 a second (profiled: two series, 2 ms a
+        second)."""
+        kept_values: list[float] = []
+        kept_seconds: list[float] = []
+        carrying = self._carry is not None
+        amount, carried = self._carry if self._carry is not None else (0.0, 0.0)
+        shortest = self.min_seconds
+        for value, length in zip(values.tolist(), seconds.tolist(), strict=True):
+            measured = value == value  # NaN is not equal to itself
+            if carrying:
+                if measured:
+                    value = (value * length + amount) / (length + carried)
+                length += carried
+                carrying = False
+            if measured and 0 < length < shortest:
+                amount, carried, carrying = value * length, length, True
+                continue
+            kept_values.append(value)
+            kept_seconds.append(length)
+        self._carry = (amount, carried) if carrying else None
+        return np.array(kept_values, dtype=np.float64), np.array(kept_seconds, dtype=np.float64)
 
     def samples(self) -> tuple[np.ndarray, np.ndarray]:
         """The window's samples as the summary counts them: each value (NaN:
