@@ -160,6 +160,7 @@ for suite in "${!building[@]}"; do
 done
 
 failed=0
+failed_lines=""
 printf '%-9s %-22s %-16s %-7s %-10s %-6s %s\n' line kernel bcc backend headers result \
     "seconds: image (built side by side), boot, backend load, tests, all"
 for suite in $lines; do
@@ -167,7 +168,8 @@ for suite in $lines; do
     dir=$(image_dir "$suite")
     built=cached
     if [ "${building[$suite]:-}" = failed ]; then
-        printf '%-9s %s\n' "$suite" "FAIL: no image"; sed 's/^/    /' "$cache/$suite.build.log"; failed=1; continue
+        printf '%-9s %s\n' "$suite" "FAIL: no image"; sed 's/^/    /' "$cache/$suite.build.log"; failed=1
+        failed_lines="$failed_lines $suite"; continue
     elif [ -n "${building[$suite]:-}" ]; then
         built=$(cat "$dir/build-seconds")
     fi
@@ -187,7 +189,7 @@ for suite in $lines; do
     backend=$(tagged BACKEND "$log")
     headers=$(tagged HEADERS "$log" | paste -s -d /)  # at the tier / compiled against once unpacked
     case ${rc:-x} in 0) result=pass ;; hung) result=HUNG ;; *) result=FAIL ;; esac
-    [ "$result" = pass ] || failed=1
+    [ "$result" = pass ] || { failed=1; failed_lines="$failed_lines $suite"; }
     stages=$(tagged UPTIME "$log" | awk '{ printf "%.0f ", $2 - prev; prev = $2 }')
     printf '%-9s %-22s %-16s %-7s %-10s %-6s %s\n' "$suite" "${kernel:--}" "${bcc:--}" "${backend%%:*}" \
         "${headers:--}" "$result" \
@@ -198,4 +200,6 @@ for suite in $lines; do
     tagged ACCURACY "$log" | python3 vagrant/accuracy_table.py || echo "    (accuracy figures unreadable)"
     sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -a -E '^(FAILED|ERROR) |(passed|failed|error).* in [0-9.]+s' | sed "s/^/    /" || true
 done
+# Last, so that the tail of a long run (what CI shows) names the lines that failed.
+[ -z "$failed_lines" ] || echo "lines that failed:$failed_lines (their guests' logs: $cache/<line>.out/serial.log)"
 exit $failed
