@@ -56,9 +56,12 @@ class TaskSlots:
         slots = np.fromiter(groups.values(), dtype=np.uint8, count=len(groups))
         keep = pgids < len(self.group_slot)
         pgids, slots = pgids[keep], slots[keep]
-        # The slots first: a group's old slot stays its own until its new one is written.
+        # While the groups are rewritten, the tick takes processes out only of
+        # slots followed both before and after: none leaves a slot whose
+        # groups are not written yet.
         keyed = np.zeros(MAX_SLOTS, dtype=np.uint8)
         keyed[slots] = 1
+        self._group_keyed &= keyed
         self.group_slot[np.setdiff1d(self._groups_written, pgids)] = 0
         self.group_slot[pgids] = slots
         self._group_keyed[:] = keyed
