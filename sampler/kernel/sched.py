@@ -34,15 +34,10 @@ from sampler.kernel.sample_ring import RingSamples, SampleRing
 from sampler.kernel.slices import SWITCH_SLACK_S, into_room_before, place_late, settle
 from sampler.kernel.waits import WaitHistograms
 from sampler.shards.proc_shards import PAGE_SIZE, ShardReading, within_capacity
-from sampler.shards.selectors import ProcessTable, ShardSpec
+from sampler.shards.selectors import GROUP_KINDS, ProcessTable, ShardSpec
 from sampler.sources import procfs
 
 log = logging.getLogger(__name__)
-
-# Selectors that name whole process groups: where every shard's is one, a
-# group alone decides its processes' slot, and the kernel's tick follows
-# processes into and out of watched groups between walks.
-GROUP_KINDS = frozenset({"pgid", "pid", "cmdline", "comm"})
 
 
 
@@ -202,6 +197,7 @@ class KernelShardSampler:
         want = {pid: slot_of[frozenset(ws)] for pid, ws in watches_of.items() if frozenset(ws) in slot_of}
         groups = {table.stats[pid].pgrp: slot for pid, slot in want.items()
                   if pid in table.stats and table.stats[pid].pgrp > 0}  # fmt: skip
+        # The tick follows processes into and out of watched groups between walks.
         self.members.follow_groups(groups if all(w.selector.kind in GROUP_KINDS for w in specs) else None)
         if self.members.sync(table, want):
             # A new member already on a CPU is learnt at the next tick: until then

@@ -42,6 +42,9 @@ from sampler.shards.pods import Pod, PodSelector
 from sampler.sources import cgroup_view, procfs
 
 KINDS = ("pgid", "pid", "cmdline", "comm", "cgroup", "k8s")
+# The kinds that name whole process groups: where every shard's selector is
+# one, a group alone decides which shards count its processes.
+GROUP_KINDS = frozenset({"pgid", "pid", "cmdline", "comm"})
 T = TypeVar("T")
 # How much of a leader's command line is read and matched: enough for any
 # engine's flags (a vLLM line with every option is about 2 KiB), small enough

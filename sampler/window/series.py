@@ -18,6 +18,7 @@ all. Whatever is merged, the samples' lengths always add up to the time added.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,49 +40,28 @@ class RateSeries:
         self.seconds = np.zeros(self.capacity)
 
     def add(self, value: float | None, seconds: float) -> None:
-        if self._carry is not None:
-            amount, carried = self._carry
-            if value is not None:
-                value = (value * seconds + amount) / (seconds + carried)
-            seconds += carried
-        self._carry = None
-        if value is not None and 0 < seconds < self.min_seconds:
-            self._carry = (value * seconds, seconds)
-            return
-        if self.n == self.capacity:  # a window that ran long: grow rather than drop
-            self.values = np.concatenate([self.values, np.full(self.capacity, np.nan)])
-            self.seconds = np.concatenate([self.seconds, np.zeros(self.capacity)])
-            self.capacity *= 2
-        self.values[self.n] = np.nan if value is None else value
-        self.seconds[self.n] = seconds
-        self.n += 1
+        self._store(*self._merged([math.nan if value is None else value], [seconds]))
 
     def extend(self, values: np.ndarray, seconds: np.ndarray) -> None:
         """`add` for each (value, seconds), NaN a value not measured: copied
         in one go, after the short samples are merged as `add` merges them."""
         if self.min_seconds > 0 or self._carry is not None:
-            values, seconds = self._merged(values, seconds)
-        while self.n + len(values) > self.capacity:
-            self.values = np.concatenate([self.values, np.full(self.capacity, np.nan)])
-            self.seconds = np.concatenate([self.seconds, np.zeros(self.capacity)])
-            self.capacity *= 2
-        self.values[self.n : self.n + len(values)] = values
-        self.seconds[self.n : self.n + len(values)] = seconds
-        self.n += len(values)
+            self._store(*self._merged(values.tolist(), seconds.tolist()))
+        else:
+            self._store(values, seconds)
 
-    def _merged(self, values: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """What `add` keeps of these samples, a sample shorter than
-        min_seconds carried into the next: the same arithmetic in one loop
-        over plain floats. The machine's series at 1000 samples a second
-        merges ten into each, and `add` a call at a time was most of what the
-        agent's CPU grew by from 10 a second (profiled: two series, 2 ms a
-        second)."""
+    def _merged(self, values: list[float], seconds: list[float]) -> tuple[list[float], list[float]]:
+        """What is kept of these samples, a sample shorter than min_seconds
+        carried into the next: one loop over plain floats. The machine's
+        series at 1000 samples a second merges ten into each, and a call and a
+        numpy store per sample were most of what the agent's CPU grew by from
+        10 a second (profiled: two series, 2 ms a second)."""
         kept_values: list[float] = []
         kept_seconds: list[float] = []
         carrying = self._carry is not None
         amount, carried = self._carry if self._carry is not None else (0.0, 0.0)
         shortest = self.min_seconds
-        for value, length in zip(values.tolist(), seconds.tolist(), strict=True):
+        for value, length in zip(values, seconds, strict=True):
             measured = value == value  # NaN is not equal to itself
             if carrying:
                 if measured:
@@ -94,7 +74,16 @@ class RateSeries:
             kept_values.append(value)
             kept_seconds.append(length)
         self._carry = (amount, carried) if carrying else None
-        return np.array(kept_values, dtype=np.float64), np.array(kept_seconds, dtype=np.float64)
+        return kept_values, kept_seconds
+
+    def _store(self, values: np.ndarray | list[float], seconds: np.ndarray | list[float]) -> None:
+        while self.n + len(values) > self.capacity:  # a window that ran long: grow rather than drop
+            self.values = np.concatenate([self.values, np.full(self.capacity, np.nan)])
+            self.seconds = np.concatenate([self.seconds, np.zeros(self.capacity)])
+            self.capacity *= 2
+        self.values[self.n : self.n + len(values)] = values
+        self.seconds[self.n : self.n + len(values)] = seconds
+        self.n += len(values)
 
     def samples(self) -> tuple[np.ndarray, np.ndarray]:
         """The window's samples as the summary counts them: each value (NaN:
