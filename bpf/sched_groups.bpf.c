@@ -384,6 +384,36 @@ BPF_F_TABLE("array", u32, u64, group_slot, (PID_MAX + 7) / 8, BPF_F_MMAPABLE);
 BPF_F_TABLE("array", u32, u64, group_keyed, MAX_SLOTS / 8, BPF_F_MMAPABLE);
 /* Processes the tick moved: [0] into a watched group, [1] out of one. */
 BPF_ARRAY(tick_moves, u64, 2);
+/* pgid -> the ticks that found one of its processes running, since
+ * userspace last took them (a batch read that deletes what it reads): which
+ * groups ran, and how much, without a walk of /proc. A group found when the
+ * map is full is counted in group_ticks_full, and userspace walks /proc. */
+#ifndef GROUP_TICKS_MAX
+#define GROUP_TICKS_MAX 16384
+#endif
+BPF_HASH(group_ticks, u32, u32, GROUP_TICKS_MAX);
+BPF_ARRAY(group_ticks_full, u64, 1);
+
+static __always_inline void count_group_tick(u32 pgid)
+{
+    u32 *ticks = group_ticks.lookup(&pgid);
+    if (ticks) {
+        __sync_fetch_and_add(ticks, 1);
+        return;
+    }
+    u32 one = 1;
+    if (group_ticks.insert(&pgid, &one) == 0)
+        return;
+    ticks = group_ticks.lookup(&pgid); /* another CPU inserted it first */
+    if (ticks) {
+        __sync_fetch_and_add(ticks, 1);
+        return;
+    }
+    u32 zero = 0;
+    u64 *full = group_ticks_full.lookup(&zero);
+    if (full)
+        __sync_fetch_and_add(full, 1);
+}
 
 static __always_inline u8 *byte_of(u64 *eight, u32 i)
 {
@@ -394,25 +424,28 @@ static __always_inline u8 *byte_of(u64 *eight, u32 i)
 #define PF_EXITING 0x00000004
 #endif
 
-/* The running process's slot (`slot`, its task_slot byte) made its group's.
- * Never for a thread on its way out (PF_EXITING), nor a process whose last
+/* The running process's group's tick counted, and its slot (`slot`, its
+ * task_slot byte) made its group's. Never for a thread on its way out (PF_EXITING), nor a process whose last
  * thread is (signal->live 0): sched_process_exit clears the slot then, and a
  * tick after it would give a dead pid its group's slot back. */
 static __always_inline void follow_group(u8 *slot, void *me)
 {
-    if (task_u32(me, TASK_FLAGS_OFF, CURRENT_TYPED) & PF_EXITING)
-        return;
     void *signal = (void *)task_u64(me, TASK_SIGNAL_OFF, CURRENT_TYPED);
     if (!signal)
-        return;
-    int live = 0;
-    bpf_probe_read_kernel(&live, sizeof(live), signal + SIGNAL_LIVE_OFF);
-    if (live <= 0)
         return;
     void *pid = (void *)read_u64(signal + SIGNAL_PGID_OFF);
     if (!pid)
         return;
     u32 pgid = read_u32(pid + PID_NR_OFF);
+    if (!pgid)
+        return; /* the kernel's threads */
+    count_group_tick(pgid);
+    if (task_u32(me, TASK_FLAGS_OFF, CURRENT_TYPED) & PF_EXITING)
+        return;
+    int live = 0;
+    bpf_probe_read_kernel(&live, sizeof(live), signal + SIGNAL_LIVE_OFF);
+    if (live <= 0)
+        return;
     u32 at = pgid / 8;
     u64 *eight = group_slot.lookup(&at);
     if (!eight)

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from sampler.backend_unavailable import BackendUnavailable
 
@@ -40,6 +43,30 @@ class BpfMap:
             raise OSError(err, f"reading {self.name}[{key}]: {os.strerror(err)}")
         return bytes(self._value.raw)
 
+    def take_all(self, max_entries: int) -> tuple[np.ndarray, bytes]:
+        """Every entry of a hash map with u32 keys, read and deleted in
+        batches (one system call each, BPF_MAP_LOOKUP_AND_DELETE_BATCH, 5.6+):
+        the keys, and the values laid end to end."""
+        keys = np.empty(max_entries, dtype=np.uint32)
+        values = ctypes.create_string_buffer(self.value_size * max_entries)
+        count = ctypes.c_uint32()
+        batch_in, batch_out = ctypes.c_uint64(), ctypes.c_uint64()  # the kernel's place in the map between calls
+        got_keys, got_values = [], []
+        first = True
+        while True:
+            count.value = max_entries
+            rc = self._lib.bpf_map_lookup_and_delete_batch(
+                self.fd, None if first else ctypes.byref(batch_in), ctypes.byref(batch_out),
+                keys.ctypes.data, values, ctypes.byref(count), None)  # fmt: skip
+            err = ctypes.get_errno() if rc != 0 else 0
+            if rc != 0 and err != errno.ENOENT:
+                raise OSError(err, f"taking {self.name}: {os.strerror(err)}")
+            got_keys.append(keys[: count.value].copy())
+            got_values.append(values.raw[: count.value * self.value_size])
+            if rc != 0:  # ENOENT: the map's end reached
+                return np.concatenate(got_keys), b"".join(got_values)
+            batch_in.value, first = batch_out.value, False
+
 
 _libbpf: Any = None
 
@@ -56,5 +83,9 @@ def libbpf() -> Any:
         lib.bpf_map_lookup_elem.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.bpf_map_lookup_elem.restype = ctypes.c_int
         lib.libbpf_num_possible_cpus.restype = ctypes.c_int
+        lib.bpf_map_lookup_and_delete_batch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                        ctypes.c_void_p]  # fmt: skip
+        lib.bpf_map_lookup_and_delete_batch.restype = ctypes.c_int
         _libbpf = lib
     return _libbpf

@@ -28,6 +28,7 @@ import numpy as np
 from sampler.kernel import btf, handoff
 from sampler.kernel.build import MAX_SLOTS, SOURCE, TICK_NS
 from sampler.kernel.counters import SlotCounters
+from sampler.kernel.groups_run import GroupsRun, GroupTicks
 from sampler.kernel.membership import TaskSlots
 from sampler.kernel.program_stats import enable_bpf_stats, program_stats
 from sampler.kernel.sample_ring import RingSamples, SampleRing
@@ -111,6 +112,10 @@ class KernelShardSampler:
         self.tickless_cpus = programs.tickless_cpus  # CPUs without the cpu-clock tick (nohz_full, isolated)
         self.members = TaskSlots(programs.maps["task_slot"], programs.pid_max, proc, programs.maps.get("group_slot"),
                                  programs.maps.get("group_keyed"))  # fmt: skip
+        # Compiled out where the kernel's BTF does not say where a task's group is.
+        self._group_ticks = (GroupTicks(programs.maps["group_ticks"], programs.maps["group_ticks_full"])
+                             if "group_ticks" in programs.maps else None)  # fmt: skip
+        self._following = False  # the tick follows the watched groups (the last discover said so)
         self.counters = SlotCounters(programs.maps["slot_ns"], programs.maps["cpu_run"], programs.cpus, clock)
         self._closed = False
         self._dropped_table = programs.maps["dropped_forks"]
@@ -198,7 +203,8 @@ class KernelShardSampler:
         groups = {table.stats[pid].pgrp: slot for pid, slot in want.items()
                   if pid in table.stats and table.stats[pid].pgrp > 0}  # fmt: skip
         # The tick follows processes into and out of watched groups between walks.
-        self.members.follow_groups(groups if all(w.selector.kind in GROUP_KINDS for w in specs) else None)
+        rule = groups if all(w.selector.kind in GROUP_KINDS for w in specs) else None
+        self._following = self.members.follow_groups(rule) and rule is not None
         if self.members.sync(table, want):
             # A new member already on a CPU is learnt at the next tick: until then
             # its slice is not counted. Wait that long, so that a new shard's
@@ -222,6 +228,18 @@ class KernelShardSampler:
         self._prev_ns = np.array([prev_ns.get(s, now_ns[j].tolist()) for j, s in enumerate(self._slots.tolist())],
                                  dtype=np.int64).reshape(-1, 2)  # fmt: skip
         self._debt = {wid: d for wid, d in self._debt.items() if wid in new}
+
+    def groups_run(self) -> GroupsRun | None:
+        """The groups that ran since the last call; None where the kernel
+        cannot say (no BTF for a task's group)."""
+        if self._group_ticks is None:
+            return None
+        ticks, complete = self._group_ticks.take()
+        return GroupsRun(ticks, complete, self._following, TICK_NS / 1e9)
+
+    def member_pids(self) -> set[int]:
+        """The processes the kernel counts for some shard now."""
+        return self.members.pids()
 
     # --- samples ----------------------------------------------------------------
 

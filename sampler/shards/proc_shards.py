@@ -197,6 +197,12 @@ class ProcShardSampler:
     def dropped_forks(self) -> int | None:
         return None
 
+    def groups_run(self) -> None:
+        return None  # no kernel to say: every window walks /proc
+
+    def member_pids(self) -> set[int]:
+        return {pid for state in self._states.values() for pid in state.members}
+
     def runqueue_waits(self) -> dict[str, dict[str, float] | None] | None:
         return None  # no kernel histogram: the window sampler reads schedstat
 

@@ -30,7 +30,7 @@ cgroup paths name) is what a pod becomes; it is not for configs.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -152,8 +152,15 @@ class ProcessTable:
 
     @classmethod
     def walk(cls, proc: Path, before: ProcessTable | None = None) -> ProcessTable:
+        return cls.of(proc, procfs.list_pids(proc), before)
+
+    @classmethod
+    def of(cls, proc: Path, pids: Iterable[int], before: ProcessTable | None = None) -> ProcessTable:
+        """A table of these processes alone (those that still exist): where
+        the kernel says which processes and groups matter, a window reads
+        those, not the whole of /proc (sampler/window/process_view.py)."""
         stats = {}
-        for pid in procfs.list_pids(proc):
+        for pid in pids:
             try:
                 stats[pid] = procfs.read_pid_stat(proc, pid)
             except (procfs.ProcessGone, procfs.ProcParseError):

@@ -1,8 +1,9 @@
 """Sampling a machine window after window: the loop `sample` and the agent run.
 
-Each window starts with one walk of /proc (membership of the watched groups,
-and the busiest groups when none are configured), then samples at `hz` until
-the window ends, then summarises. The walk never runs between samples.
+Each window starts by finding the watched groups' members, and the busiest
+groups when none are configured (a walk of /proc, or only what the kernel
+says matters: sampler/window/process_view.py), then samples at `hz` until
+the window ends, then summarises. No walk runs between samples.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from sampler.off_thread import Said
 from sampler.shards.engine_metrics import EngineMetricsReader
 from sampler.shards.kubelet import KubeletPods
 from sampler.shards.proc_shards import USER_HZ, ShardReading
-from sampler.shards.selectors import ProcessTable, ShardSpec, busiest_groups, named_by_command, pod_watches
+from sampler.shards.selectors import GROUP_KINDS, ProcessTable, ShardSpec, busiest_groups, named_by_command, pod_watches
 from sampler.sources.cfs import CfsBandwidthReader
 from sampler.sources.cgroup_view import host_cgroup_root
 from sampler.sources.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from sampler.sources.runqueue import RunQueueWaitSampler
+from sampler.window.process_view import ProcessView
 from sampler.window.series import RateSeries
 from wire import raw as raw_samples
 from wire.schema import Machine, ProgramCost, Shard, Window, WindowSummary
@@ -96,7 +98,8 @@ class WindowSampler:
         # agent's endless loop; a one-shot `sample` can afford to wait.
         self.gpu_grace = gpu_grace
         self._members: dict[str, set[int]] = {}  # shard id -> its pids at the last walk, for GPU memory
-        self._table: ProcessTable | None = None
+        # The table each window resolves its selectors against: a walk of /proc, or what the kernel says matters.
+        self.view = ProcessView(proc, shard_sampler, clock, sleep)
         self._group_ticks: dict[int, int] | None = None
         self._last_sample_at: float | None = None
         self._program_stats: dict[str, tuple[int, int]] = {}
@@ -140,18 +143,24 @@ class WindowSampler:
             self._sleep(seconds)
 
     def _discover(self) -> None:
-        # The walk before lends its `cmdline:` verdicts: a leader is matched once.
-        table = self._table = ProcessTable.walk(self.proc, self._table)
+        by_group = self.specs is None or all(w.selector.kind in GROUP_KINDS for w in self.specs)
+        named = [int(w.selector.value) for w in self.specs or () if w.selector.kind == "pid"]
+        # Tables lend the next their `cmdline:` verdicts: a leader is matched once.
+        table, ran = self.view.table(by_group, named)
         specs = self.specs
         if specs is None:
-            ticks = table.group_ticks()
-            top = [] if self._group_ticks is None else busiest_groups(self._group_ticks, ticks, BUSIEST_GROUPS, set())
+            # Ranked by the kernel's ticks where it counts them, else by the
+            # CPU time two walks saw each group's processes use.
+            ticks = ran if ran is not None else table.group_ticks()
+            before = self._group_ticks if ran is None else {}
+            top = [] if self._group_ticks is None else busiest_groups(before or {}, ticks, BUSIEST_GROUPS, set())
             self._group_ticks = ticks
             specs = named_by_command(table, top)
         elif any(w.selector.kind == "k8s" for w in specs):
             specs = self._with_pods(specs, table)
         self.shard_sampler.discover(specs, table)
         self._members = {w.id: set(table.resolve(w.selector)) for w in specs}
+        self.view.watched(table.stats[pid].pgrp for pids in self._members.values() for pid in pids)
 
     def _with_pods(self, specs: list[ShardSpec], table: ProcessTable) -> list[ShardSpec]:
         """Each `k8s:` shard as one shard per pod it matches now; a shard id

@@ -1,0 +1,130 @@
+"""Which processes a window reads (sampler/window/process_view.py): the whole
+of /proc, or only what the kernel says matters, and the periodic walk's
+check of the kernel's membership. A fake /proc and a stand-in for the
+kernel's report: the real ones are in test_kernel_groups_run.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from sampler.kernel.groups_run import GroupsRun
+from sampler.shards.selectors import Selector
+from sampler.window.process_view import ProcessView
+from tests.fakeproc import FakeClock, FakeProc
+
+
+class KernelReport:
+    """What the kernel backend would say: the groups that ran since the last
+    call (taken), and the processes it counts now."""
+
+    def __init__(self) -> None:
+        self.ticks: dict[int, int] = {}
+        self.complete = True
+        self.following = True
+        self.members: set[int] = set()
+        self.members_later: set[int] | None = None  # what a second read says (the tick moved one meanwhile)
+        self.reads = 0
+
+    def groups_run(self) -> GroupsRun:
+        ticks, self.ticks = self.ticks, {}
+        return GroupsRun(ticks, self.complete, self.following, 0.01)
+
+    def member_pids(self) -> set[int]:
+        self.reads += 1
+        if self.members_later is not None and self.reads > 1:
+            return set(self.members_later)
+        return set(self.members)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> tuple[FakeProc, KernelReport, FakeClock, ProcessView]:
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(100, comm="engine")  # a watched group: its leader and a worker
+    proc.add(101, comm="engine", pgrp=100)
+    proc.add(200, comm="busy")  # a group that runs, not watched
+    for pid in range(300, 340):  # a crowd that sleeps
+        proc.add(pid, comm="sleeper", pgrp=300)
+    kernel, clock = KernelReport(), FakeClock()
+    sleeps: list[float] = []
+    view = ProcessView(proc.root, cast(Any, kernel), clock, sleeps.append)
+    return proc, kernel, clock, view
+
+
+def test_between_walks_a_window_reads_only_what_the_kernel_names(node: tuple[Any, ...]) -> None:
+    proc, kernel, clock, view = node
+    table, ran = view.table(by_group_only=True)
+    assert view.walks == 1 and len(table.stats) == 43 and ran == {}
+    view.watched({100})
+    kernel.members = {101}
+    kernel.ticks = {200: 7}
+    clock.advance(5)
+    table, ran = view.table(by_group_only=True, named=[301])
+    # The kernel's members, the groups that ran, the watched groups' leaders and the named pids: no crowd.
+    assert sorted(table.stats) == [100, 101, 200, 301] and ran == {200: 7}
+    assert view.walks == 1
+    assert sorted(table.resolve(Selector.parse("pgid:100"))) == [100, 101]
+
+
+@pytest.mark.parametrize("why", ["no report", "not by group", "not following", "map full", "periodic"])
+def test_the_whole_of_proc_is_walked_where_the_kernel_cannot_say(node: tuple[Any, ...], why: str) -> None:
+    proc, kernel, clock, view = node
+    view.table(by_group_only=True)
+    clock.advance(5)
+    by_group = why != "not by group"
+    kernel.following = why != "not following"
+    kernel.complete = why != "map full"
+    if why == "no report":
+        kernel.groups_run = lambda: None
+    if why == "periodic":
+        clock.advance(view.full_walk_every)
+    table, _ = view.table(by_group_only=by_group)
+    assert view.walks == 2 and len(table.stats) == 43
+
+
+def test_the_periodic_walk_counts_what_the_kernel_placed_wrong(node: tuple[Any, ...]) -> None:
+    proc, kernel, clock, view = node
+    view.table(by_group_only=True)
+    view.watched({100})
+    kernel.members = {100, 101}
+    clock.advance(view.full_walk_every)
+    view.table(by_group_only=True)
+    assert view.corrections == 0  # agreed
+    # The kernel missed a member (moved into the group while it slept), and
+    # kept one that left (it never ran since): two to correct.
+    proc.add(102, comm="engine", pgrp=100)
+    proc.set(101, comm="engine", pgrp=200)
+    clock.advance(view.full_walk_every)
+    view.table(by_group_only=True)
+    assert view.corrections == 2
+
+
+def test_a_process_the_tick_follows_during_the_check_is_not_a_correction(node: tuple[Any, ...]) -> None:
+    proc, kernel, clock, view = node
+    view.table(by_group_only=True)
+    view.watched({100})
+    proc.set(101, comm="engine", pgrp=200)  # left the group just before the walk
+    kernel.members = {100, 101}
+    kernel.members_later = {100}  # the tick has followed it a tick later
+    clock.advance(view.full_walk_every)
+    view.table(by_group_only=True)
+    assert view.corrections == 0
+
+
+def test_a_process_that_exits_during_the_check_is_not_a_correction(node: tuple[Any, ...]) -> None:
+    proc, kernel, clock, view = node
+    view.table(by_group_only=True)
+    view.watched({100})
+    kernel.members = {100}  # 101 exited: the kernel cleared it; the walk still saw it
+    original = view._sleep
+
+    def exits(seconds: float) -> None:
+        proc.remove(101)
+        original(seconds)
+
+    view._sleep = exits
+    clock.advance(view.full_walk_every)
+    view.table(by_group_only=True)
+    assert view.corrections == 0
