@@ -424,11 +424,44 @@ static __always_inline u8 *byte_of(u64 *eight, u32 i)
 #define PF_EXITING 0x00000004
 #endif
 
+/* cgroup id (the unified hierarchy's) -> the slot of a watched cgroup, where
+ * watched cgroups alone decide the slots (cgroup: and k8s: selectors;
+ * userspace says so, writing the cgroups of the watched paths and
+ * containers): the tick follows a process moved into or out of one
+ * (cgroup.procs) as it follows groups. */
+#ifndef CGROUP_SLOTS_MAX
+#define CGROUP_SLOTS_MAX 4096
+#endif
+BPF_HASH(cgroup_slot, u64, u8, CGROUP_SLOTS_MAX);
+/* slot / 8 -> eight bytes: 1 where the slot's processes are its cgroups'. */
+BPF_F_TABLE("array", u32, u64, cgroup_keyed, MAX_SLOTS / 8, BPF_F_MMAPABLE);
+
+/* The running process's slot made `want`, its rule's (the group's or the
+ * cgroup's); one the rule does not key (`keyed` 0) is some other rule's and
+ * stays. */
+static __always_inline void take_slot(u8 *slot, u8 want, u64 *keyed)
+{
+    u8 have = *slot;
+    if (want == have)
+        return;
+    u32 moved = 0;
+    if (!want) {
+        if (!keyed || !*byte_of(keyed, have))
+            return; /* a slot some other rule gave it */
+        moved = 1;
+    }
+    *slot = want;
+    u64 *n = tick_moves.lookup(&moved);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+}
+
 /* The running process's group's tick counted, and its slot (`slot`, its
- * task_slot byte) made its group's. Never for a thread on its way out (PF_EXITING), nor a process whose last
- * thread is (signal->live 0): sched_process_exit clears the slot then, and a
- * tick after it would give a dead pid its group's slot back. */
-static __always_inline void follow_group(u8 *slot, void *me)
+ * task_slot byte) made its group's or its cgroup's, whichever rule userspace
+ * keys its slot by. Never for a thread on its way out (PF_EXITING), nor a
+ * process whose last thread is (signal->live 0): sched_process_exit clears
+ * the slot then, and a tick after it would give a dead pid a slot back. */
+static __always_inline void follow_rules(u8 *slot, void *me)
 {
     void *signal = (void *)task_u64(me, TASK_SIGNAL_OFF, CURRENT_TYPED);
     if (!signal)
@@ -450,21 +483,12 @@ static __always_inline void follow_group(u8 *slot, void *me)
     u64 *eight = group_slot.lookup(&at);
     if (!eight)
         return;
-    u8 want = *byte_of(eight, pgid), have = *slot;
-    if (want == have)
-        return;
-    u32 moved = 0;
-    if (!want) {
-        u32 keyed_at = have / 8;
-        u64 *keyed = group_keyed.lookup(&keyed_at);
-        if (!keyed || !*byte_of(keyed, have))
-            return; /* a slot some other rule gave it */
-        moved = 1;
-    }
-    *slot = want;
-    u64 *n = tick_moves.lookup(&moved);
-    if (n)
-        __sync_fetch_and_add(n, 1);
+    u32 keyed_at = *slot / 8;
+    take_slot(slot, *byte_of(eight, pgid), group_keyed.lookup(&keyed_at));
+    u64 cgroup = bpf_get_current_cgroup_id();
+    u8 *by_cgroup = cgroup_slot.lookup(&cgroup);
+    keyed_at = *slot / 8;
+    take_slot(slot, by_cgroup ? *by_cgroup : 0, cgroup_keyed.lookup(&keyed_at));
 }
 #endif
 
@@ -486,7 +510,7 @@ int on_tick(struct bpf_perf_event_data *ctx)
     u8 *slot = slot_of(bpf_get_current_pid_tgid() >> 32);
 #ifdef SIGNAL_PGID_OFF
     if (slot)
-        follow_group(slot, current_task());
+        follow_rules(slot, current_task());
 #endif
     u8 now_slot = slot ? *slot : 0;
     u8 unseen = run->task && run->task != (u64)task; /* switched in without the tracepoint */

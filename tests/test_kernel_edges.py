@@ -9,11 +9,14 @@ Root (CI is root); NODESAMPLER_REQUIRE_BPF=1 fails instead of skipping.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -21,10 +24,10 @@ from sampler.backend import BackendChoice
 from sampler.kernel import sched
 from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
-from tests.conftest import AccuracyLog, unavailable
+from tests.conftest import CGROUP, AccuracyLog, CpuCgroup, unavailable
 from tests.heartbeats import cores_of
 from tests.test_kernel_backend import start_with_pid
-from tests.workloads import PROC, after_each_reading, process_cpu_seconds, start_group
+from tests.workloads import BURN_ONE_CORE, PROC, after_each_reading, process_cpu_seconds, start_group
 
 pytestmark = pytest.mark.kernel
 
@@ -295,3 +298,74 @@ def test_processes_that_leave_or_join_a_watched_group_are_followed_within_a_tick
     assert measured == pytest.approx(expected, rel=0.05)
     joined, left = (after - before for after, before in zip(tick_moves(bpf_groups), moves_before, strict=True))
     assert joined >= 1 and left >= 4
+
+
+@pytest.fixture
+def container_cgroup(cpu_cgroup: CpuCgroup) -> Iterator[Path]:
+    """A container's cgroup as containerd names it, in the test's own."""
+    if not cpu_cgroup.v2:
+        pytest.skip("cgroup moves are followed on the unified hierarchy (v2): this host mounts v1")
+    scope = cpu_cgroup.path / f"cri-containerd-{CONTAINER_ID}.scope"
+    scope.mkdir()
+    yield scope
+    for pid in (scope / "cgroup.procs").read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            (CGROUP / "cgroup.procs").write_text(pid)
+    scope.rmdir()
+
+
+CONTAINER_ID = "c0ffee" * 10 + "0123"
+
+
+@pytest.mark.parametrize("kind", ["cgroup", "containers"])
+def test_processes_moved_into_or_out_of_a_watched_cgroup_are_followed_within_a_tick(
+    bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]], container_cgroup: Path,
+    accuracy: AccuracyLog, kind: str,
+) -> None:  # fmt: skip
+    """Mid-window, with no walk between: a process moved into the watched
+    cgroup (cgroup.procs) is counted from its first tick there, one moved out
+    stops being counted (the walk would see either at the next window: here
+    0.5 cores too few in the first window, 0.5 too many in the second)."""
+    inside, outside = start_group(BURN_ONE_CORE), start_group(BURN_ONE_CORE)
+    group += [inside, outside]
+    (container_cgroup / "cgroup.procs").write_text(str(inside.pid))
+    # A pod's shard is the `containers:` selector its pod selector becomes (not one a config may name).
+    selector = (Selector.parse(f"cgroup:/{container_cgroup.parent.relative_to(CGROUP)}") if kind == "cgroup"
+                else Selector("containers", CONTAINER_ID))  # fmt: skip
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, [ShardSpec("w", selector)], hz=100)
+    root = CGROUP / "cgroup.procs"
+    plan: list[tuple[int, Path]] = [(outside.pid, container_cgroup / "cgroup.procs"), (inside.pid, root)]
+    edges: list[tuple[float, float, float]] = []  # (when, inside's CPU, outside's CPU) at each reading
+    moved: list[tuple[float, float]] = []  # (inside's CPU, outside's CPU) at each move
+    move_at = math.inf
+
+    def truth() -> None:
+        nonlocal move_at
+        edges.append((time.monotonic(), process_cpu_seconds(inside.pid), process_cpu_seconds(outside.pid)))
+        if edges[-1][0] >= move_at:
+            move_at = math.inf
+            pid, to = plan.pop(0)
+            moved.append((process_cpu_seconds(inside.pid), process_cpu_seconds(outside.pid)))
+            to.write_text(str(pid))
+
+    moves_before = tick_moves(bpf_groups)
+    with after_each_reading(bpf_groups, truth):
+        ws.prime(0)
+        windows = []
+        for _ in range(2):
+            start = len(edges)
+            move_at = time.monotonic() + 0.9
+            summary = ws.run_window(2.0)
+            windows.append((edges[start - 1], edges[-1], cores_of(summary.shards[0]).mean))
+    assert not plan, "both moves were made"
+    # First window: inside all along, outside from its move in; second: outside all along, inside until its move out.
+    (t0, in0, _), (t1, _, out1), first = windows[0]
+    expected_first = ((windows[0][1][1] - in0) + (out1 - moved[0][1])) / (t1 - t0)
+    (t0, in0, out0), (t1, _, out1), second = windows[1]
+    expected_second = ((moved[1][0] - in0) + (out1 - out0)) / (t1 - t0)
+    accuracy.record("a process moved into a watched cgroup, 2 s", first, expected_first, 0.05)
+    accuracy.record("a process moved out of a watched cgroup, 2 s", second, expected_second, 0.05)
+    assert first == pytest.approx(expected_first, rel=0.05)
+    assert second == pytest.approx(expected_second, rel=0.05)
+    joined, left = (after - before for after, before in zip(tick_moves(bpf_groups), moves_before, strict=True))
+    assert joined >= 1 and left >= 1

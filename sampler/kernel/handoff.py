@@ -30,7 +30,8 @@ from sampler.backend_unavailable import BackendUnavailable
 from sampler.kernel.libbpf import BpfMap, libbpf
 
 MAPS = ("task_slot", "slot_ns", "cpu_run", "dropped_forks", "wait_log", "sample_config", "sample_head", "sample_time",
-        "sample_slots", "group_slot", "group_keyed", "tick_moves", "group_ticks", "group_ticks_full")
+        "sample_slots", "group_slot", "group_keyed", "tick_moves", "group_ticks", "group_ticks_full",
+        "cgroup_slot", "cgroup_keyed")
 FDS_PER_MESSAGE = 200  # the kernel takes at most 253 descriptors in one message (SCM_MAX_FD)
 CHILD_SECONDS = 600  # compiling under emulation takes a minute; a child stuck in the kernel is given up on
 

@@ -43,6 +43,17 @@ class BpfMap:
             raise OSError(err, f"reading {self.name}[{key}]: {os.strerror(err)}")
         return bytes(self._value.raw)
 
+    def update(self, key: bytes, value: bytes) -> None:
+        """Writes one entry (a hash map's key, as the map lays it out)."""
+        if self._lib.bpf_map_update_elem(self.fd, key, value, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"writing {self.name}: {os.strerror(err)}")
+
+    def delete(self, key: bytes) -> None:
+        """Removes one entry; one already absent is no error."""
+        if self._lib.bpf_map_delete_elem(self.fd, key) != 0 and (err := ctypes.get_errno()) != errno.ENOENT:
+            raise OSError(err, f"deleting from {self.name}: {os.strerror(err)}")
+
     def take_all(self, max_entries: int) -> tuple[np.ndarray, bytes]:
         """Every entry of a hash map with u32 keys, read and deleted in
         batches (one system call each, BPF_MAP_LOOKUP_AND_DELETE_BATCH, 5.6+):
@@ -87,5 +98,9 @@ def libbpf() -> Any:
                                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                                         ctypes.c_void_p]  # fmt: skip
         lib.bpf_map_lookup_and_delete_batch.restype = ctypes.c_int
+        lib.bpf_map_update_elem.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint64]
+        lib.bpf_map_update_elem.restype = ctypes.c_int
+        lib.bpf_map_delete_elem.argtypes = [ctypes.c_int, ctypes.c_char_p]
+        lib.bpf_map_delete_elem.restype = ctypes.c_int
         _libbpf = lib
     return _libbpf

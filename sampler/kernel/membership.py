@@ -21,6 +21,8 @@ from sampler.sources import procfs
 
 log = logging.getLogger(__name__)
 
+CGROUP_SLOTS_MAX = 4096  # cgroup_slot's entries (bpf/sched_groups.bpf.c)
+
 
 def _shared_bytes(array_map: Any, length: int) -> tuple[mmap.mmap, np.ndarray]:
     """An mmapable array map of u64 words, as bytes this process writes in place."""
@@ -30,7 +32,8 @@ def _shared_bytes(array_map: Any, length: int) -> tuple[mmap.mmap, np.ndarray]:
 
 class TaskSlots:
     def __init__(self, task_slot_map: Any, pid_max: int, proc: Path, group_slot_map: Any = None,
-                 group_keyed_map: Any = None) -> None:  # fmt: skip
+                 group_keyed_map: Any = None, cgroup_slot_map: Any = None,
+                 cgroup_keyed_map: Any = None) -> None:  # fmt: skip
         self.proc = proc
         self._map, self.task_slot = _shared_bytes(task_slot_map, pid_max)
         # Compiled out where the kernel's BTF does not say where a task's group is.
@@ -42,6 +45,12 @@ class TaskSlots:
             keyed_map, self._group_keyed = _shared_bytes(group_keyed_map, MAX_SLOTS)
             self._group_maps = [mapped, keyed_map]
         self._groups_written = np.zeros(0, dtype=np.int64)
+        self._cgroup_slot = cgroup_slot_map
+        self._cgroup_keyed: np.ndarray | None = None
+        if cgroup_slot_map is not None and cgroup_keyed_map is not None:
+            keyed_map, self._cgroup_keyed = _shared_bytes(cgroup_keyed_map, MAX_SLOTS)
+            self._group_maps.append(keyed_map)
+        self._cgroups_written: dict[int, int] = {}
 
     def follow_groups(self, slot_of_group: dict[int, int] | None) -> bool:
         """The tick's rule from now on: a process running in a group of
@@ -66,6 +75,25 @@ class TaskSlots:
         self.group_slot[pgids] = slots
         self._group_keyed[:] = keyed
         self._groups_written = pgids
+        return True
+
+    def follow_cgroups(self, slot_of_cgroup: dict[int, int] | None) -> bool:
+        """The tick's rule from now on, by cgroup (id -> slot) as
+        follow_groups's is by group. None: the walk alone decides. False
+        where the kernel cannot follow cgroups."""
+        if self._cgroup_slot is None or self._cgroup_keyed is None:
+            return False
+        cgroups = dict(list((slot_of_cgroup or {}).items())[:CGROUP_SLOTS_MAX])
+        keyed = np.zeros(MAX_SLOTS, dtype=np.uint8)
+        keyed[list(set(cgroups.values()))] = 1
+        self._cgroup_keyed &= keyed  # as follow_groups: shrink first, grow last
+        for cgroup in self._cgroups_written.keys() - cgroups.keys():
+            self._cgroup_slot.delete(cgroup.to_bytes(8, "little"))
+        for cgroup, slot in cgroups.items():
+            if self._cgroups_written.get(cgroup) != slot:
+                self._cgroup_slot.update(cgroup.to_bytes(8, "little"), bytes([slot]))
+        self._cgroup_keyed[:] = keyed
+        self._cgroups_written = cgroups
         return True
 
     def sync(self, table: ProcessTable, want: dict[int, int]) -> bool:
@@ -117,7 +145,7 @@ class TaskSlots:
     def close(self) -> None:
         """Unmapped; a view still held (a traceback's frame) is unmapped when it goes."""
         del self.task_slot
-        self.group_slot = self._group_keyed = None
+        self.group_slot = self._group_keyed = self._cgroup_keyed = None
         for mapped in [self._map, *self._group_maps]:
             try:
                 mapped.close()

@@ -34,9 +34,11 @@ from sampler.kernel.program_stats import enable_bpf_stats, program_stats
 from sampler.kernel.sample_ring import RingSamples, SampleRing
 from sampler.kernel.slices import SWITCH_SLACK_S, into_room_before, place_late, settle
 from sampler.kernel.waits import WaitHistograms
+from sampler.shards.container_ids import container_dir
 from sampler.shards.proc_shards import PAGE_SIZE, ShardReading, within_capacity
-from sampler.shards.selectors import GROUP_KINDS, ProcessTable, ShardSpec
+from sampler.shards.selectors import CGROUP_KINDS, GROUP_KINDS, ProcessTable, ShardSpec
 from sampler.sources import procfs
+from sampler.sources.cgroup_view import unified_ids_below
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,8 @@ class KernelShardSampler:
         self.finest_hz: float | None = None  # nanoseconds, up to each sample
         self.tickless_cpus = programs.tickless_cpus  # CPUs without the cpu-clock tick (nohz_full, isolated)
         self.members = TaskSlots(programs.maps["task_slot"], programs.pid_max, proc, programs.maps.get("group_slot"),
-                                 programs.maps.get("group_keyed"))  # fmt: skip
+                                 programs.maps.get("group_keyed"), programs.maps.get("cgroup_slot"),
+                                 programs.maps.get("cgroup_keyed"))  # fmt: skip
         # Compiled out where the kernel's BTF does not say where a task's group is.
         self._group_ticks = (GroupTicks(programs.maps["group_ticks"], programs.maps["group_ticks_full"])
                              if "group_ticks" in programs.maps else None)  # fmt: skip
@@ -205,6 +208,9 @@ class KernelShardSampler:
         # The tick follows processes into and out of watched groups between walks.
         rule = groups if all(w.selector.kind in GROUP_KINDS for w in specs) else None
         self._following = self.members.follow_groups(rule) and rule is not None
+        # And into and out of watched cgroups (cgroup.procs), between walks.
+        by_cgroup = bool(specs) and all(w.selector.kind in CGROUP_KINDS for w in specs)
+        self.members.follow_cgroups(self._cgroup_rule(new, table, slot_of) if by_cgroup else None)
         if self.members.sync(table, want):
             # A new member already on a CPU is learnt at the next tick: until then
             # its slice is not counted. Wait that long, so that a new shard's
@@ -228,6 +234,31 @@ class KernelShardSampler:
         self._prev_ns = np.array([prev_ns.get(s, now_ns[j].tolist()) for j, s in enumerate(self._slots.tolist())],
                                  dtype=np.int64).reshape(-1, 2)  # fmt: skip
         self._debt = {wid: d for wid, d in self._debt.items() if wid in new}
+
+    @staticmethod
+    def _cgroup_rule(shards: dict[str, _KernelShard], table: ProcessTable,
+                     slot_of: dict[frozenset[str], int]) -> dict[int, int]:  # fmt: skip
+        """cgroup id -> slot, for every cgroup of the watched paths and of
+        the watched containers (where a member is), and every cgroup below
+        them, as the unified hierarchy has them (none where the host's tree is
+        not v2 alone: the walk alone decides there). A cgroup's slot is the set
+        of shards whose selectors name it, as a process in it would have."""
+        tops: set[str] = set()
+        for w in shards.values():
+            if w.spec.selector.kind == "cgroup":
+                tops.add(w.spec.selector.value)
+                continue
+            for pid in w.pids:
+                path = table.unified_cgroup(pid)
+                if path is not None and (top := container_dir(path)) is not None:
+                    tops.add(top)
+        out: dict[int, int] = {}
+        for top in sorted(tops):
+            for path, cgroup in unified_ids_below(top, table.cgroup_root).items():
+                names = frozenset(wid for wid, w in shards.items() if w.spec.selector.names_cgroup(path))
+                if (slot := slot_of.get(names)) is not None:
+                    out[cgroup] = slot
+        return out
 
     def groups_run(self) -> GroupsRun | None:
         """The groups that ran since the last call; None where the kernel

@@ -36,6 +36,16 @@ def from_cgroup_path(path: str) -> str | None:
     return None
 
 
+def container_dir(path: str) -> str | None:
+    """The cgroup path up to the container's own directory (below it, a
+    container's cgroups of its own), or None where the path names none."""
+    parts = path.split("/")
+    for i, part in enumerate(parts):
+        if _CONTAINER.fullmatch(part):
+            return "/".join(parts[: i + 1])
+    return None
+
+
 def from_cgroup_paths(paths: list[str]) -> str | None:
     """The container id of a process from its /proc/<pid>/cgroup paths (v1's
     hierarchies agree; v2 has one)."""

@@ -45,6 +45,9 @@ KINDS = ("pgid", "pid", "cmdline", "comm", "cgroup", "k8s")
 # The kinds that name whole process groups: where every shard's selector is
 # one, a group alone decides which shards count its processes.
 GROUP_KINDS = frozenset({"pgid", "pid", "cmdline", "comm"})
+# The kinds that name whole cgroups: where every shard's selector is one, a
+# process's cgroup alone decides which shards count it.
+CGROUP_KINDS = frozenset({"cgroup", "containers"})
 T = TypeVar("T")
 # How much of a leader's command line is read and matched: enough for any
 # engine's flags (a vLLM line with every option is about 2 KiB), small enough
@@ -104,6 +107,14 @@ class Selector:
     def __str__(self) -> str:
         return f"{self.kind}:{self.value}"
 
+    def names_cgroup(self, path: str) -> bool:
+        """Whether a process in the cgroup at this host path is the
+        selector's (a `cgroup:` or `containers:` one)."""
+        if self.kind == "containers":
+            return container_ids.from_cgroup_path(path) in self.value.split(",")
+        prefix = "" if self.value == "/" else self.value
+        return self.kind == "cgroup" and (path == self.value or path.startswith(prefix + "/"))
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -138,24 +149,28 @@ class ProcessTable:
     (about 50 us for 32 KiB with RE2, for thousands of leaders).
     """
 
-    def __init__(self, proc: Path, stats: dict[int, procfs.PidStat], before: ProcessTable | None = None) -> None:
+    def __init__(self, proc: Path, stats: dict[int, procfs.PidStat], before: ProcessTable | None = None,
+                 cgroup_root: Path = cgroup_view.CGROUP_ROOT) -> None:  # fmt: skip
         self.proc = proc
+        self.cgroup_root = cgroup_root  # the host's cgroup tree
         self.stats = stats
         self.by_group: dict[int, list[int]] = {}
         for pid, st in stats.items():
             self.by_group.setdefault(st.pgrp, []).append(pid)
-        self._cgroups: dict[int, list[str] | None] = {}
+        self._cgroups: dict[int, list[tuple[bytes, bytes, str]] | None] = {}
         self._containers: dict[int, str] | None = None
         # (pid, start ticks) -> (a digest of the prefix read, {pattern: verdict})
         self._verdicts: dict[tuple[int, int], tuple[bytes, dict[str, bool]]] = {}
         self._verdicts_before = before._verdicts if before is not None else {}
 
     @classmethod
-    def walk(cls, proc: Path, before: ProcessTable | None = None) -> ProcessTable:
-        return cls.of(proc, procfs.list_pids(proc), before)
+    def walk(cls, proc: Path, before: ProcessTable | None = None,
+             cgroup_root: Path = cgroup_view.CGROUP_ROOT) -> ProcessTable:  # fmt: skip
+        return cls.of(proc, procfs.list_pids(proc), before, cgroup_root)
 
     @classmethod
-    def of(cls, proc: Path, pids: Iterable[int], before: ProcessTable | None = None) -> ProcessTable:
+    def of(cls, proc: Path, pids: Iterable[int], before: ProcessTable | None = None,
+           cgroup_root: Path = cgroup_view.CGROUP_ROOT) -> ProcessTable:  # fmt: skip
         """A table of these processes alone (those that still exist): where
         the kernel says which processes and groups matter, a window reads
         those, not the whole of /proc (sampler/window/process_view.py)."""
@@ -166,7 +181,7 @@ class ProcessTable:
             except (procfs.ProcessGone, procfs.ProcParseError):
                 # Gone between listing and reading, or half-written: not a member this time.
                 continue
-        return cls(proc, stats, before)
+        return cls(proc, stats, before, cgroup_root)
 
     def cmdline_bytes(self, pid: int) -> bytes | None:
         """The first CMDLINE_PREFIX_BYTES of the process's command line, as the kernel has it."""
@@ -206,7 +221,13 @@ class ProcessTable:
         return verdict
 
     def cgroups(self, pid: int) -> list[str] | None:
-        return self._read_once(self._cgroups, pid, "cgroup", cgroup_view.host_paths)
+        lines = self._read_once(self._cgroups, pid, "cgroup", cgroup_view.lines)
+        return None if lines is None else [path for _, _, path in lines]
+
+    def unified_cgroup(self, pid: int) -> str | None:
+        """The process's cgroup in the unified hierarchy (v2's `0::` line), as the host names it."""
+        lines = self._read_once(self._cgroups, pid, "cgroup", cgroup_view.lines)
+        return next((path for h, c, path in lines or () if h == b"0" and c == b""), None)
 
     def container_id(self, pid: int) -> str | None:
         paths = self.cgroups(pid)
@@ -250,12 +271,7 @@ class ProcessTable:
             return [pid for pid, cid in self.container_ids().items() if cid in wanted]
         if sel.kind == "k8s":
             return []  # a pod selector names pods, each resolved as its `containers:` shard
-        prefix = "" if sel.value == "/" else sel.value
-        return [
-            pid
-            for pid in self.stats
-            if any(p == sel.value or p.startswith(prefix + "/") for p in (self.cgroups(pid) or ()))
-        ]
+        return [pid for pid in self.stats if any(sel.names_cgroup(p) for p in (self.cgroups(pid) or ()))]
 
     def group_ticks(self) -> dict[int, int]:
         """CPU ticks used so far by each process group's live processes,

@@ -139,3 +139,23 @@ def forget_namespace_roots() -> None:
     """Back to paths as read (tests)."""
     _roots.clear()
 
+
+
+def unified_ids_below(path: str, cgroup_root: Path = CGROUP_ROOT) -> dict[str, int]:
+    """The unified hierarchy's cgroup at a host path and every one below it,
+    each by the id the kernel gives it (bpf_get_current_cgroup_id: its
+    directory's inode number), at most MAX_DIRS; empty where the tree is not
+    v2 alone (cgroup.controllers at the root) or the path is gone."""
+    if not (cgroup_root / "cgroup.controllers").exists():
+        return {}
+    out: dict[str, int] = {}
+    top = cgroup_root / path.lstrip("/")
+    for where, dirs, _files in os.walk(top):
+        try:
+            out["/" + str(Path(where).relative_to(cgroup_root)).removeprefix(".")] = os.stat(where).st_ino
+        except OSError:
+            continue  # removed while walked
+        if len(out) >= MAX_DIRS:
+            break
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(where, d))]
+    return {posixpath.normpath(k) if k != "/" else k: v for k, v in out.items()}

@@ -33,6 +33,7 @@ from pathlib import Path
 from sampler.backend import ShardSampler
 from sampler.shards.selectors import ProcessTable
 from sampler.sources import procfs
+from sampler.sources.cgroup_view import CGROUP_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,10 @@ FULL_WALK_EVERY_S = 300.0
 
 class ProcessView:
     def __init__(self, proc: Path, shards: ShardSampler, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep,
+                 sleep: Callable[[float], None] = time.sleep, cgroup_root: Path = CGROUP_ROOT,
                  full_walk_every: float = FULL_WALK_EVERY_S) -> None:  # fmt: skip
         self.proc, self._shards, self._clock, self._sleep = proc, shards, clock, sleep
+        self.cgroup_root = cgroup_root  # the host's cgroup tree, where a table finds a process's cgroup
         self.full_walk_every = full_walk_every
         self._table: ProcessTable | None = None
         self._walked_at: float | None = None
@@ -75,10 +77,10 @@ class ProcessView:
         if reason is None:
             assert seen is not None
             pids = self._shards.member_pids() | seen.ticks.keys() | self._watched | set(named)
-            self._table = ProcessTable.of(self.proc, sorted(pids), self._table)
+            self._table = ProcessTable.of(self.proc, sorted(pids), self._table, self.cgroup_root)
         else:
             checking = reason == "periodic" and self._walked_at is not None
-            self._table = ProcessTable.walk(self.proc, self._table)
+            self._table = ProcessTable.walk(self.proc, self._table, self.cgroup_root)
             self._walked_at, self.walks = now, self.walks + 1
             if checking:
                 assert seen is not None

@@ -88,7 +88,8 @@ class WindowSampler:
         self.gauges = MachineGaugeReader(proc, host_root)
         self.pressure = PressureReader(proc)
         self.runqueue = RunQueueWaitSampler(proc)
-        self.cfs = CfsBandwidthReader(proc, cgroup_root or host_cgroup_root(host_root))
+        cgroup_tree = cgroup_root or host_cgroup_root(host_root)
+        self.cfs = CfsBandwidthReader(proc, cgroup_tree)
         self.engine_metrics = EngineMetricsReader()
         self.shard_sampler = shard_sampler
         self.gpus = gpus
@@ -99,7 +100,7 @@ class WindowSampler:
         self.gpu_grace = gpu_grace
         self._members: dict[str, set[int]] = {}  # shard id -> its pids at the last walk, for GPU memory
         # The table each window resolves its selectors against: a walk of /proc, or what the kernel says matters.
-        self.view = ProcessView(proc, shard_sampler, clock, sleep)
+        self.view = ProcessView(proc, shard_sampler, clock, sleep, cgroup_tree)
         self._group_ticks: dict[int, int] | None = None
         self._last_sample_at: float | None = None
         self._program_stats: dict[str, tuple[int, int]] = {}
