@@ -84,39 +84,42 @@ def test_the_whole_of_proc_is_walked_where_the_kernel_cannot_say(node: tuple[Any
     assert view.walks == 2 and len(table.stats) == 43
 
 
-def test_the_periodic_walk_counts_what_the_kernel_placed_wrong(node: tuple[Any, ...]) -> None:
-    proc, kernel, clock, view = node
-    view.table(by_group_only=True)
-    view.watched({100})
-    kernel.members = {100, 101}
+def periodic_walk(view: ProcessView, clock: FakeClock) -> int:
+    """The next window, when the periodic walk is due: the corrections it counted."""
     clock.advance(view.full_walk_every)
     view.table(by_group_only=True)
-    assert view.corrections == 0  # agreed
+    return view.corrections
+
+
+def watching_group_100(view: ProcessView) -> None:
+    view.table(by_group_only=True)
+    view.watched({100})
+
+
+def test_the_periodic_walk_counts_what_the_kernel_placed_wrong(node: tuple[Any, ...]) -> None:
+    proc, kernel, clock, view = node
+    watching_group_100(view)
+    kernel.members = {100, 101}
+    assert periodic_walk(view, clock) == 0  # agreed
     # The kernel missed a member (moved into the group while it slept), and
     # kept one that left (it never ran since): two to correct.
     proc.add(102, comm="engine", pgrp=100)
     proc.set(101, comm="engine", pgrp=200)
-    clock.advance(view.full_walk_every)
-    view.table(by_group_only=True)
-    assert view.corrections == 2
+    assert periodic_walk(view, clock) == 2
 
 
 def test_a_process_the_tick_follows_during_the_check_is_not_a_correction(node: tuple[Any, ...]) -> None:
     proc, kernel, clock, view = node
-    view.table(by_group_only=True)
-    view.watched({100})
+    watching_group_100(view)
     proc.set(101, comm="engine", pgrp=200)  # left the group just before the walk
     kernel.members = {100, 101}
     kernel.members_later = {100}  # the tick has followed it a tick later
-    clock.advance(view.full_walk_every)
-    view.table(by_group_only=True)
-    assert view.corrections == 0
+    assert periodic_walk(view, clock) == 0
 
 
 def test_a_process_that_exits_during_the_check_is_not_a_correction(node: tuple[Any, ...]) -> None:
     proc, kernel, clock, view = node
-    view.table(by_group_only=True)
-    view.watched({100})
+    watching_group_100(view)
     kernel.members = {100}  # 101 exited: the kernel cleared it; the walk still saw it
     original = view._sleep
 
@@ -125,6 +128,4 @@ def test_a_process_that_exits_during_the_check_is_not_a_correction(node: tuple[A
         original(seconds)
 
     view._sleep = exits
-    clock.advance(view.full_walk_every)
-    view.table(by_group_only=True)
-    assert view.corrections == 0
+    assert periodic_walk(view, clock) == 0
