@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sampler.shards import container_ids
 from sampler.shards.selectors import ProcessTable, Selector
 from sampler.sources import cgroup_view
 from sampler.sources.cfs import CfsBandwidthReader
@@ -101,3 +102,41 @@ def test_the_hosts_view_needs_nothing(tmp_path: Path) -> None:
     assert cgroup_view.host_paths(b"0::/a/b\n") == ["/a/b"]
     assert cgroup_view.host_cgroup_root(None) == cgroup_view.CGROUP_ROOT
     assert cgroup_view.host_cgroup_root(tmp_path / "empty") == cgroup_view.CGROUP_ROOT
+
+
+POD = "/kubepods.slice/kubepods-pod1.slice"
+CID = "ab" * 32
+
+
+def test_the_watched_cgroups_by_the_ids_the_kernel_gives_them(tmp_path: Path) -> None:
+    """What the tick follows moves by: each cgroup at or below a path, by its
+    directory's inode; nothing on a v1 tree; None past the limit (a tenant
+    can make cgroups below its own)."""
+    root = tmp_path / "cgroup"
+    scope = root / POD.lstrip("/") / f"cri-containerd-{CID}.scope"
+    (scope / "inner").mkdir(parents=True)
+    (root / "system.slice").mkdir()
+    assert cgroup_view.unified_ids_below(POD, root) == {}  # no cgroup.controllers at the root: not v2 alone
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    ids = cgroup_view.unified_ids_below(POD, root)
+    named = f"{POD}/cri-containerd-{CID}.scope"
+    assert ids == {POD: scope.parent.stat().st_ino, named: scope.stat().st_ino,
+                   f"{named}/inner": (scope / "inner").stat().st_ino}  # fmt: skip
+    assert cgroup_view.unified_ids_below(POD, root, limit=2) is None
+    assert cgroup_view.unified_ids_below("/gone", root) == {}
+    assert len(cgroup_view.unified_ids_below("/", root) or {}) == 6
+
+
+def test_which_cgroups_a_selector_names() -> None:
+    container = Selector("containers", f"{'cd' * 32},{CID}")
+    assert container.names_cgroup(f"{POD}/cri-containerd-{CID}.scope")
+    assert container.names_cgroup(f"{POD}/cri-containerd-{CID}.scope/inner")
+    assert not container.names_cgroup(POD)
+    path = Selector.parse(f"cgroup:{POD}")
+    assert path.names_cgroup(POD) and path.names_cgroup(f"{POD}/x")
+    assert not path.names_cgroup(POD + "x") and not path.names_cgroup("/kubepods.slice")
+    assert Selector.parse("cgroup:/").names_cgroup("/system.slice")
+    assert not Selector.parse("pgid:1").names_cgroup("/")
+    scope = f"/..{POD}/cri-containerd-{CID}.scope"
+    assert container_ids.container_dir(f"{scope}/inner") == scope
+    assert container_ids.container_dir(POD) is None

@@ -83,7 +83,7 @@ class TaskSlots:
         where the kernel cannot follow cgroups."""
         if self._cgroup_slot is None or self._cgroup_keyed is None:
             return False
-        cgroups = dict(list((slot_of_cgroup or {}).items())[:CGROUP_SLOTS_MAX])
+        cgroups = slot_of_cgroup or {}
         keyed = np.zeros(MAX_SLOTS, dtype=np.uint8)
         keyed[list(set(cgroups.values()))] = 1
         self._cgroup_keyed &= keyed  # as follow_groups: shrink first, grow last

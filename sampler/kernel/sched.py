@@ -29,11 +29,12 @@ from sampler.kernel import btf, handoff
 from sampler.kernel.build import MAX_SLOTS, SOURCE, TICK_NS
 from sampler.kernel.counters import SlotCounters
 from sampler.kernel.groups_run import GroupsRun, GroupTicks
-from sampler.kernel.membership import TaskSlots
+from sampler.kernel.membership import CGROUP_SLOTS_MAX, TaskSlots
 from sampler.kernel.program_stats import enable_bpf_stats, program_stats
 from sampler.kernel.sample_ring import RingSamples, SampleRing
 from sampler.kernel.slices import SWITCH_SLACK_S, into_room_before, place_late, settle
 from sampler.kernel.waits import WaitHistograms
+from sampler.off_thread import Said
 from sampler.shards.container_ids import container_dir
 from sampler.shards.proc_shards import PAGE_SIZE, ShardReading, within_capacity
 from sampler.shards.selectors import CGROUP_KINDS, GROUP_KINDS, ProcessTable, ShardSpec
@@ -119,6 +120,7 @@ class KernelShardSampler:
         self._group_ticks = (GroupTicks(programs.maps["group_ticks"], programs.maps["group_ticks_full"])
                              if "group_ticks" in programs.maps else None)  # fmt: skip
         self._following = False  # the tick follows the watched groups (the last discover said so)
+        self._said_cgroups = Said()
         self.counters = SlotCounters(programs.maps["slot_ns"], programs.maps["cpu_run"], programs.cpus, clock)
         self._closed = False
         self._dropped_table = programs.maps["dropped_forks"]
@@ -235,14 +237,14 @@ class KernelShardSampler:
                                  dtype=np.int64).reshape(-1, 2)  # fmt: skip
         self._debt = {wid: d for wid, d in self._debt.items() if wid in new}
 
-    @staticmethod
-    def _cgroup_rule(shards: dict[str, _KernelShard], table: ProcessTable,
-                     slot_of: dict[frozenset[str], int]) -> dict[int, int]:  # fmt: skip
+    def _cgroup_rule(self, shards: dict[str, _KernelShard], table: ProcessTable,
+                     slot_of: dict[frozenset[str], int]) -> dict[int, int] | None:  # fmt: skip
         """cgroup id -> slot, for every cgroup of the watched paths and of
         the watched containers (where a member is), and every cgroup below
         them, as the unified hierarchy has them (none where the host's tree is
-        not v2 alone: the walk alone decides there). A cgroup's slot is the set
-        of shards whose selectors name it, as a process in it would have."""
+        not v2 alone). A cgroup's slot is the set of shards whose selectors
+        name it, as a process in it would have. None, the walk alone
+        deciding, where there are more than the kernel's map holds."""
         tops: set[str] = set()
         for w in shards.values():
             if w.spec.selector.kind == "cgroup":
@@ -254,7 +256,13 @@ class KernelShardSampler:
                     tops.add(top)
         out: dict[int, int] = {}
         for top in sorted(tops):
-            for path, cgroup in unified_ids_below(top, table.cgroup_root).items():
+            below = unified_ids_below(top, table.cgroup_root, CGROUP_SLOTS_MAX - len(out))
+            if below is None:
+                if self._said_cgroups.first("too many"):
+                    log.warning("more than %d cgroups watched: moves between them are seen at each window's walk",
+                                CGROUP_SLOTS_MAX)  # fmt: skip
+                return None
+            for path, cgroup in below.items():
                 names = frozenset(wid for wid, w in shards.items() if w.spec.selector.names_cgroup(path))
                 if (slot := slot_of.get(names)) is not None:
                     out[cgroup] = slot

@@ -141,21 +141,21 @@ def forget_namespace_roots() -> None:
 
 
 
-def unified_ids_below(path: str, cgroup_root: Path = CGROUP_ROOT) -> dict[str, int]:
+def unified_ids_below(path: str, cgroup_root: Path = CGROUP_ROOT, limit: int = MAX_DIRS) -> dict[str, int] | None:
     """The unified hierarchy's cgroup at a host path and every one below it,
     each by the id the kernel gives it (bpf_get_current_cgroup_id: its
-    directory's inode number), at most MAX_DIRS; empty where the tree is not
-    v2 alone (cgroup.controllers at the root) or the path is gone."""
+    directory's inode number); empty where the tree is not v2 alone
+    (cgroup.controllers at the root) or the path is gone; None where there
+    are more than `limit` (whoever runs in the cgroup can make more below it)."""
     if not (cgroup_root / "cgroup.controllers").exists():
         return {}
     out: dict[str, int] = {}
-    top = cgroup_root / path.lstrip("/")
-    for where, dirs, _files in os.walk(top):
+    for where, dirs, _files in os.walk(cgroup_root / path.lstrip("/")):
         try:
-            out["/" + str(Path(where).relative_to(cgroup_root)).removeprefix(".")] = os.stat(where).st_ino
+            out[posixpath.normpath("/" + str(Path(where).relative_to(cgroup_root)))] = os.stat(where).st_ino
         except OSError:
             continue  # removed while walked
-        if len(out) >= MAX_DIRS:
-            break
+        if len(out) > limit:
+            return None
         dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(where, d))]
-    return {posixpath.normpath(k) if k != "/" else k: v for k, v in out.items()}
+    return out
