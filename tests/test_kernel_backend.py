@@ -661,11 +661,11 @@ def test_waits_for_a_cpu_from_the_kernel_histogram(
 def test_a_300_ms_stall_on_the_real_clock(
     bpf_groups: sched.KernelShardSampler, group: list[subprocess.Popen[str]], accuracy: AccuracyLog
 ) -> None:
-    from tests.test_live_proc import window_with_a_stall
+    from tests.test_live_proc import assert_within_what_quarter_workers_can_use, window_with_a_stall
 
     p = start_group(QUARTER_WORKERS)
     group.append(p)
     stats, truth = window_with_a_stall(bpf_groups, "bpf", p.pid)
     accuracy.record("window mean with a 300 ms stall", stats["mean"], truth, 0.05)
     assert stats["mean"] == pytest.approx(truth, rel=0.05)
-    assert stats["p95"] <= 1.5 and stats["max"] <= 1.5, stats
+    assert_within_what_quarter_workers_can_use(stats)

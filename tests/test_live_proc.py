@@ -154,4 +154,15 @@ def test_a_300_ms_stall_on_the_real_clock(group: list[subprocess.Popen[str]]) ->
     group.append(p)
     stats, truth = window_with_a_stall(ProcShardSampler(PROC), "proc", p.pid)
     assert stats["mean"] == pytest.approx(truth, rel=0.10)
-    assert stats["p95"] <= 1.5 and stats["max"] <= 1.5, stats  # 0.75 a sample, give or take the ticks
+    assert_within_what_quarter_workers_can_use(stats)
+
+
+def assert_within_what_quarter_workers_can_use(stats: dict[str, float]) -> None:
+    """0.75 cores a 100 ms sample, give or take the ticks, for most of the
+    window (p95). Not for every sample: the three burst at once each period,
+    so a sample a late timer left short can hold only their bursts, and in a
+    slow guest they fall behind and burn without sleeping: either way they
+    use every CPU they can (bookworm's emulated guest read 1.53 once). No
+    sample may read more than that."""
+    assert stats["p95"] <= 1.5, stats
+    assert stats["max"] <= min(3, os.cpu_count() or 1) * 1.01, stats
