@@ -81,7 +81,9 @@ def test_the_tick_counts_each_group_that_runs(
     seen = bpf_groups.groups_run()
     used = process_cpu_seconds(busy.pid) - s0
     assert seen is not None and seen.complete
-    assert idle.pid not in seen.ticks  # 201 processes asleep: never found running
+    # 201 processes asleep: found running at most as they settle into their
+    # sleep (a child forked before "ready" may not have reached it yet).
+    assert seen.ticks.get(idle.pid, 0) < 0.05 * seen.ticks[busy.pid]
     measured = seen.ticks[busy.pid] * TICK_NS / 1e9
     accuracy.record("a group's ticks against its CPU time, 1 s", measured, used, 0.25)
     assert measured == pytest.approx(used, rel=0.25)
