@@ -22,7 +22,7 @@ from sampler.window.sampler import WindowSampler
 from tests.conftest import AccuracyLog
 from tests.heartbeats import cores_of
 from tests.test_kernel_edges import FORK_STORM, LEAVE_AND_JOIN
-from tests.workloads import BURN_ONE_CORE, PROC, process_cpu_seconds, start_group
+from tests.workloads import BURN_ONE_CORE, PROC, group_members, process_cpu_seconds, start_group
 
 pytestmark = pytest.mark.kernel
 
@@ -104,7 +104,8 @@ def test_windows_between_walks_read_only_what_the_kernel_names(
         assert measured == pytest.approx(truth, rel=0.05)
     assert ws.view.walks == 1  # at start only
     read = ws.view.table(by_group_only=True)[0].stats
-    assert busy.pid in read and crowd.pid not in read and len(read) < 100
+    sleepers = set(group_members(crowd.pid)) - {crowd.pid}  # never a leader, never a member
+    assert busy.pid in read and len(sleepers) == 200 and not sleepers & read.keys() and len(read) < 100
 
 
 def test_a_group_that_starts_after_the_walk_is_found_when_it_first_runs(
