@@ -5,6 +5,7 @@ import pytest
 
 import wire
 from sampler.backend import BackendChoice
+from sampler.kernel.groups_run import GroupsRun
 from sampler.shards.proc_shards import PAGE_SIZE, USER_HZ, ProcShardSampler, ShardReading
 from sampler.shards.selectors import Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
@@ -135,6 +136,34 @@ def test_busiest_groups_are_found_by_priming(tmp_path: Path) -> None:
     w.prime(1.0)
     summary = w.run_window(1.0)
     [shard] = summary.shards
+    assert (shard.id, shard.command) == ("comm:engine", "engine")
+    assert cores_of(shard).mean == pytest.approx(1.0)
+
+
+class _TicksSaid(ProcShardSampler):
+    """/proc's backend, with the groups that ran said as the kernel's tick says them."""
+
+    def __init__(self, proc: Path, clock: FakeClock, ticks: dict[int, int]) -> None:
+        super().__init__(proc, clock)
+        self.ticks = ticks
+
+    def groups_run(self) -> GroupsRun:  # type: ignore[override]
+        return GroupsRun(dict(self.ticks), True, True, 0.01)
+
+
+def test_busiest_groups_by_the_kernels_ticks_are_groups_with_a_live_leader(tmp_path: Path) -> None:
+    """A group the tick counted that has exited since (the busiest here) is
+    not a shard: it would have nothing to measure."""
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(100, comm="engine", rss=1)
+    proc.add(200, comm="idle")
+    clock = FakeClock()
+    script = ScriptedProc(proc, clock, comm="engine")
+    groups = _TicksSaid(proc.root, clock, {100: 50, 999: 90})
+    w = WindowSampler(proc.root, BackendChoice("proc", None), groups, None, hz=10, node="n1",
+                      clock=clock, wall_clock=clock, sleep=script.sleep)  # fmt: skip
+    w.prime(1.0)
+    [shard] = w.run_window(1.0).shards
     assert (shard.id, shard.command) == ("comm:engine", "engine")
     assert cores_of(shard).mean == pytest.approx(1.0)
 

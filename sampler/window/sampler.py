@@ -151,10 +151,15 @@ class WindowSampler:
         specs = self.specs
         if specs is None:
             # Ranked by the kernel's ticks where it counts them, else by the
-            # CPU time two walks saw each group's processes use.
+            # CPU time two walks saw each group's processes use. The ticks
+            # count groups that have exited since (a shard of nothing to
+            # measure) and groups whose leader has, whose other processes a
+            # window between walks does not read: only groups with a live
+            # leader are ranked by them.
             ticks = ran if ran is not None else table.group_ticks()
             before = self._group_ticks if ran is None else {}
-            top = [] if self._group_ticks is None else busiest_groups(before or {}, ticks, BUSIEST_GROUPS, set())
+            gone = set() if ran is None else {g for g in ran if g not in table.stats}
+            top = [] if self._group_ticks is None else busiest_groups(before or {}, ticks, BUSIEST_GROUPS, gone)
             self._group_ticks = ticks
             specs = named_by_command(table, top)
         elif any(w.selector.kind == "k8s" for w in specs):
