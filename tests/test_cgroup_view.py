@@ -12,7 +12,7 @@ import pytest
 
 from sampler.shards import container_ids
 from sampler.shards.selectors import ProcessTable, Selector
-from sampler.sources import cgroup_view
+from sampler.sources import cgroup_members, cgroup_view
 from sampler.sources.cfs import CfsBandwidthReader
 from tests.fakeproc import FakeProc
 
@@ -140,3 +140,25 @@ def test_which_cgroups_a_selector_names() -> None:
     scope = f"/..{POD}/cri-containerd-{CID}.scope"
     assert container_ids.container_dir(f"{scope}/inner") == scope
     assert container_ids.container_dir(POD) is None
+
+
+def test_a_cgroups_processes_read_from_the_cgroups_and_the_nodes_containers_by_name(tmp_path: Path) -> None:
+    """What a window reads in place of a walk (sampler/sources/cgroup_members.py):
+    each process below a path from `cgroup.procs`, and every container's own
+    directory, found without descending into a container (a tenant's
+    cgroups below its own, one named like another container, are not met)."""
+    root = tmp_path / "cgroup"
+    scope = root / POD.lstrip("/") / f"cri-containerd-{CID}.scope"
+    placed = {scope: "7\n8\n", scope / "inner": "9\n", scope.parent: "", root / "system.slice" / "a.service": "10\n"}
+    for d, procs in placed.items():
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cgroup.procs").write_text(procs)
+    (scope / f"cri-containerd-{'ef' * 32}.scope").mkdir()
+    (root / "system.slice" / "link").symlink_to(scope)  # not followed: its processes are the scope's
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    assert cgroup_members.unified(root) and not cgroup_members.unified(tmp_path)
+    assert cgroup_members.procs_below([POD], root) == {7, 8, 9}
+    assert cgroup_members.procs_below(["/system.slice", "/gone"], root) == {10}
+    assert cgroup_members.procs_below([POD], root, limit=2) is None
+    assert cgroup_members.container_dirs(root) == {CID: f"{POD}/cri-containerd-{CID}.scope"}
+    assert cgroup_members.container_dirs(root, limit=3) is None

@@ -162,3 +162,53 @@ def test_a_process_that_exits_during_the_check_is_not_a_correction(node: tuple[A
 
     view._sleep = exits
     assert periodic_walk(view, clock) == 0
+
+
+POD = "/kubepods.slice/kubepods-pod1.slice"
+ENGINE, SIDECAR = "ab" * 32, "cd" * 32
+
+
+@pytest.fixture
+def pods_node(tmp_path: Path) -> tuple[FakeProc, Path, ProcessView]:
+    """A node of two containers in a pod, a service's crowd, and cgroup v2:
+    processes in the cgroups' `cgroup.procs` as in /proc."""
+    proc, tree = FakeProc(tmp_path / "proc"), tmp_path / "cgroup"
+    (tree / "system.slice" / "crowd.service").mkdir(parents=True)
+    (tree / "cgroup.controllers").write_text("cpu memory\n")
+    placed = {f"{POD}/cri-containerd-{ENGINE}.scope": [100, 101], f"{POD}/cri-containerd-{ENGINE}.scope/inner": [102],
+              f"{POD}/cri-containerd-{SIDECAR}.scope": [200], "/system.slice/crowd.service": list(range(300, 340)),
+              "/": [1]}  # fmt: skip
+    for path, pids in placed.items():
+        d = tree / path.lstrip("/")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cgroup.procs").write_text("".join(f"{pid}\n" for pid in pids))
+        for pid in pids:
+            proc.add(pid, comm="p", cgroup=path, pgrp=pid)
+    # A container's cgroups of its own, one named like a container: never looked in.
+    (tree / POD.lstrip("/") / f"cri-containerd-{SIDECAR}.scope" / f"cri-containerd-{'ef' * 32}.scope").mkdir()
+    view = ProcessView(proc.root, cast(Any, KernelReport()), FakeClock(), lambda s: None, tree)
+    return proc, tree, view
+
+
+def test_between_walks_a_window_reads_only_the_watched_cgroups_processes(pods_node: tuple[Any, ...]) -> None:
+    proc, tree, view = pods_node
+    assert len(view.table(False, by_cgroup_only=True, containers={ENGINE})[0].stats) == 45  # the first: a walk
+    table, _ = view.table(False, by_cgroup_only=True, containers={ENGINE, "99" * 32}, named=[301])
+    assert sorted(table.stats) == [100, 101, 102, 301] and view.walks == 1
+    assert view.containers_on_node() == {ENGINE, SIDECAR}  # the one named below a container's own is not
+    table, _ = view.table(False, by_cgroup_only=True, cgroups=[POD])
+    assert sorted(table.stats) == [100, 101, 102, 200] and view.walks == 1
+
+
+@pytest.mark.parametrize("why", ["v1", "too many cgroups", "periodic", "neither"])
+def test_the_whole_of_proc_is_walked_where_the_cgroups_cannot_say(pods_node: tuple[Any, ...], why: str) -> None:
+    proc, tree, view = pods_node
+    view.table(False, by_cgroup_only=True, containers={ENGINE})
+    if why == "v1":
+        (tree / "cgroup.controllers").unlink()
+    if why == "too many cgroups":
+        view.cgroup_dirs_max = 4
+    if why == "periodic":
+        view._clock.advance(view.full_walk_every)
+    table, _ = view.table(False, by_cgroup_only=why != "neither", containers={ENGINE})
+    assert view.walks == 2 and len(table.stats) == 45

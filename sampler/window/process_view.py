@@ -15,11 +15,16 @@ joins and leaves), a window reads instead:
 Its cost grows with the groups that run and the watched processes, not
 with the machine's processes.
 
-The full walk remains at start, every FULL_WALK_EVERY_S, whenever the
-kernel cannot say (the /proc backend, a kernel without a task's group in
-its BTF, the tick's map full) and for selectors that are not by group
-(`cgroup:`, `k8s:`: a process's cgroup is read from /proc). The periodic
-walk is a check as well: it must find no process the kernel placed wrong
+Where every selector names cgroups (`cgroup:`, `containers:`, `k8s:`
+pods) on the unified hierarchy, a window reads the watched cgroups'
+processes from the cgroups themselves (sampler/sources/cgroup_members.py),
+on either backend.
+
+The full walk remains at start, every FULL_WALK_EVERY_S, and whenever
+neither can say (the /proc backend or a kernel without a task's group in
+its BTF for selectors by group, the tick's map full, a v1 cgroup tree,
+selectors of both kinds). For selectors by group the periodic walk is a
+check as well: it must find no process the kernel placed wrong
 (`corrections`, logged).
 """
 
@@ -27,12 +32,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 from sampler.backend import ShardSampler
 from sampler.shards.selectors import ProcessTable
-from sampler.sources import procfs
+from sampler.sources import cgroup_members, procfs
 from sampler.sources.cgroup_view import CGROUP_ROOT
 
 log = logging.getLogger(__name__)
@@ -59,41 +64,82 @@ class ProcessView:
         self.proc, self._shards, self._clock, self._sleep = proc, shards, clock, sleep
         self.cgroup_root = cgroup_root  # the host's cgroup tree, where a table finds a process's cgroup
         self.full_walk_every = full_walk_every
+        self.cgroup_dirs_max = cgroup_members.MAX_DIRS  # read a window in place of a walk, at most
         self._table: ProcessTable | None = None
         self._walked_at: float | None = None
         self._watched: set[int] = set()  # the groups the shards watched at the last window
+        self._containers_seen: set[str] | None = None  # the node's containers, where the cgroup tree was read
         self.walks = 0  # full walks so far
         self.corrections = 0  # processes a periodic walk found the kernel had placed wrong
 
-    def table(self, by_group_only: bool, named: Iterable[int] = ()) -> tuple[ProcessTable, dict[int, int] | None]:
+    def table(self, by_group_only: bool, named: Iterable[int] = (), by_cgroup_only: bool = False,
+              cgroups: Iterable[str] = (), containers: Collection[str] | None = None,
+              ) -> tuple[ProcessTable, dict[int, int] | None]:  # fmt: skip
         """This window's table, and each group's ticks since the last call
         (None: the kernel cannot say). `by_group_only`: every selector names
-        whole groups; `named`: pids the selectors name (`pid:N`)."""
+        whole groups; `named`: pids the selectors name (`pid:N`).
+        `by_cgroup_only`: every selector names whole cgroups, the paths
+        `cgroups` and the containers `containers` (None: no selector names a
+        container or a pod, and the node's containers are not looked for)."""
         seen = self._shards.groups_run()
         now = self._clock()
+        self._containers_seen = None
+        in_cgroups: set[int] | None = None
         reason = None
-        if seen is None:
-            reason = "the kernel does not say which groups ran"
-        elif not by_group_only:
-            reason = "a selector not by process group"
-        elif not seen.following:
-            reason = "the kernel does not follow the watched groups"
-        elif not seen.complete:
-            reason = "more groups ran than the kernel's map holds"
-        elif self._walked_at is None or now - self._walked_at >= self.full_walk_every:
+        if by_group_only:
+            if seen is None:
+                reason = "the kernel does not say which groups ran"
+            elif not seen.following:
+                reason = "the kernel does not follow the watched groups"
+            elif not seen.complete:
+                reason = "more groups ran than the kernel's map holds"
+        elif by_cgroup_only:
+            in_cgroups, reason = self._cgroup_members(list(cgroups), containers)
+        else:
+            reason = "a selector by neither process group nor cgroup"
+        if reason is None and (self._walked_at is None or now - self._walked_at >= self.full_walk_every):
             reason = "periodic"
         if reason is None:
-            assert seen is not None
-            pids = self._shards.member_pids() | seen.ticks.keys() | self._watched | set(named)
+            if in_cgroups is not None:
+                pids = in_cgroups | set(named)
+            else:
+                assert seen is not None
+                pids = self._shards.member_pids() | seen.ticks.keys() | self._watched | set(named)
             self._table = ProcessTable.of(self.proc, sorted(pids), self._table, self.cgroup_root)
         else:
-            checking = reason == "periodic" and self._walked_at is not None
+            checking = reason == "periodic" and self._walked_at is not None and by_group_only
             self._table = ProcessTable.walk(self.proc, self._table, self.cgroup_root)
             self._walked_at, self.walks = now, self.walks + 1
             if checking:
                 assert seen is not None
                 self._check(self._table, seen.follows_within_s)
         return self._table, None if seen is None else seen.ticks
+
+    def containers_on_node(self) -> set[str]:
+        """The containers on the node, as this window found them: the
+        cgroup tree's containers where it was read instead of /proc, else
+        those of the table's processes."""
+        if self._containers_seen is not None:
+            return self._containers_seen
+        return set() if self._table is None else set(self._table.container_ids().values())
+
+    def _cgroup_members(self, cgroups: list[str],
+                        containers: Collection[str] | None) -> tuple[set[int] | None, str | None]:  # fmt: skip
+        """The processes of the watched cgroups and containers, read from
+        the cgroups (sampler/sources/cgroup_members.py), or why they cannot be."""
+        if not cgroup_members.unified(self.cgroup_root):
+            return None, "a cgroup v1 tree: a process's cgroups, one a hierarchy, are read from /proc"
+        tops = list(cgroups)
+        if containers is not None:
+            dirs = cgroup_members.container_dirs(self.cgroup_root, self.cgroup_dirs_max)
+            if dirs is None:
+                return None, f"more than {self.cgroup_dirs_max} cgroups outside containers"
+            self._containers_seen = set(dirs)
+            tops += [dirs[cid] for cid in sorted(containers) if cid in dirs]
+        pids = cgroup_members.procs_below(tops, self.cgroup_root, self.cgroup_dirs_max)
+        if pids is None:
+            return None, f"more than {self.cgroup_dirs_max} watched cgroups"
+        return pids, None
 
     def watched(self, groups: Iterable[int]) -> None:
         """The groups the shards watch from now on (the discover's)."""

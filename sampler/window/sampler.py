@@ -28,7 +28,14 @@ from sampler.off_thread import Said
 from sampler.shards.engine_metrics import EngineMetricsReader
 from sampler.shards.kubelet import KubeletPods
 from sampler.shards.proc_shards import USER_HZ, ShardReading
-from sampler.shards.selectors import GROUP_KINDS, ProcessTable, ShardSpec, busiest_groups, named_by_command, pod_watches
+from sampler.shards.selectors import (
+    CGROUP_KINDS,
+    GROUP_KINDS,
+    ShardSpec,
+    busiest_groups,
+    named_by_command,
+    pod_watches,
+)
 from sampler.sources.cfs import CfsBandwidthReader
 from sampler.sources.cgroup_view import host_cgroup_root
 from sampler.sources.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
@@ -144,11 +151,21 @@ class WindowSampler:
             self._sleep(seconds)
 
     def _discover(self) -> None:
-        by_group = self.specs is None or all(w.selector.kind in GROUP_KINDS for w in self.specs)
-        named = [int(w.selector.value) for w in self.specs or () if w.selector.kind == "pid"]
-        # Tables lend the next their `cmdline:` verdicts: a leader is matched once.
-        table, ran = self.view.table(by_group, named)
         specs = self.specs
+        if specs is not None and any(w.selector.kind == "k8s" for w in specs):
+            specs = self._with_pods(specs)
+        kinds = {w.selector.kind for w in specs or ()}
+        named = [int(w.selector.value) for w in specs or () if w.selector.kind == "pid"]
+        cgroups = [w.selector.value for w in specs or () if w.selector.kind == "cgroup"]
+        # The containers the selectors name (pods' included); None where no
+        # selector names a container or a pod, and the node's are not looked for.
+        containers = None
+        if self.specs is not None and any(w.selector.kind in ("containers", "k8s") for w in self.specs):
+            containers = {cid for w in specs or () if w.selector.kind == "containers"
+                          for cid in w.selector.value.split(",")}  # fmt: skip
+        by_group = specs is None or (kinds <= GROUP_KINDS and containers is None)
+        # Tables lend the next their `cmdline:` verdicts: a leader is matched once.
+        table, ran = self.view.table(by_group, named, kinds <= CGROUP_KINDS, cgroups, containers)
         if specs is None:
             # Ranked by the kernel's ticks where it counts them, else by the
             # CPU time two walks saw each group's processes use. The ticks
@@ -162,13 +179,13 @@ class WindowSampler:
             top = [] if self._group_ticks is None else busiest_groups(before or {}, ticks, BUSIEST_GROUPS, gone)
             self._group_ticks = ticks
             specs = named_by_command(table, top)
-        elif any(w.selector.kind == "k8s" for w in specs):
-            specs = self._with_pods(specs, table)
+        elif self.kubelet is not None and "k8s" in {w.selector.kind for w in self.specs or ()}:
+            self._note_unknown_containers()
         self.shard_sampler.discover(specs, table)
         self._members = {w.id: set(table.resolve(w.selector)) for w in specs}
         self.view.watched(table.stats[pid].pgrp for pids in self._members.values() for pid in pids)
 
-    def _with_pods(self, specs: list[ShardSpec], table: ProcessTable) -> list[ShardSpec]:
+    def _with_pods(self, specs: list[ShardSpec]) -> list[ShardSpec]:
         """Each `k8s:` shard as one shard per pod it matches now; a shard id
         met twice (two selectors matching one pod) is the first's."""
         pods = self.kubelet.pods() if self.kubelet is not None else None
@@ -182,10 +199,15 @@ class WindowSampler:
                     continue
                 ids.add(made.id)
                 out.append(made)
-        if self.kubelet is not None and pods is not None:
-            known = {cid for pod in pods for cid in pod.containers.values()}
-            self.kubelet.note_unknown(set(table.container_ids().values()) - known)
         return out
+
+    def _note_unknown_containers(self) -> None:
+        """Containers on the node that the kubelet's last answer does not name: a new pod's, polled for."""
+        assert self.kubelet is not None
+        pods = self.kubelet.pods()
+        if pods is not None:
+            known = {cid for pod in pods for cid in pod.containers.values()}
+            self.kubelet.note_unknown(self.view.containers_on_node() - known)
 
     def _say(self, problem: str) -> None:
         if self._said.first(problem):
