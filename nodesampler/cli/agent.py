@@ -20,6 +20,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from sampler.agent.run import Agent, AgentFailed, default_node
     from sampler.open_sampler import SamplerOptions
     from sampler.sources import host_view
+    from sampler.window.hindsight import HindsightRing
 
     logging.getLogger().setLevel(logging.INFO)
     # First, while this is the only thread: later threads inherit the host's cgroup paths.
@@ -61,6 +62,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if config is not None:
         sampler.specs = config.specs
     logging.getLogger().setLevel(logging.INFO)
+    if args.hindsight > 0:
+        sampler.hindsight = HindsightRing(args.hindsight, args.hindsight_mib, args.hz)
+        logging.getLogger(__name__).info("%s", sampler.hindsight.describe(args.hindsight))
     try:
         agent = Agent(sampler, args.control_plane, token, node, args.interval, stopping, config, context,
                       host_view.host_name(args.proc_root, args.host_root), args.alive_file)  # fmt: skip

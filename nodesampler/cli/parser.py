@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--proc-root", type=Path, default=Path("/proc"), help="the procfs to read (default /proc)")
     a.add_argument("--host-root", type=Path, default=None, metavar="DIR",
                    help="the host's / mounted in this container: disks are measured through it")
+    a.add_argument("--hindsight", type=_within(0, 1440), default=15.0, metavar="MINUTES",
+                   help="keep every sample of the last MINUTES on the node, for the control plane to fetch after "
+                        "the fact (default 15; 0: none kept)")  # fmt: skip
+    a.add_argument("--hindsight-mib", type=_positive(4096), default=16.0, metavar="N",
+                   help="the memory hindsight may use, MiB: at high rates it keeps fewer minutes, and says how "
+                        "many (default 16)")  # fmt: skip
     a.add_argument("--alive-file", type=Path, default=None, metavar="PATH",
                    help="touched each time a window reaches the sender, for a liveness probe to read "
                         "(default: none)")  # fmt: skip

@@ -40,6 +40,7 @@ from sampler.sources.cfs import CfsBandwidthReader
 from sampler.sources.cgroup_view import host_cgroup_root
 from sampler.sources.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from sampler.sources.runqueue import RunQueueWaitSampler
+from sampler.window.hindsight import MACHINE, HindsightRing
 from sampler.window.process_view import ProcessView
 from sampler.window.series import RateSeries
 from wire import raw as raw_samples
@@ -118,6 +119,9 @@ class WindowSampler:
         # Set by the agent while the control plane asks for raw samples (someone
         # watches this node live): the window's samples go with its summary.
         self.raw_wanted = False
+        # Every sample of the last minutes, kept for the control plane to fetch
+        # after the fact (the agent's --hindsight); None: none kept.
+        self.hindsight: HindsightRing | None = None
         # Samples taken by the kernel where the backend can (it says so each
         # window); False: by this process's loop, whatever the backend.
         self.kernel_samples = kernel_samples
@@ -248,11 +252,27 @@ class WindowSampler:
             "window": window, "machine": machine, "shards": [shard for shard, _ in shards],
             "shards_left_out": shards_left_out, "bpf": self._program_cost(), **gpus,
         })  # fmt: skip
+        if self.hindsight is not None:
+            self._keep_in_hindsight(self.hindsight, samples, gpu_samples, start_wall - start)
         if not self.raw_wanted:
             return summary
         raw = self._raw(len(wire.encode(summary)), samples.first_from - start, samples.machine, shards, gpu_samples,
                         start_wall)  # fmt: skip
         return msgspec.structs.replace(summary, raw=msgspec.Raw(wire.dumps(raw)))
+
+    def _keep_in_hindsight(self, ring: HindsightRing, samples: _WindowSamples, gpu_samples: GpuSamples,
+                           to_wall: float) -> None:  # fmt: skip
+        """The window's samples into the ring, every series as the summary
+        counted it: its last sample ends at the window's last (a wall time)."""
+        assert self._last_sample_at is not None
+        end = self._last_sample_at + to_wall
+        values, seconds = samples.machine.samples()
+        ring.keep(MACHINE, end, seconds, values)
+        for wid, series in samples.shards.items():
+            values, seconds = series.samples()
+            ring.keep(f"shard:{wid}", end, seconds, values)
+        for index, (t_us, util) in gpu_samples.items():
+            ring.keep_points(f"gpu:{index}", t_us / 1e6, util)
 
     def _take_samples(self, start: float, seconds: float) -> _WindowSamples:
         """The window's samples, one every 1/hz from `start`; the GPUs and the
