@@ -11,6 +11,9 @@ Cases, one after another on this machine:
   control plane on this machine) at each of --rates, with each of --crowds
   sleeping processes added to the machine's.
 
+The agent runs without hindsight (`--hindsight 0`): what it keeps of the
+last minutes, and what that costs, is bench/hindsight_cost.py's.
+
 Each case runs --warmup seconds (the kernel programs compiled, the first
 windows sent), then its process's CPU time (user and system, all threads)
 is read over --seconds. With each crowd, one full walk of /proc is timed in
@@ -189,7 +192,8 @@ def main() -> None:
                 for hz in rates:
                     agent = subprocess.Popen([sys.executable, "-m", "nodesampler", "agent", "--control-plane",
                                               f"http://127.0.0.1:{port}", "--token-file", str(token), "--node", node,
-                                              "--hz", f"{hz:g}", "--interval", f"{args.interval:g}", "--bpf-stats"],
+                                              "--hz", f"{hz:g}", "--interval", f"{args.interval:g}", "--bpf-stats",
+                                              "--hindsight", "0"],
                                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
                     try:
                         rows.append(measure(f"agent, {hz:g} Hz, {crowd_n} more processes", agent.pid, args.warmup,

@@ -13,7 +13,7 @@ zeros.
 
 Eight bytes a sample: the budget (`--hindsight-mib`) over the rows bounds
 how many a row keeps, and at high rates the minutes kept fall below
-`--hindsight` (`minutes_held` says how many). The arrays are zeroed, never
+`--hindsight` (`minutes_held` says how many). The arrays are mapped, not
 filled, when made: the kernel gives their pages as rows first use them, so
 the resident memory grows with the series kept, up to the budget.
 
@@ -26,6 +26,7 @@ sample in Python.
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,18 @@ MACHINE = "machine"  # the machine CPU's row; a shard's is "shard:<id>", a GPU's
 # 15 of the default; a node of more than 31 shards and GPUs keeps the first.
 SERIES_ROWS = 32
 GAP_S = 1e-3  # a series' absence shorter than this is the rounding of its lengths to microseconds, not an absence
+
+
+def _zeroed_as_used(shape: tuple[int, int], dtype: type[np.generic]) -> np.ndarray:
+    """Zeroed memory the kernel gives a page at a time as it is first written:
+    an anonymous mapping of its own. numpy's zeros goes through calloc, which
+    clears a block it reuses from the heap itself, and glibc had raised its
+    threshold for mapping large blocks after the agent's earlier large
+    arrays: the ring was resident whole from the start (8 MiB more at
+    100 Hz within 30 s, bench/hindsight_cost.py)."""
+    count = shape[0] * shape[1]
+    mapped = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize))
+    return np.frombuffer(mapped, dtype=dtype, count=count).reshape(shape)  # the array holds the mapping
 
 
 @dataclass(frozen=True)
@@ -60,8 +73,8 @@ class HindsightRing:
         wanted = max(1, int(minutes * 60 * hz))
         self.capacity = max(1, min(wanted, int(mib * 2**20) // (rows * BYTES_A_SAMPLE)))
         self.hz = hz
-        self.us = np.zeros((rows, self.capacity), dtype=np.uint32)
-        self.values = np.zeros((rows, self.capacity), dtype=np.float32)
+        self.us = _zeroed_as_used((rows, self.capacity), np.uint32)
+        self.values = _zeroed_as_used((rows, self.capacity), np.float32)
         self._written = np.zeros(rows, dtype=np.int64)  # samples ever written to each row
         self._end = np.full(rows, np.nan)  # the wall time each row's newest sample ends
         self._row_of: dict[str, int] = {}
