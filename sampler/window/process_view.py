@@ -101,7 +101,10 @@ class ProcessView:
             reason = "periodic"
         if reason is None:
             if in_cgroups is not None:
-                pids = in_cgroups | set(named)
+                # With the kernel's members: one that left the watched cgroups
+                # while the tick did not follow (past the cgroups its map
+                # holds) is read outside them, and the sync takes it out.
+                pids = in_cgroups | self._shards.member_pids() | set(named)
             else:
                 assert seen is not None
                 pids = self._shards.member_pids() | seen.ticks.keys() | self._watched | set(named)
