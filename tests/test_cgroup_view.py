@@ -156,7 +156,7 @@ def test_a_cgroups_processes_read_from_the_cgroups_and_the_nodes_containers_by_n
     (scope / f"cri-containerd-{'ef' * 32}.scope").mkdir()
     (root / "system.slice" / "link").symlink_to(scope)  # not followed: its processes are the scope's
     (root / "cgroup.controllers").write_text("cpu memory\n")
-    assert cgroup_members.unified(root) and not cgroup_members.unified(tmp_path)
+    assert cgroup_view.unified(root) and not cgroup_view.unified(tmp_path)
     assert cgroup_members.procs_below([POD], root) == {7, 8, 9}
     assert cgroup_members.procs_below(["/system.slice", "/gone"], root) == {10}
     assert cgroup_members.procs_below([POD], root, limit=2) is None

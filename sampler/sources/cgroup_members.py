@@ -33,11 +33,6 @@ from sampler.sources.cgroup_view import CGROUP_ROOT
 MAX_DIRS = 10_000
 
 
-def unified(cgroup_root: Path = CGROUP_ROOT) -> bool:
-    """Whether the host's tree is the unified hierarchy alone (v2)."""
-    return (cgroup_root / "cgroup.controllers").exists()
-
-
 def procs_below(paths: list[str], cgroup_root: Path = CGROUP_ROOT, limit: int = MAX_DIRS) -> set[int] | None:
     """The processes in the cgroups at these host paths and in every cgroup
     below them; a path that is gone holds none; None past `limit`

@@ -66,11 +66,16 @@ def host_paths(data: bytes) -> list[str]:
     return [path for _, _, path in lines(data)]
 
 
+def unified(cgroup_root: Path = CGROUP_ROOT) -> bool:
+    """Whether the host's tree is the unified hierarchy alone (v2): its root has `cgroup.controllers`."""
+    return (cgroup_root / "cgroup.controllers").exists()
+
+
 def hierarchy_dir(controllers: bytes, cgroup_root: Path = CGROUP_ROOT) -> Path | None:
     """Where a hierarchy is mounted: v2's tree at the root (or `unified/` beside
     v1's), a v1 hierarchy under its controllers' or its name's directory."""
     if controllers == b"":
-        if (cgroup_root / "cgroup.controllers").exists():
+        if unified(cgroup_root):
             return cgroup_root
         return cgroup_root / "unified" if (cgroup_root / "unified" / "cgroup.controllers").exists() else None
     text = controllers.decode("utf-8", "replace")
@@ -147,7 +152,7 @@ def unified_ids_below(path: str, cgroup_root: Path = CGROUP_ROOT, limit: int = M
     directory's inode number); empty where the tree is not v2 alone
     (cgroup.controllers at the root) or the path is gone; None where there
     are more than `limit` (whoever runs in the cgroup can make more below it)."""
-    if not (cgroup_root / "cgroup.controllers").exists():
+    if not unified(cgroup_root):
         return {}
     out: dict[str, int] = {}
     for where, dirs, _files in os.walk(cgroup_root / path.lstrip("/")):

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from sampler.backend import ShardSampler
 from sampler.shards.selectors import ProcessTable
-from sampler.sources import cgroup_members, procfs
+from sampler.sources import cgroup_members, cgroup_view, procfs
 from sampler.sources.cgroup_view import CGROUP_ROOT
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class ProcessView:
                         containers: Collection[str] | None) -> tuple[set[int] | None, str | None]:  # fmt: skip
         """The processes of the watched cgroups and containers, read from
         the cgroups (sampler/sources/cgroup_members.py), or why they cannot be."""
-        if not cgroup_members.unified(self.cgroup_root):
+        if not cgroup_view.unified(self.cgroup_root):
             return None, "a cgroup v1 tree: a process's cgroups, one a hierarchy, are read from /proc"
         tops = list(cgroups)
         if containers is not None:
