@@ -16,8 +16,10 @@ import msgspec
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from controlplane import hindsight
 from controlplane.export.exposition import FleetExposition
 from controlplane.export.own_metrics import ControlPlaneMetrics
+from controlplane.hindsight import HINDSIGHT, HindsightFetches
 from controlplane.history import EmbeddedHistory
 from controlplane.ingest.agent_api import no_tracebacks
 from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
@@ -91,6 +93,8 @@ async def forget_node(request: web.Request) -> web.Response:
         raise web.HTTPNotFound(text="no such node\n")
     if (history := request.app.get(RECORDER)) is not None:
         history.forget(node)
+    if (fetches := request.app.get(HINDSIGHT)) is not None:
+        fetches.forget(node)
     log.info("node %s forgotten at an operator's request", node)
     if STATE_FILE in request.app:
         await registry_state.save(request.app)  # a forgotten node does not come back with a restart
@@ -116,7 +120,7 @@ async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
 def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
                history: EmbeddedHistory | None = None, state_file: Path | None = None,
                live: LiveSamples | None = None, access: PageAccess | None = None,
-               share_for: float = 0.0) -> web.Application:  # fmt: skip
+               share_for: float = 0.0, fetches: HindsightFetches | None = None) -> web.Application:  # fmt: skip
     """`share_for`: seconds a rendered view serves the requests after it
     (controlplane/page_worker.py's SharedAnswers); the control plane's is
     SHARE_FOR_S, 0 (the tests' default) shares only renders under way."""
@@ -140,5 +144,7 @@ def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
     if live is not None:
         app[LIVE] = live
         app.router.add_get("/node/{node}/live", live_stream)
+    if fetches is not None:
+        hindsight.add_routes(app, fetches)
     app.cleanup_ctx.append(forget_gone_nodes)
     return app

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from controlplane import pages_api
 from controlplane.export.own_metrics import ControlPlaneMetrics
+from controlplane.hindsight import HindsightFetches
 from controlplane.history import EmbeddedHistory
 from controlplane.ingest import agent_api
 from controlplane.ingest.node_identity import NodeAuthenticator
@@ -100,14 +101,15 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     # The embedded history is fed only when the pages read it (no --prometheus).
     history = None if prometheus_url else EmbeddedHistory(stale_after=stale_after)
     access = PageAccess(web_config, pages_hosts)
-    pages = pages_api.create_app(registry, own, history, state_file, live, access, SHARE_FOR_S)
+    fetches = HindsightFetches()  # spans of the nodes' hindsight: asked for on the pages, fetched by the agents' API
+    pages = pages_api.create_app(registry, own, history, state_file, live, access, SHARE_FOR_S, fetches)
     if add_routes is not None:  # the pages (web/pages.py): charts from the history or from Prometheus
         add_routes(pages, history, prometheus_url)
     limits = limits or ConnectionLimits()
     loop = asyncio.get_running_loop()
     runners: list[web.AppRunner] = []
     servers: list[asyncio.AbstractServer] = []
-    agents = agent_api.create_app(registry, auth, own, history, live, heartbeat_rate)
+    agents = agent_api.create_app(registry, auth, own, history, live, heartbeat_rate, fetches)
     try:
         for name, app, address, context in (
             ("agents", agents, agent_listen, tls.context if tls else None),

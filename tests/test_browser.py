@@ -5,17 +5,21 @@ a starved engine beside a healthy one, each measured by a real agent."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.agent_fleet import Fleet, fresh_with_seq
-from tests.conftest import CpuCgroup
+from tests.conftest import CpuCgroup, unavailable
 from tests.workloads import busy_threads, start_group
 
 pytestmark = pytest.mark.live
@@ -164,3 +168,76 @@ def test_a_starved_engine_beside_a_healthy_one(fleet: Fleet, cpu_cgroup: CpuCgro
         assert fed.locator(".verdict").inner_text() == "ok" and fed.locator(".why").count() == 0
         page.locator("table.engines").screenshot(path=str(shot))
     assert shot.stat().st_size > 5_000
+
+
+BURST = ("import hashlib, sys, time\ndata = bytes(1 << 20)\nprint('ready', flush=True)\n"
+         "for line in sys.stdin:\n    end = time.monotonic() + float(line)\n"
+         "    while time.monotonic() < end:\n        hashlib.sha256(data).digest()\n"
+         "    print('done', flush=True)\n")  # fmt: skip
+
+
+def test_every_sample_around_a_past_burst(fleet: Fleet, group: list[subprocess.Popen[str]]) -> None:
+    """An engine idle but for a burst of one busy core at a moment the test
+    knows; once the live minute and the window summaries are all that is
+    left anywhere else, the node page's "every sample around here" draws the
+    burst at its level, from the agent's ring, at 100 samples a second (the
+    kernel backend: /proc's ticks are too coarse for that rate)."""
+    if os.geteuid() != 0:
+        unavailable("the kernel backend needs root")
+    engine = subprocess.Popen([sys.executable, "-c", BURST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, process_group=0)  # fmt: skip
+    group.append(engine)
+    assert engine.stdin is not None and engine.stdout is not None and engine.stdout.readline() == "ready\n"
+    config = fleet.tmp / "engines.toml"
+    config.write_text(f'[[shard]]\nid = "s0"\nmodel = "bursty-8b"\nselect = "pid:{engine.pid}"\n')
+    fleet.start_control_plane()
+    fleet.start_agent("--config", str(config), "--hz", "100", "--backend", "bpf")
+    fleet.wait_for(lambda nodes: fresh_with_seq(nodes, 2) and nodes[0]["heartbeat"]["backend"] == "bpf", timeout=120)
+    began = time.time()
+    engine.stdin.write("2\n")
+    engine.stdin.flush()
+    assert engine.stdout.readline() == "done\n"
+    ended = time.time()
+    at = (began + ended) / 2
+    # The span is a minute around the burst: whole once the node's ring has passed its end.
+    fleet.wait_for(lambda nodes: fresh_with_seq(nodes) and nodes[0]["heartbeat"]["window"]["end"] > at + 31,
+                   timeout=90)  # fmt: skip
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "hindsight-around.png"
+    with browser_page(1000, 1400) as (page, _):
+        page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
+        section = page.locator("#hindsight")
+        # A click on a chart of the hour asks for the minute around that moment.
+        page.locator("main svg.chart[data-from]").first.click(position={"x": 300, "y": 60})
+        page.wait_for_function("document.getElementById('hindsight').dataset.span !== undefined", timeout=10_000)
+        clicked = section.get_attribute("data-span")
+        page.evaluate("t => { const i = document.getElementById('hindsight-at');"
+                      " i.value = new Date(t * 1000 - new Date(t * 1000).getTimezoneOffset() * 60000)"
+                      ".toISOString().slice(0, 19); }", at)  # fmt: skip
+        page.locator("#hindsight-form button").click()
+        page.wait_for_function(f"(() => {{ const s = document.getElementById('hindsight').dataset;"
+                               f" return s.span !== '{clicked}' && s.state === 'done'; }})()", timeout=60_000)
+        span_id = section.get_attribute("data-span")
+        for key in ("machine", "shard:s0"):
+            assert page.locator(f"#hindsight svg.live[data-key='{key}'] path.samples").get_attribute("d")
+            for which in ("mean", "p95", "max"):
+                assert page.locator(f"#hindsight svg.live[data-key='{key}'] line.summary.{which}").count() >= 30
+        assert "samples from" in page.locator("#hindsight-status").inner_text()
+        section.screenshot(path=str(shot))
+    assert shot.stat().st_size > 5_000
+    status, body = fleet.pages(f"/api/hindsight/{span_id}")
+    assert status == 200
+    got = json.loads(body)
+    assert got["state"] == "done" and got["from"] == pytest.approx(at - 30, abs=1)  # the input holds whole seconds
+    # The agent started seconds before the burst: the minute's start is before its ring, and said so.
+    assert [m["why"] for m in got["missing"]] == ["older than the node keeps (its --hindsight)"]
+    assert got["missing"][0]["to"] < began - 1
+    cores = next(s["cpu_cores"] for s in got["shards"] if s["id"] == "s0")
+    ends = got["from"] + cores["start"] + np.cumsum(cores["us"]) / 1e6
+    values = np.array([np.nan if v is None else v for v in cores["v"]])
+    held = at + 30 - got["missing"][0]["to"]
+    assert len(values) > 50 * held  # every sample held, at 100 a second (a busy CI machine drops some)
+    during = values[(ends > began + 0.3) & (ends < ended - 0.3)]
+    before = values[ends < began - 1]
+    assert np.nanmean(during) == pytest.approx(1.0, abs=0.2), during
+    assert np.nanpercentile(during, 50) >= 0.8 and np.nanmean(before) < 0.1

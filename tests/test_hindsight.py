@@ -112,7 +112,7 @@ def test_a_series_gone_longer_than_the_ring_gives_its_row_to_a_new_one() -> None
     assert ring.not_kept == {"shard:b"}
     assert ring.keep("machine", t + 16, np.ones(11), ones[:1].repeat(11))
     assert ring.keep("shard:b", t + 16, ones, 2 * ones)  # shard:a gone 11 s, longer than its row holds
-    assert ring.keys() == ["machine", "shard:b"] and ring.span("shard:a", t, t + 20) is None
+    assert ring.series_kept() == ["machine", "shard:b"] and ring.span("shard:a", t, t + 20) is None
     span = ring.span("shard:b", t, t + 20)
     assert span is not None and span.start == pytest.approx(t + 11) and span.values.tolist() == [2.0] * 5
 

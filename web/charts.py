@@ -122,8 +122,10 @@ def svg_chart(title: str, series: list[Series], start: float, end: float, unit: 
     def y_of(values: np.ndarray) -> np.ndarray:
         return TOP + plot_h - np.clip(values / top, 0, 1) * plot_h
 
+    # Its time axis, for the page's script: a click opens every sample around that moment.
     out = [f'<svg class="chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
-           f'aria-label="{html.escape(title)}" xmlns="http://www.w3.org/2000/svg">',
+           f'aria-label="{html.escape(title)}" xmlns="http://www.w3.org/2000/svg" data-from="{start:.3f}" '
+           f'data-to="{end:.3f}" data-x0="{LEFT}" data-x1="{LEFT + cols}">',
            f'<rect x="{LEFT}" y="{TOP}" width="{cols}" height="{plot_h}" fill="#fafafa" stroke="#ddd"/>']  # fmt: skip
     for frac in (0.0, 0.5, 1.0):
         y = TOP + plot_h - frac * plot_h

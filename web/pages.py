@@ -20,6 +20,7 @@ import jinja2
 from aiohttp import web
 
 import wire
+from controlplane.hindsight import HINDSIGHT
 from controlplane.history import ChartSpec, EmbeddedHistory, HistoryError, PrometheusHistory, Series
 from controlplane.keys import HISTORY, REGISTRY
 from controlplane.live import LIVE
@@ -292,8 +293,13 @@ async def node_page(request: web.Request) -> web.Response:
     specs = (_shard_specs(state.node, shard) if shard else []) + _node_specs(state.node, view)
     charts, errors = await _charts(request.app, specs, time.time())
     live_url = f"/node/{quote(state.node, safe='')}/live" if LIVE in request.app else None
+    # Every sample around a moment of the hour, from the node's ring: where its agent keeps one.
+    received = state.received
+    held = received.heartbeat.hindsight_held_seconds if received is not None else None
+    hindsight_url = (f"/api/nodes/{quote(state.node, safe='')}/hindsight"
+                     if HINDSIGHT in request.app and held is not None else None)  # fmt: skip
     return await _render(request, "node.html", n=view, charts=charts, history_errors=errors, shard=shard,
-                         live_url=live_url)
+                         live_url=live_url, hindsight_url=hindsight_url, hindsight_held_s=held)
 
 
 async def prometheus_session(app: web.Application) -> AsyncIterator[None]:

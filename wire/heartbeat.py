@@ -26,6 +26,7 @@ import msgspec.structs
 
 from wire.checks import Dropped, Json, WireError, obj
 from wire.explain import checked
+from wire.hindsight import SpanRequest, parse_piece
 from wire.limits import MAX_BODY_BYTES
 from wire.raw import parse_raw
 from wire.schema import Heartbeat, Registration, json_values
@@ -38,19 +39,19 @@ _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {
 }
 
 
-def _decoded(data: bytes, kind: type[S], dropped: Dropped | None) -> tuple[S, Any]:
-    """The body as `kind`, and its raw block: the struct's undecoded `raw`,
-    or JSON values when the slow path read it."""
+def _decoded(data: bytes, kind: type[S], dropped: Dropped | None) -> tuple[S, Any, Any]:
+    """The body as `kind`, its raw block and its hindsight piece: the
+    struct's undecoded blocks, or JSON values when the slow path read them."""
     if len(data) > MAX_BODY_BYTES:
         raise WireError("body", f"larger than {MAX_BODY_BYTES} bytes")
     try:
         body = _DECODERS[kind].decode(data)
-        return body, getattr(body, "raw", None)
+        return body, getattr(body, "raw", None), getattr(body, "hindsight", None)
     except msgspec.DecodeError:  # ValidationError is one: not the schema's, or not JSON to msgspec
         return explained(data, kind, dropped)
 
 
-def explained(data: bytes, kind: type[S], dropped: Dropped | None) -> tuple[S, Any]:
+def explained(data: bytes, kind: type[S], dropped: Dropped | None) -> tuple[S, Any, Any]:
     """The slow path: the body read with `json` and walked against the
     schema, naming the first problem or leaving bad entries out."""
     try:
@@ -61,15 +62,15 @@ def explained(data: bytes, kind: type[S], dropped: Dropped | None) -> tuple[S, A
     except (ValueError, RecursionError) as e:
         raise WireError("body", f"not JSON: {str(e)[:120]}") from None
     value = checked(obj(value, "body"), msgspec.inspect.type_info(kind), "", dropped)
-    raw = value.pop("raw", None)
+    raw, piece = value.pop("raw", None), value.pop("hindsight", None)
     try:
-        return msgspec.convert(value, kind), raw
+        return msgspec.convert(value, kind), raw, piece
     except msgspec.ValidationError as e:  # the explainer passed what the schema refuses: say it as msgspec does
         raise WireError("body", str(e)[:200]) from None
 
 
 def decode_registration(data: bytes, dropped: Dropped | None = None) -> Registration:
-    registration, _ = _decoded(data, Registration, dropped)
+    registration, _, _ = _decoded(data, Registration, dropped)
     return registration
 
 
@@ -79,13 +80,18 @@ class Decoded(NamedTuple):
     heartbeat: Heartbeat  # its shards' ids unique; its `raw` None
     raw_came: bool  # the body had a raw block, read or not
     raw: Json | None  # the checked raw samples (wire/raw.py) of a node watched live; else None
+    # The checked piece (wire/hindsight.py) of the span asked of the node; else None.
+    hindsight: Json | None = None
+    hindsight_came: bool = False  # the body had a piece, read or not
 
 
 def decode_heartbeat(data: bytes, dropped: Dropped | None = None,
-                     raw_for: Callable[[str], bool] | None = None) -> Decoded:  # fmt: skip
+                     raw_for: Callable[[str], bool] | None = None,
+                     span_for: Callable[[str], SpanRequest | None] | None = None) -> Decoded:  # fmt: skip
     """A heartbeat, checked. Its raw samples are read only for a node
-    `raw_for` says is watched live; for any other they are not read."""
-    hb, raw = _decoded(data, Heartbeat, dropped)
+    `raw_for` says is watched live, and its hindsight piece only for a node
+    `span_for` names a span asked of; for any other they are not read."""
+    hb, raw, piece = _decoded(data, Heartbeat, dropped)
     shards = hb.shards
     if len({s.id for s in shards}) != len(shards):
         if dropped is None:
@@ -97,13 +103,19 @@ def decode_heartbeat(data: bytes, dropped: Dropped | None = None,
             else:
                 first[s.id] = s
         shards = tuple(first.values())
-    hb = msgspec.structs.replace(hb, shards=shards, raw=None) if shards is not hb.shards or hb.raw is not None else hb
+    if shards is not hb.shards or hb.raw is not None or hb.hindsight is not None:
+        hb = msgspec.structs.replace(hb, shards=shards, raw=None, hindsight=None)
     checked_raw = None
     if raw is not None and raw_for is not None and raw_for(hb.node):  # None when absent, or left out whole
         if isinstance(raw, msgspec.Raw):
             raw = json.loads(bytes(raw))
         checked_raw = parse_raw(raw, {s.id for s in shards}, dropped)
-    return Decoded(hb, raw is not None, checked_raw)
+    checked_piece = None
+    if piece is not None and span_for is not None and (asked := span_for(hb.node)) is not None:
+        if isinstance(piece, msgspec.Raw):
+            piece = json.loads(bytes(piece))
+        checked_piece = parse_piece(piece, asked, dropped)
+    return Decoded(hb, raw is not None, checked_raw, checked_piece, piece is not None)
 
 
 def heartbeat_json(hb: Heartbeat) -> Json:

@@ -32,6 +32,27 @@ MAX_OFFSET_S = 3600.0  # a time's distance from the window's start
 BODY_ROOM = 16 * 1024  # what the raw block leaves free in the body, besides the summary
 
 
+def window_stats(values: np.ndarray, seconds: np.ndarray) -> dict[str, float] | None:
+    """A window's summary of a rate from its samples (each value, NaN: not
+    measured; each length): the time-weighted mean, the p95 (the value the
+    samples at or below it cover 95% of the measured time with) and the max,
+    to four digits. None where nothing was measured. The one definition: the
+    agent's summaries (sampler/window/series.py) and the control plane's lines
+    over a fetched span (controlplane/hindsight.py) are both this."""
+    ok = ~np.isnan(values) & (seconds > 0)
+    if not ok.any():
+        return None
+    v, w = values[ok], seconds[ok]
+    order = np.argsort(v, kind="stable")
+    covered = np.cumsum(w[order])
+    p95 = v[order][min(int(np.searchsorted(covered, 0.95 * covered[-1] - 1e-12)), len(v) - 1)]
+    return {
+        "mean": round(float(np.average(v, weights=w)), 4),
+        "p95": round(float(p95), 4),
+        "max": round(float(v.max()), 4),
+    }
+
+
 def rate_series(start: float, values: np.ndarray, seconds: np.ndarray, digits: int) -> Json:
     """One rate series as it crosses the wire (samples of no length carry no
     weight and are left out)."""
@@ -82,8 +103,8 @@ def _size(value: Any) -> int:
 # --- what the control plane accepts ------------------------------------------------
 
 
-def _values(value: Any, field: Field, lo: float, hi: float, nulls: bool) -> list[float | None]:
-    out = items(value, field, MAX_RAW_SAMPLES)
+def _values(value: Any, field: Field, lo: float, hi: float, nulls: bool, most: int) -> list[float | None]:
+    out = items(value, field, most)
     for i, x in enumerate(out):
         kind = type(x)
         if (kind is float or kind is int) and lo <= x <= hi:
@@ -94,29 +115,31 @@ def _values(value: Any, field: Field, lo: float, hi: float, nulls: bool) -> list
     return out
 
 
-def _series(value: Any, field: Field, hi: float) -> Json:
+def checked_series(value: Any, field: Field, hi: float, most: int = MAX_RAW_SAMPLES) -> Json:
+    """A rate series (values from 0 to `hi`, at most `most` samples), checked."""
     s = obj(value, field)
     start = number(s.get("start"), (field, "start"), -MAX_OFFSET_S, MAX_OFFSET_S)
-    us = items(s.get("us"), (field, "us"), MAX_RAW_SAMPLES)
+    us = items(s.get("us"), (field, "us"), most)
     for i, x in enumerate(us):
         if type(x) is not int or not 1 <= x <= MAX_SAMPLE_US:
             integer(x, (field, "us", i), 1, MAX_SAMPLE_US)
-    v = _values(s.get("v"), (field, "v"), 0.0, hi, nulls=True)
+    v = _values(s.get("v"), (field, "v"), 0.0, hi, nulls=True, most=most)
     if len(v) != len(us):
         raise WireError(field, f"{len(us)} lengths but {len(v)} values")
     return {"start": start, "us": us, "v": v}
 
 
-def _points(value: Any, field: Field) -> Json:
+def checked_points(value: Any, field: Field, most: int = MAX_RAW_SAMPLES) -> Json:
+    """A GPU's points (percent), checked."""
     p = obj(value, field)
-    t = _values(p.get("t"), (field, "t"), -MAX_OFFSET_S, MAX_OFFSET_S, nulls=False)
-    v = _values(p.get("v"), (field, "v"), 0.0, 100.0, nulls=False)
+    t = _values(p.get("t"), (field, "t"), -MAX_OFFSET_S, MAX_OFFSET_S, nulls=False, most=most)
+    v = _values(p.get("v"), (field, "v"), 0.0, 100.0, nulls=False, most=most)
     if len(v) != len(t):
         raise WireError(field, f"{len(t)} times but {len(v)} values")
     return {"t": t, "v": v}
 
 
-def _kept(dropped: Dropped | None, check: Any, *args: Any) -> Any:
+def kept(dropped: Dropped | None, check: Any, *args: Any) -> Any:
     """check(*args), or None with its reason in `dropped`."""
     try:
         return check(*args)
@@ -131,31 +154,28 @@ def parse_raw(value: Any, shard_ids: set[str], dropped: Dropped | None) -> Json 
     """A heartbeat's raw block, checked item by item: a bad series, shard or
     GPU is left out and named in `dropped`; a block that is not one at all is
     left out whole (None)."""
-    r = _kept(dropped, obj, value, "raw")
+    r = kept(dropped, obj, value, "raw")
     if r is None:
         return None
     out: Json = {}
     m = r.get("machine")
-    if m is not None and (
-        cpu := _kept(
-            dropped,
-            lambda: _series(obj(m, ("raw", "machine")).get("cpu_percent"), ("raw", "machine", "cpu_percent"), 100.0),
-        )
-    ):
+    where = ("raw", "machine", "cpu_percent")
+    cpu = None if m is None else kept(dropped, lambda: checked_series(obj(m, where[:2]).get("cpu_percent"), where, 100))
+    if cpu:
         out["machine"] = {"cpu_percent": cpu}
     out["shards"], seen = [], set[str]()
-    for i, entry in enumerate(_kept(dropped, items, r.get("shards", []), ("raw", "shards"), MAX_SHARDS) or []):
-        shard = _kept(dropped, _raw_shard, entry, ("raw", "shards", i), shard_ids, seen)
+    for i, entry in enumerate(kept(dropped, items, r.get("shards", []), ("raw", "shards"), MAX_SHARDS) or []):
+        shard = kept(dropped, _raw_shard, entry, ("raw", "shards", i), shard_ids, seen)
         if shard is not None:
             seen.add(shard["id"])
             out["shards"].append(shard)
     out["gpus"], indices = [], set[int]()
-    for i, entry in enumerate(_kept(dropped, items, r.get("gpus", []), ("raw", "gpus"), MAX_GPUS) or []):
-        gpu = _kept(dropped, _raw_gpu, entry, ("raw", "gpus", i), indices)
+    for i, entry in enumerate(kept(dropped, items, r.get("gpus", []), ("raw", "gpus"), MAX_GPUS) or []):
+        gpu = kept(dropped, _raw_gpu, entry, ("raw", "gpus", i), indices)
         if gpu is not None:
             indices.add(gpu["index"])
             out["gpus"].append(gpu)
-    left = _kept(dropped, lambda: None if r.get("shards_left_out") is None else
+    left = kept(dropped, lambda: None if r.get("shards_left_out") is None else
                  integer(r["shards_left_out"], ("raw", "shards_left_out"), 0, 1 << 31))  # fmt: skip
     if left is not None:
         out["shards_left_out"] = left
@@ -169,7 +189,7 @@ def _raw_shard(value: Any, field: Field, shard_ids: set[str], seen: set[str]) ->
         raise WireError((field, "id"), "no such shard in this heartbeat")
     if sid in seen:
         raise WireError((field, "id"), "a shard's raw samples twice")
-    return {"id": sid, "cpu_cores": _series(s.get("cpu_cores"), (field, "cpu_cores"), MAX_CORES)}
+    return {"id": sid, "cpu_cores": checked_series(s.get("cpu_cores"), (field, "cpu_cores"), MAX_CORES)}
 
 
 def _raw_gpu(value: Any, field: Field, indices: set[int]) -> Json:
@@ -177,5 +197,5 @@ def _raw_gpu(value: Any, field: Field, indices: set[int]) -> Json:
     index = integer(g.get("index"), (field, "index"), 0, 4095)
     if index in indices:
         raise WireError((field, "index"), "a GPU's raw samples twice")
-    points = _points(g.get("utilization_percent"), (field, "utilization_percent"))
+    points = checked_points(g.get("utilization_percent"), (field, "utilization_percent"))
     return {"index": index, "utilization_percent": points}

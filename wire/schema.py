@@ -257,6 +257,10 @@ class Heartbeat(_Checked, kw_only=True, frozen=True):
     gpus: Annotated[tuple[Gpu, ...], msgspec.Meta(max_length=MAX_GPUS, extra=EACH)] | None = None
     gpu_error: Text | None = None
     raw: msgspec.Raw | None = None  # the window's samples while someone watches live (wire/raw.py): read only then
+    # The seconds of samples the agent's ring holds now (its --hindsight), and a
+    # piece of the span the control plane asked for (wire/hindsight.py): read only then.
+    hindsight_held_seconds: Annotated[float, _unit("seconds", ge=0, le=1e7)] | None = None
+    hindsight: msgspec.Raw | None = None
 
 
 class ProgramRuns(_Checked, frozen=True):
@@ -325,14 +329,14 @@ _find_checks()
 def json_values(struct: msgspec.Struct) -> dict[str, Any]:
     """A struct of the schema as JSON values, keyed as on the wire: a field not
     measured is absent, but those `_always_sent` are there as `null` (an
-    empty list for `shards`). A raw block is left as it is (msgspec.Raw)."""
-    raw = getattr(struct, "raw", None)
-    if raw is not None:
-        struct = msgspec.structs.replace(struct, raw=None)
+    empty list for `shards`). A raw block, and a hindsight piece, are left as
+    they are (msgspec.Raw)."""
+    blocks = {key: block for key in ("raw", "hindsight") if (block := getattr(struct, key, None)) is not None}
+    if blocks:
+        struct = msgspec.structs.replace(struct, **dict.fromkeys(blocks))
     out: dict[str, Any] = msgspec.to_builtins(struct)
     _fill(struct, out)
-    if raw is not None:
-        out["raw"] = raw
+    out.update(blocks)
     return out
 
 

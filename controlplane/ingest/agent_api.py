@@ -22,6 +22,7 @@ from aiohttp import web
 
 import wire
 from controlplane.export.own_metrics import ControlPlaneMetrics
+from controlplane.hindsight import HINDSIGHT, HindsightFetches
 from controlplane.history import EmbeddedHistory
 from controlplane.ingest.node_identity import Forbidden, NodeAuthenticator, Unauthenticated
 from controlplane.keys import AUTHENTICATOR, METRICS, RECORDER, REGISTRY
@@ -217,11 +218,15 @@ async def register(request: web.Request) -> web.Response:
 async def heartbeat(request: web.Request) -> web.Response:
     """A window's summary. While someone watches the node live, the answer
     asks for raw samples (`"raw": true`), and those that come are the live
-    view's, never the registry's (controlplane/live.py)."""
+    view's, never the registry's (controlplane/live.py). While a span of
+    the node's hindsight is asked for, the answer names it, and the pieces
+    that come are the fetch's (controlplane/hindsight.py)."""
     dropped: wire.Dropped = []
     live = request.app.get(LIVE)
+    fetches = request.app.get(HINDSIGHT)
     decoded = await _checked_body(request, lambda data: wire.decode_heartbeat(
-        data, dropped, live.wanted if live is not None else None), lambda d: d.heartbeat.node)
+        data, dropped, live.wanted if live is not None else None, fetches.asked if fetches is not None else None),
+        lambda d: d.heartbeat.node)  # fmt: skip
     if isinstance(decoded, web.Response):
         return decoded
     hb = decoded.heartbeat
@@ -248,12 +253,18 @@ async def heartbeat(request: web.Request) -> web.Response:
         if decoded.raw is not None:
             live.record(hb.node, hb, decoded.raw)
         answer["raw"] = True
+    if fetches is not None:
+        if decoded.hindsight is not None:
+            fetches.received(hb.node, decoded.hindsight)
+        if (span := fetches.asked(hb.node)) is not None:
+            answer["hindsight"] = span.as_json()
     return _answer(request, hb.node, answer, dropped)
 
 
 def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics: ControlPlaneMetrics | None = None,
                history: EmbeddedHistory | None = None, live: LiveSamples | None = None,
-               heartbeat_rate: float = HEARTBEAT_RATE) -> web.Application:  # fmt: skip
+               heartbeat_rate: float = HEARTBEAT_RATE,
+               fetches: HindsightFetches | None = None) -> web.Application:  # fmt: skip
     """`auth` verifies tokens; bytes are a cluster secret (HMAC node tokens only)."""
     app = web.Application(client_max_size=wire.MAX_BODY_BYTES, middlewares=[counted, no_tracebacks])
     app[REGISTRY] = registry
@@ -264,6 +275,8 @@ def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics:
         app[RECORDER] = history
     if live is not None:
         app[LIVE] = live
+    if fetches is not None:
+        app[HINDSIGHT] = fetches
     app.router.add_post("/v1/register", register)
     app.router.add_post("/v1/heartbeat", heartbeat)
     return app

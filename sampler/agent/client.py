@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
 import wire
 from sampler.off_thread import Said
+from wire.hindsight import SpanRequest, parse_request
 from wire.schema import Registration, WindowSummary
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,13 @@ class UnknownToControlPlane(DeliveryError):
 class AlreadyDelivered(DeliveryError):
     """409: the control plane has this window's heartbeat already (the answer
     to the first send was lost), or a later one."""
+
+
+class Answer(NamedTuple):
+    """What the control plane asks for in its answer to a heartbeat."""
+
+    raw: bool  # the next windows' raw samples: someone watches the node live
+    span: SpanRequest | None  # a span of hindsight, sent a piece a heartbeat
 
 
 class HeartbeatClient:
@@ -77,7 +85,16 @@ class HeartbeatClient:
     async def register(self, registration: Registration) -> None:
         await self._post("/v1/register", registration)
 
-    async def heartbeat(self, summary: WindowSummary) -> bool:
-        """Sends a window's summary; True when the control plane asks for the
-        next windows' raw samples (someone watches this node live)."""
-        return (await self._post("/v1/heartbeat", summary)).get("raw") is True
+    async def heartbeat(self, summary: WindowSummary) -> Answer:
+        """Sends a window's summary; the answer says whether the control plane
+        asks for the next windows' raw samples (someone watches this node
+        live), and which span of hindsight it asks for (wire/hindsight.py)."""
+        answer = await self._post("/v1/heartbeat", summary)
+        try:
+            span = parse_request(answer.get("hindsight"))
+        except wire.WireError as e:
+            span = None
+            if self._dropped_said.first(f"hindsight {e.reason}"):
+                log.warning("the control plane asked for a span of hindsight this agent cannot read (%s): "
+                            "none is sent", e)  # fmt: skip
+        return Answer(answer.get("raw") is True, span)

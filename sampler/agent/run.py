@@ -162,12 +162,14 @@ class Agent:
                     await client.register(body)
                     registered, registered_gpus = True, gpus
                     log.info("registered with %s as %s", self.url, self.node)
-                raw_wanted = await client.heartbeat(summary)
+                answer = await client.heartbeat(summary)
                 self.sent += 1
-                if raw_wanted != self.sampler.raw_wanted:
-                    log.info("raw samples %s: %s", "on" if raw_wanted else "off",
-                             "someone watches this node live" if raw_wanted else "nobody watches any more")  # fmt: skip
-                    self.sampler.raw_wanted = raw_wanted  # read by the sampling thread at its window's end
+                if answer.raw != self.sampler.raw_wanted:
+                    log.info("raw samples %s: %s", "on" if answer.raw else "off",
+                             "someone watches this node live" if answer.raw else "nobody watches any more")  # fmt: skip
+                    self.sampler.raw_wanted = answer.raw  # read by the sampling thread at its window's end
+                if self.sampler.hindsight is not None:
+                    self.sampler.spans.asked = answer.span  # likewise
                 unknown_again = False
             except AlreadyDelivered:
                 log.debug("the control plane has this window already")

@@ -39,6 +39,7 @@ MACHINE = "machine"  # the machine CPU's row; a shard's is "shard:<id>", a GPU's
 # not. 32: at 100 Hz 16 MiB keeps 10.9 minutes of each series, at 10 Hz the
 # 15 of the default; a node of more than 31 shards and GPUs keeps the first.
 SERIES_ROWS = 32
+WINDOWS_KEPT = 4096  # windows' bounds kept, for a fetched span's per-window lines (64 KiB)
 GAP_S = 1e-3  # a series' absence shorter than this is the rounding of its lengths to microseconds, not an absence
 
 
@@ -79,6 +80,9 @@ class HindsightRing:
         self._end = np.full(rows, np.nan)  # the wall time each row's newest sample ends
         self._row_of: dict[str, int] = {}
         self.not_kept: set[str] = set()  # series no row was free for, since the last said
+        # The windows' bounds: 4,096 windows is 5.7 hours at the default 5 s, 68 minutes at 1 s.
+        self._window_bounds = np.full((WINDOWS_KEPT, 2), np.nan)
+        self._windows_written = 0
 
     @property
     def minutes_held(self) -> float:
@@ -163,9 +167,18 @@ class HindsightRing:
         self._end[free] = np.nan
         return free
 
-    def keys(self) -> list[str]:
+    def series_kept(self) -> list[str]:
         """The series kept, by key."""
         return sorted(self._row_of)
+
+    def _held(self, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A row's samples, oldest first: lengths (us), values, and each one's end (wall time)."""
+        held = int(min(self._written[row], self.capacity))
+        at = (self._written[row] - held + np.arange(held)) % self.capacity
+        us, values = self.us[row, at], self.values[row, at]
+        # Each sample's end: the row's end less the lengths of those after it.
+        after = np.concatenate([np.cumsum(us[::-1].astype(np.int64))[::-1][1:], [0]])
+        return us, values, self._end[row] - after / 1e6
 
     def span(self, key: str, t_from: float, t_to: float) -> Span | None:
         """The samples of a series that overlap [t_from, t_to) (wall times),
@@ -173,15 +186,67 @@ class HindsightRing:
         row = self._row_of.get(key)
         if row is None or not self._written[row]:
             return None
+        us, values, ends = self._held(row)
+        begins = ends - us / 1e6
+        return _cut(us, values, ends, (ends > t_from) & (begins < t_to), t_from)
+
+    def ending_in(self, key: str, after: float, until: float) -> Span | None:
+        """The samples of a series that end in (after, until]: consecutive
+        slices of time give each sample once (the pieces of a fetched span)."""
+        row = self._row_of.get(key)
+        if row is None or not self._written[row]:
+            return None
+        us, values, ends = self._held(row)
+        return _cut(us, values, ends, (ends > after) & (ends <= until), after)
+
+    def count_ending_in(self, after: float, until: float) -> int:
+        """How many samples of every series end in (after, until]: what a
+        piece of that slice would carry, without reading them out."""
+        total = 0
+        for row in self._row_of.values():
+            if self._written[row]:
+                _, _, ends = self._held(row)
+                total += int(np.count_nonzero((ends > after) & (ends <= until)))
+        return total
+
+    def held_from(self) -> float | None:
+        """The wall time the machine's oldest sample begins: what the ring
+        holds of the node goes back this far (None: nothing yet)."""
+        row = self._row_of.get(MACHINE)
+        if row is None or not self._written[row]:
+            return None
         held = int(min(self._written[row], self.capacity))
         at = (self._written[row] - held + np.arange(held)) % self.capacity
-        us, values = self.us[row, at], self.values[row, at]
-        # Each sample's end: the row's end less the lengths of those after it.
-        after = np.concatenate([np.cumsum(us[::-1].astype(np.int64))[::-1][1:], [0]])
-        ends = self._end[row] - after / 1e6
-        begins = ends - us / 1e6
-        inside = np.flatnonzero((ends > t_from) & (begins < t_to))
-        if not len(inside):
-            return Span(t_from, us[:0], values[:0])
-        first, last = int(inside[0]), int(inside[-1]) + 1
-        return Span(float(begins[first]), us[first:last], values[first:last])
+        return float(self._end[row] - np.sum(self.us[row, at], dtype=np.int64) / 1e6)
+
+    def held_seconds(self) -> float | None:
+        """How far back the ring holds the node now (None: nothing yet)."""
+        held_from, newest = self.held_from(), self.newest_end()
+        return None if held_from is None or newest is None else round(newest - held_from, 3)
+
+    def newest_end(self) -> float | None:
+        """The wall time the machine's newest sample ends (None: nothing yet)."""
+        row = self._row_of.get(MACHINE)
+        return None if row is None or not self._written[row] else float(self._end[row])
+
+    def keep_window(self, start: float, end: float) -> None:
+        """A window's bounds (wall times), for the per-window lines of a fetched span."""
+        at = self._windows_written % len(self._window_bounds)
+        self._window_bounds[at] = (start, end)
+        self._windows_written += 1
+
+    def windows_ending_in(self, after: float, until: float) -> np.ndarray:
+        """The windows (start, end) that end in (after, until], oldest first."""
+        held = min(self._windows_written, len(self._window_bounds))
+        at = (self._windows_written - held + np.arange(held)) % len(self._window_bounds)
+        bounds = self._window_bounds[at]
+        return bounds[(bounds[:, 1] > after) & (bounds[:, 1] <= until)]
+
+
+def _cut(us: np.ndarray, values: np.ndarray, ends: np.ndarray, inside: np.ndarray, empty_at: float) -> Span:
+    """The samples `inside` marks (a run of them: the ends are in order), as a Span."""
+    at = np.flatnonzero(inside)
+    if not len(at):
+        return Span(empty_at, us[:0], values[:0])
+    first, last = int(at[0]), int(at[-1]) + 1
+    return Span(float(ends[first] - us[first] / 1e6), us[first:last], values[first:last])

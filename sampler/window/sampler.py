@@ -43,6 +43,7 @@ from sampler.sources.runqueue import RunQueueWaitSampler
 from sampler.window.hindsight import MACHINE, HindsightRing
 from sampler.window.process_view import ProcessView
 from sampler.window.series import RateSeries
+from sampler.window.span_sender import SpanSender
 from wire import raw as raw_samples
 from wire.schema import Machine, ProgramCost, Shard, Window, WindowSummary
 
@@ -122,6 +123,8 @@ class WindowSampler:
         # Every sample of the last minutes, kept for the control plane to fetch
         # after the fact (the agent's --hindsight); None: none kept.
         self.hindsight: HindsightRing | None = None
+        # The span of it the control plane asked for, sent a piece a window (set by the agent).
+        self.spans = SpanSender()
         # Samples taken by the kernel where the backend can (it says so each
         # window); False: by this process's loop, whatever the backend.
         self.kernel_samples = kernel_samples
@@ -247,18 +250,25 @@ class WindowSampler:
         gpus, gpu_samples = self._merge_sources(figures)
         shards, shards_left_out = wire.fit_shards([(wire.made(Shard, f), samples.shards[wid])
                                                    for wid, f in figures.items()])  # fmt: skip
+        held = None
+        if self.hindsight is not None:
+            self._keep_in_hindsight(self.hindsight, samples, gpu_samples, start_wall - start)
+            self.hindsight.keep_window(window.start, window.end)
+            held = self.hindsight.held_seconds()
         summary = wire.made(WindowSummary, {
             "node": self.node, "seq": self._seq, "backend": self.backend.name, "backend_reason": reason,
             "window": window, "machine": machine, "shards": [shard for shard, _ in shards],
-            "shards_left_out": shards_left_out, "bpf": self._program_cost(), **gpus,
+            "shards_left_out": shards_left_out, "bpf": self._program_cost(), "hindsight_held_seconds": held, **gpus,
         })  # fmt: skip
-        if self.hindsight is not None:
-            self._keep_in_hindsight(self.hindsight, samples, gpu_samples, start_wall - start)
-        if not self.raw_wanted:
-            return summary
-        raw = self._raw(len(wire.encode(summary)), samples.first_from - start, samples.machine, shards, gpu_samples,
-                        start_wall)  # fmt: skip
-        return msgspec.structs.replace(summary, raw=msgspec.Raw(wire.dumps(raw)))
+        if self.raw_wanted:
+            raw = self._raw(len(wire.encode(summary)), samples.first_from - start, samples.machine, shards,
+                            gpu_samples, start_wall)  # fmt: skip
+            summary = msgspec.structs.replace(summary, raw=msgspec.Raw(wire.dumps(raw)))
+        if self.hindsight is not None and self.spans.asked is not None:
+            room = wire.MAX_BODY_BYTES - len(wire.encode(summary)) - raw_samples.BODY_ROOM
+            if (piece := self.spans.next_piece(self.hindsight, room)) is not None:
+                summary = msgspec.structs.replace(summary, hindsight=msgspec.Raw(piece))
+        return summary
 
     def _keep_in_hindsight(self, ring: HindsightRing, samples: _WindowSamples, gpu_samples: GpuSamples,
                            to_wall: float) -> None:  # fmt: skip

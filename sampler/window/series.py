@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from wire.raw import window_stats
+
 
 @dataclass
 class RateSeries:
@@ -100,16 +102,4 @@ class RateSeries:
         return v, w
 
     def summary(self) -> dict[str, float] | None:
-        v, w = self.samples()
-        ok = ~np.isnan(v) & (w > 0)
-        if not ok.any():
-            return None
-        v, w = v[ok], w[ok]
-        order = np.argsort(v, kind="stable")
-        covered = np.cumsum(w[order])
-        p95 = v[order][min(int(np.searchsorted(covered, 0.95 * covered[-1] - 1e-12)), len(v) - 1)]
-        return {
-            "mean": round(float(np.average(v, weights=w)), 4),
-            "p95": round(float(p95), 4),
-            "max": round(float(v.max()), 4),
-        }
+        return window_stats(*self.samples())

@@ -1,0 +1,289 @@
+"""Fetching a span of hindsight after the fact (wire/hindsight.py, the
+agent's sampler/window/span_sender.py, the control plane's
+controlplane/hindsight.py): the pieces, cut to any room, put back together
+are exactly the ring's samples of the span; a lost piece is named missing
+and never filled; a span not asked for is not read; every ask is bounded."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import wire
+from controlplane import pages_api
+from controlplane.hindsight import (
+    ASK_BURST,
+    ASK_EVERY_S,
+    GRACE_S,
+    MAX_WAITING_PER_NODE,
+    Fetch,
+    HindsightFetches,
+    Refused,
+)
+from controlplane.ingest import agent_api
+from controlplane.state.registry import NodeRegistry
+from sampler.window.hindsight import HindsightRing
+from sampler.window.span_sender import SpanSender
+from tests.fakeproc import FakeClock
+from tests.test_controlplane_api import SECRET, Client, heartbeat, post, registration
+from wire.hindsight import SpanRequest, parse_piece, parse_request
+from wire.raw import window_stats
+
+T0 = 1_764_000_000.0  # a wall time of 2025
+
+
+def filled_ring(seconds: float = 60.0, hz: float = 100.0, shards: int = 3, gpus: int = 1,
+                window_s: float = 5.0, seed: int = 1) -> HindsightRing:  # fmt: skip
+    """A ring of `seconds` of samples: the machine, `shards` shards (the last
+    absent for a while), `gpus` GPUs' points, in windows of `window_s`."""
+    rng = np.random.default_rng(seed)
+    ring = HindsightRing(minutes=seconds / 60 + 1, mib=16, hz=hz)
+    n = int(window_s * hz)
+    for w in range(int(seconds / window_s)):
+        start, end = T0 + w * window_s, T0 + (w + 1) * window_s
+        lengths = np.full(n, 1 / hz)
+        values = rng.uniform(0, 100, n)
+        values[rng.integers(0, n)] = np.nan
+        ring.keep("machine", end, lengths, values)
+        for s in range(shards):
+            if s == shards - 1 and 2 <= w < 5:
+                continue  # a shard that left and came back: its absence is one unmeasured sample
+            ring.keep(f"shard:s{s}", end, lengths, rng.uniform(0, 4, n))
+        for g in range(gpus):
+            ring.keep_points(f"gpu:{g}", start + np.arange(1, 31) * window_s / 30, rng.uniform(0, 100, 30))
+        ring.keep_window(start, end)
+    return ring
+
+
+def fetch_all(ring: HindsightRing, asked: SpanRequest, room: int, lose: frozenset[int] = frozenset()) -> Fetch:
+    """The agent's pieces, each checked as the control plane checks them and
+    added to a fetch; the pieces numbered in `lose` never arrive."""
+    fetches = HindsightFetches(wall=lambda: T0 + 1000)
+    fetch = fetches.ask("n1", asked.t_from, asked.t_to, "test", held_seconds=1e6)
+    sender = SpanSender()
+    sender.asked = SpanRequest(fetch.id, asked.t_from, asked.t_to)
+    for number in range(10_000):
+        body = sender.next_piece(ring, room)
+        if body is None:
+            break
+        assert len(body) <= room
+        dropped: wire.Dropped = []
+        checked = parse_piece(json.loads(body), fetches.asked("n1") or sender.asked, dropped)
+        assert dropped == [] and checked is not None
+        if number not in lose:
+            fetches.received("n1", checked)
+    return fetch
+
+
+def expanded(series: dict[str, Any], t_from: float) -> list[tuple[float, float]]:
+    """A rate series as (end, value) per sample; NaN: not measured."""
+    ends = t_from + series["start"] + np.cumsum(series["us"]) / 1e6
+    return [(e, math.nan if v is None else v) for e, v in zip(ends.tolist(), series["v"], strict=True)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(0, 50), st.floats(0.5, 60), st.integers(4096, 300_000))
+def test_the_pieces_put_back_are_the_rings_samples_of_the_span(offset: float, length: float, room: int) -> None:
+    ring = filled_ring()
+    asked = SpanRequest("x", T0 + offset, min(T0 + offset + length, T0 + 60))
+    fetch = fetch_all(ring, asked, room)
+    assert fetch.finished_at is not None and fetch.missing == []
+    got = fetch.samples()
+    for key, series in [("machine", got["machine"]["cpu_percent"])] + [
+            (f"shard:{s['id']}", s["cpu_cores"]) for s in got["shards"]]:  # fmt: skip
+        want = ring.ending_in(key, asked.t_from, asked.t_to)
+        assert want is not None
+        pairs = [(e, v) for e, v in expanded(series, asked.t_from)]
+        # An absence that began before the span is cut to the span: its end and its being unmeasured kept.
+        assert [round(e, 5) for e, _ in pairs] == pytest.approx(
+            (want.start + np.cumsum(want.us) / 1e6).round(5).tolist(), abs=2e-6)
+        assert [v for _, v in pairs] == pytest.approx(want.values.astype(float).tolist(), nan_ok=True, abs=1e-4)
+    gpu = got["gpus"][0]["utilization_percent"]
+    want = ring.ending_in("gpu:0", asked.t_from, asked.t_to)
+    assert want is not None and gpu["v"] == pytest.approx(want.values.astype(float).tolist(), abs=0.01)
+
+
+def test_a_lost_piece_is_named_missing_and_never_filled() -> None:
+    ring = filled_ring()
+    asked = SpanRequest("x", T0, T0 + 60)
+    fetch = fetch_all(ring, asked, room=60_000, lose=frozenset({1}))
+    assert fetch.pieces >= 3
+    [gap] = fetch.missing
+    assert "lost" in gap["why"] and T0 < gap["from"] < gap["to"] < T0 + 60
+    machine = expanded(fetch.samples()["machine"]["cpu_percent"], T0)
+    inside = [v for e, v in machine if gap["from"] < e <= gap["to"]]
+    assert len(inside) == 1 and math.isnan(inside[0])  # one unmeasured stretch, not zeros
+    assert [v for e, v in machine if e > gap["to"]] != []
+
+
+def test_a_span_older_than_the_ring_is_missing_there() -> None:
+    ring = filled_ring(seconds=30)
+    fetches = HindsightFetches(wall=lambda: T0 + 30)
+    fetch = fetches.ask("n1", T0 - 100, T0 + 30, "test", held_seconds=30)
+    assert fetch.missing == [{"from": T0 - 100, "to": T0, "why": "older than the node keeps (its --hindsight)"}]
+    asked = fetches.asked("n1")
+    assert asked is not None and asked.t_from == T0
+    sender = SpanSender()
+    sender.asked = asked
+    while (body := sender.next_piece(ring, 400_000)) is not None:
+        fetches.received("n1", parse_piece(json.loads(body), asked, None) or {})
+    assert fetch.finished_at is not None and len(fetch.missing) == 1
+    assert fetch.describe()["from"] == T0 - 100  # the span as asked, its first 100 s said missing
+
+
+def test_a_span_ahead_of_the_ring_comes_as_the_windows_bring_it() -> None:
+    ring = filled_ring(seconds=30)
+    sender = SpanSender()
+    sender.asked = SpanRequest("x", T0 + 20, T0 + 40)
+    first = json.loads(sender.next_piece(ring, 400_000) or b"{}")
+    assert first["to"] == T0 + 30 and first["done"] is False
+    assert sender.next_piece(ring, 400_000) is None  # nothing new held
+    more = filled_ring(seconds=45)
+    last = json.loads(sender.next_piece(more, 400_000) or b"{}")
+    assert (last["from"], last["to"], last["done"]) == (T0 + 30, T0 + 40, True)
+    assert sender.next_piece(more, 400_000) is None  # sent whole
+
+
+def test_pieces_stop_coming_and_the_rest_is_given_up() -> None:
+    clock = FakeClock(T0 + 30)
+    fetches = HindsightFetches(wall=clock)
+    fetch = fetches.ask("n1", T0, T0 + 30, "test", held_seconds=60)
+    ring = filled_ring(seconds=30)
+    sender = SpanSender()
+    sender.asked = fetches.asked("n1")
+    body = sender.next_piece(ring, 20_000)
+    assert body is not None and sender.asked is not None
+    fetches.received("n1", parse_piece(json.loads(body), sender.asked, None) or {})
+    clock.advance(GRACE_S - 1)
+    assert fetches.asked("n1") is not None and fetch.finished_at is None
+    clock.advance(2)
+    assert fetches.asked("n1") is None and fetch.finished_at is not None
+    [tail] = fetch.missing
+    assert "not received" in tail["why"] and tail["to"] == T0 + 30
+
+
+def test_asks_are_bounded() -> None:
+    clock = FakeClock(T0)
+    fetches = HindsightFetches(wall=clock)
+    with pytest.raises(Refused, match="--hindsight"):
+        fetches.ask("n1", T0 - 10, T0, "test", held_seconds=None)
+    with pytest.raises(Refused, match="at most 3600"):
+        fetches.ask("n1", T0 - 4000, T0, "test", held_seconds=900)
+    for _ in range(MAX_WAITING_PER_NODE):
+        fetches.ask("n1", T0 - 10, T0, "test", held_seconds=900)
+    with pytest.raises(Refused, match="being fetched"):
+        fetches.ask("n1", T0 - 10, T0, "test", held_seconds=900)
+    for _ in range(ASK_BURST):  # each fetched at once: the queue never fills, the asks run out
+        fetches.ask("n2", T0 - 10, T0, "test", held_seconds=900)
+        head = fetches.asked("n2")
+        assert head is not None
+        fetches.received("n2", {"id": head.id, "from": head.t_from, "to": head.t_to, "done": True,
+                                "held_from": None, "windows": [], "shards": [], "gpus": []})  # fmt: skip
+    with pytest.raises(Refused, match="more often"):
+        fetches.ask("n2", T0 - 10, T0, "test", held_seconds=900)
+    clock.advance(ASK_EVERY_S)
+    fetches.ask("n2", T0 - 10, T0, "test", held_seconds=900)  # a token back
+
+
+def test_a_piece_is_checked_item_by_item() -> None:
+    asked = SpanRequest("x", T0, T0 + 60)
+    good = {"id": "x", "from": T0, "to": T0 + 5, "done": False, "held_from": T0 - 100,
+            "windows": [[0, 5]], "machine": {"cpu_percent": {"start": 0, "us": [5_000_000], "v": [50.0]}},
+            "shards": [{"id": "a", "cpu_cores": {"start": 0, "us": [1], "v": [1, 2]}},
+                       {"id": "b", "cpu_cores": {"start": 0, "us": [5_000_000], "v": [1.5]}}],
+            "gpus": [{"index": 0, "utilization_percent": {"t": [1.0], "v": [101]}}]}  # fmt: skip
+    dropped: wire.Dropped = []
+    checked = parse_piece(good, asked, dropped)
+    assert checked is not None and [s["id"] for s in checked["shards"]] == ["b"] and checked["gpus"] == []
+    assert {d["field"] for d in dropped} == {"hindsight.shards[0].cpu_cores",
+                                             "hindsight.gpus[0].utilization_percent.v[0]"}
+    bads: list[Any] = [{**good, "id": "y"}, {**good, "from": T0 - 1}, {**good, "to": T0 + 61}, {**good, "done": 1}, []]
+    for bad in bads:
+        dropped = []
+        assert parse_piece(bad, asked, dropped) is None and len(dropped) == 1
+
+
+@pytest.mark.parametrize("answer", [
+    {"id": "a b", "from": T0, "to": T0 + 1}, {"id": "a", "from": T0, "to": T0 + 3601},
+    {"id": "a", "from": T0 + 1, "to": T0}, {"id": "a", "from": 5, "to": 6}, "x"])  # fmt: skip
+def test_the_agent_reads_only_a_span_it_can_send(answer: Any) -> None:
+    with pytest.raises(wire.WireError):
+        parse_request(answer)
+
+
+def test_window_events_carry_each_windows_stats_of_its_samples() -> None:
+    ring = filled_ring(seconds=20)
+    fetch = fetch_all(ring, SpanRequest("x", T0, T0 + 20), room=400_000)
+    events = fetch.window_events()
+    assert [(e["start"], e["end"]) for e in events] == [(T0 + 5 * i, T0 + 5 * (i + 1)) for i in range(4)]
+    for e in events:
+        machine = next(s for s in e["series"] if s["key"] == "machine")
+        span = ring.ending_in("machine", e["start"], e["end"])
+        assert span is not None
+        want = window_stats(span.values.astype(np.float64), span.us / 1e6)
+        assert want is not None and machine["summary"] == pytest.approx(want, abs=2e-4)
+        assert len(machine["us"]) == len(span.us)
+
+
+# --- through both listeners -------------------------------------------------------
+
+
+@pytest.fixture
+async def cluster(aiohttp_client: Any) -> tuple[Client, Client]:
+    registry = NodeRegistry(stale_after=60)
+    fetches = HindsightFetches(wall=lambda: heartbeat()["window"]["end"])  # the wall time the heartbeats say
+    agents = await aiohttp_client(agent_api.create_app(registry, SECRET, fetches=fetches))
+    pages = await aiohttp_client(pages_api.create_app(registry, fetches=fetches))
+    return agents, pages
+
+
+async def test_a_span_asked_on_the_pages_is_fetched_through_the_heartbeats(cluster: tuple[Client, Client]) -> None:
+    agents, pages = cluster
+    assert (await post(agents, "/v1/register", registration()))[0] == 200
+    hb = heartbeat(seq=1)
+    assert (await post(agents, "/v1/heartbeat", hb))[0] == 200
+    now = hb["window"]["end"]
+    r = await pages.post("/api/nodes/gpu-17/hindsight", json={"at": now})
+    assert r.status == 429 and "--hindsight" in await r.text()  # its agent said it keeps nothing
+    hb = heartbeat(seq=2) | {"hindsight_held_seconds": 600.0}
+    status, answer = await post(agents, "/v1/heartbeat", hb)
+    assert status == 200 and "hindsight" not in answer
+    r = await pages.post("/api/nodes/gpu-17/hindsight", data=json.dumps({"at": now}))
+    assert r.status == 415  # not JSON: a form another site posts is not an ask
+    assert (await pages.post("/api/nodes/nobody/hindsight", json={"at": now})).status == 404
+    assert (await pages.post("/api/nodes/gpu-17/hindsight", json={"at": "soon"})).status == 400
+    r = await pages.post("/api/nodes/gpu-17/hindsight", json={"at": now - 100})
+    assert r.status == 202
+    asked = await r.json()
+    status, answer = await post(agents, "/v1/heartbeat", heartbeat(seq=3) | {"hindsight_held_seconds": 600.0})
+    assert answer["hindsight"] == {"id": asked["id"], "from": now - 130, "to": now - 70}
+    # A piece of another span is not taken; one of this span is.
+    foreign = {"id": "other", "from": now - 130, "to": now - 70, "done": True, "windows": []}
+    status, answer = await post(agents, "/v1/heartbeat", heartbeat(seq=4) | {"hindsight": foreign})
+    assert status == 200 and answer["dropped"][0]["field"] == "hindsight.id" and "hindsight" in answer
+    whole = {"id": asked["id"], "from": now - 130, "to": now - 70, "done": True, "held_from": now - 600,
+             "windows": [[0, 30], [30, 60]],
+             "machine": {"cpu_percent": {"start": 0, "us": [30_000_000, 30_000_000], "v": [10.0, 90.0]}}}
+    status, answer = await post(agents, "/v1/heartbeat", heartbeat(seq=5) | {"hindsight": whole})
+    assert status == 200 and "hindsight" not in answer  # done: no longer asked
+    got = await (await pages.get(asked["url"])).json()
+    assert got["state"] == "done" and got["missing"] == []
+    assert got["machine"]["cpu_percent"] == {"start": 0.0, "us": [30_000_000, 30_000_000], "v": [10.0, 90.0]}
+    windows = await (await pages.get(asked["url"] + "?view=windows")).json()
+    assert [w["series"][0]["summary"]["mean"] for w in windows["windows"]] == [10.0, 90.0]
+    assert (await pages.get("/api/hindsight/nope")).status == 404
+
+
+def test_a_span_wholly_older_than_the_ring_is_done_at_once_and_holds_up_no_other() -> None:
+    fetches = HindsightFetches(wall=lambda: T0)
+    old = fetches.ask("n1", T0 - 2000, T0 - 1900, "test", held_seconds=600)
+    assert old.finished_at is not None
+    assert [m["why"] for m in old.missing] == ["older than the node keeps (its --hindsight)"]
+    recent = fetches.ask("n1", T0 - 60, T0, "test", held_seconds=600)
+    assert fetches.asked("n1") == recent.request
