@@ -48,8 +48,10 @@ ASK_EVERY_S = 10.0  # a node's new spans, sustained: one each 10 s ...
 ASK_BURST = 6  # ... after a burst of six (an incident of a few alerts, and an operator's looks)
 GRACE_S = 120.0  # after a span's end (or its asking, if later), the time its pieces have to come
 KEEP_S = 600.0  # a finished fetch stays this long for the page or script that asked
-MAX_BYTES_PER_FETCH = 32 * 2**20  # 12 bytes a sample held: an hour of 17 series at 40 samples a second
-MAX_BYTES = 256 * 2**20  # every fetch held, finished or not
+# 12 bytes a sample held: 1.4 million samples, 7 minutes of 33 series at 100 a second; a span's
+# JSON is made from them whole (about 70 bytes a sample while it is made: ~100 MiB at the most).
+MAX_BYTES_PER_FETCH = 16 * 2**20
+MAX_BYTES = 128 * 2**20  # every fetch held, finished or not
 GAP_S = 1e-3  # pieces further apart than this left a gap (the ring's own rounding is 1 us a sample)
 HELD_BYTES_A_SAMPLE = 12  # an int64 length and a float32 value
 
@@ -256,7 +258,7 @@ class HindsightFetches:
         what the node said its ring holds (None: it keeps none). Refused when
         the node keeps nothing, or is asked too often, or memory is spent."""
         now = self.wall()
-        self._sweep(now)
+        self.sweep(now)
         t_from, t_to = round(t_from, 6), round(t_to, 6)  # as the wire writes them
         if held_seconds is None:
             raise Refused(f"{node} keeps no samples to fetch (its agent runs without --hindsight, or has not "
@@ -319,10 +321,12 @@ class HindsightFetches:
                 del self._queues[node]
 
     def get(self, fetch_id: str) -> Fetch | None:
-        self._sweep(self.wall())
+        self.sweep(self.wall())
         return self._by_id.get(fetch_id)
 
-    def _sweep(self, now: float) -> None:
+    def sweep(self, now: float | None = None) -> None:
+        """Spans past their deadline finished; finished ones kept past `KEEP_S` forgotten."""
+        now = self.wall() if now is None else now
         for node in list(self._queues):
             self.asked(node)
         for fetch_id, fetch in list(self._by_id.items()):

@@ -21,6 +21,8 @@ from controlplane.export.exposition import FleetExposition
 from controlplane.export.own_metrics import ControlPlaneMetrics
 from controlplane.hindsight import HINDSIGHT, HindsightFetches
 from controlplane.history import EmbeddedHistory
+from controlplane.incidents import Incidents
+from controlplane.incidents import add_routes as add_incident_routes
 from controlplane.ingest.agent_api import no_tracebacks
 from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
 from controlplane.listen.page_access import PAGE_ACCESS, PageAccess, add_headers, may_change_fleet, page_access
@@ -110,6 +112,8 @@ async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
             for node in app[REGISTRY].forget_gone():
                 if (history := app.get(RECORDER)) is not None:
                     history.forget(node)
+                if (fetches := app.get(HINDSIGHT)) is not None:
+                    fetches.forget(node)
 
     task = asyncio.create_task(prune())
     yield
@@ -120,7 +124,8 @@ async def forget_gone_nodes(app: web.Application) -> AsyncIterator[None]:
 def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
                history: EmbeddedHistory | None = None, state_file: Path | None = None,
                live: LiveSamples | None = None, access: PageAccess | None = None,
-               share_for: float = 0.0, fetches: HindsightFetches | None = None) -> web.Application:  # fmt: skip
+               share_for: float = 0.0, fetches: HindsightFetches | None = None,
+               incidents: Incidents | None = None) -> web.Application:  # fmt: skip
     """`share_for`: seconds a rendered view serves the requests after it
     (controlplane/page_worker.py's SharedAnswers); the control plane's is
     SHARE_FOR_S, 0 (the tests' default) shares only renders under way."""
@@ -146,5 +151,7 @@ def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
         app.router.add_get("/node/{node}/live", live_stream)
     if fetches is not None:
         hindsight.add_routes(app, fetches)
+    if incidents is not None:
+        add_incident_routes(app, incidents)
     app.cleanup_ctx.append(forget_gone_nodes)
     return app

@@ -22,6 +22,8 @@ from controlplane import pages_api
 from controlplane.export.own_metrics import ControlPlaneMetrics
 from controlplane.hindsight import HindsightFetches
 from controlplane.history import EmbeddedHistory
+from controlplane.incidents import AFTER_S, BEFORE_S, Incidents
+from controlplane.incidents import MAX_BYTES as MAX_INCIDENT_BYTES
 from controlplane.ingest import agent_api
 from controlplane.ingest.node_identity import NodeAuthenticator
 from controlplane.listen.connection_limits import (
@@ -86,7 +88,9 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                 add_routes: Callable[[web.Application, EmbeddedHistory | None, str | None], None] | None = None,
                 live: LiveSamples | None = None, heartbeat_rate: float = agent_api.HEARTBEAT_RATE,
                 web_config: ReloadingWebConfig | None = None, pages_hosts: Iterable[str] = (),
-                admin_socket: Path | None = None) -> None:  # fmt: skip
+                admin_socket: Path | None = None, incidents_dir: Path | None = None,
+                incidents_bytes: int = MAX_INCIDENT_BYTES,
+                incident_span: tuple[float, float] = (BEFORE_S, AFTER_S)) -> None:  # fmt: skip
     """`tls` is the agent listener's (--tls-cert, or the web config's); the
     pages listener takes the web config's TLS and users (controlplane/listen/page_access.py)."""
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
@@ -102,14 +106,21 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     history = None if prometheus_url else EmbeddedHistory(stale_after=stale_after)
     access = PageAccess(web_config, pages_hosts)
     fetches = HindsightFetches()  # spans of the nodes' hindsight: asked for on the pages, fetched by the agents' API
-    pages = pages_api.create_app(registry, own, history, state_file, live, access, SHARE_FOR_S, fetches)
+    incidents = None
+    if incidents_dir is not None:
+        incidents = Incidents(incidents_dir, fetches, registry, incidents_bytes, before_s=incident_span[0],
+                              after_s=incident_span[1])  # fmt: skip
+        log.info("incidents kept in %s: %d there", incidents_dir, incidents.load())
+    else:
+        log.info("no incidents kept: --incidents-dir, or --state-file, names where")
+    pages = pages_api.create_app(registry, own, history, state_file, live, access, SHARE_FOR_S, fetches, incidents)
     if add_routes is not None:  # the pages (web/pages.py): charts from the history or from Prometheus
         add_routes(pages, history, prometheus_url)
     limits = limits or ConnectionLimits()
     loop = asyncio.get_running_loop()
     runners: list[web.AppRunner] = []
     servers: list[asyncio.AbstractServer] = []
-    agents = agent_api.create_app(registry, auth, own, history, live, heartbeat_rate, fetches)
+    agents = agent_api.create_app(registry, auth, own, history, live, heartbeat_rate, fetches, incidents)
     try:
         for name, app, address, context in (
             ("agents", agents, agent_listen, tls.context if tls else None),

@@ -14,6 +14,7 @@ extra=""
 if [ "$mode" = test ]; then
     # iproute2 and nftables: the fleet test builds its own network of namespaces.
     # prometheus (with promtool): the export is checked by a real Prometheus.
+    # prometheus-alertmanager: a real Alertmanager posts the shipped rules' alerts to the incident receiver.
     # chromium: the page tests drive a real headless browser (playwright, without its own browser download).
     # qemu-system-x86: the VM harness's hang report is tested against a real QEMU monitor.
     # podman, runc, debootstrap: the image is built here (its base made with
@@ -21,7 +22,7 @@ if [ "$mode" = test ]; then
     # refuses hybrid cgroup hosts).
     # linux-headers-$arch: the kernel backend is also tested compiling against
     # the distribution's headers (--kernel-headers installed).
-    packages="$packages iproute2 nftables prometheus chromium qemu-system-x86 podman runc debootstrap linux-headers-$arch"
+    packages="$packages iproute2 nftables prometheus prometheus-alertmanager chromium qemu-system-x86 podman runc debootstrap linux-headers-$arch"
     extra="[test]"
 fi
 missing=""

@@ -22,6 +22,7 @@ from aiohttp import web
 import wire
 from controlplane.hindsight import HINDSIGHT
 from controlplane.history import ChartSpec, EmbeddedHistory, HistoryError, PrometheusHistory, Series
+from controlplane.incidents import INCIDENTS
 from controlplane.keys import HISTORY, REGISTRY
 from controlplane.live import LIVE
 from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
@@ -298,8 +299,18 @@ async def node_page(request: web.Request) -> web.Response:
     held = received.heartbeat.hindsight_held_seconds if received is not None else None
     hindsight_url = (f"/api/nodes/{quote(state.node, safe='')}/hindsight"
                      if HINDSIGHT in request.app and held is not None else None)  # fmt: skip
+    incidents = _incidents(request.app[INCIDENTS].listed(state.node)) if INCIDENTS in request.app else None
     return await _render(request, "node.html", n=view, charts=charts, history_errors=errors, shard=shard,
-                         live_url=live_url, hindsight_url=hindsight_url, hindsight_held_s=held)
+                         live_url=live_url, hindsight_url=hindsight_url, hindsight_held_s=held, incidents=incidents)
+
+
+def _incidents(listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The node's incidents as its page lists them, their times in UTC."""
+    def utc(t: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+    return [{**i, "when": utc(i["from"]) + " – " + utc(i["to"])[11:],
+             "missing_count": sum(len(m) for m in i["missing"].values())} for i in listed[:50]]  # fmt: skip
 
 
 async def prometheus_session(app: web.Application) -> AsyncIterator[None]:

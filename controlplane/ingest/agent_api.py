@@ -24,10 +24,11 @@ import wire
 from controlplane.export.own_metrics import ControlPlaneMetrics
 from controlplane.hindsight import HINDSIGHT, HindsightFetches
 from controlplane.history import EmbeddedHistory
+from controlplane.incidents import INCIDENTS, Incidents
 from controlplane.ingest.node_identity import Forbidden, NodeAuthenticator, Unauthenticated
 from controlplane.keys import AUTHENTICATOR, METRICS, RECORDER, REGISTRY
 from controlplane.live import LIVE, LiveSamples
-from controlplane.state.registry import NodeRegistry, UnknownNode
+from controlplane.state.registry import NodeRegistry, Received, UnknownNode
 
 log = logging.getLogger(__name__)
 
@@ -239,10 +240,14 @@ async def heartbeat(request: web.Request) -> web.Response:
         # The agent's resend of one whose answer it lost is the same refusal: it has it already.
         return _error(409, f"seq {hb.seq} is not after {state.last_seq}, the last since it registered: a replay",
                       "seq")  # fmt: skip
+    incidents = request.app.get(INCIDENTS)
+    before = _starved(state.received if state is not None else None) if incidents is not None else {}
     try:
         state = registry.heartbeat(hb)
     except UnknownNode:
         return _error(404, "unknown node: register again")
+    if incidents is not None:  # an engine's starvation verdict turning on starts an incident
+        incidents.verdicts_changed(hb.node, before, _starved(state.received), hb.window.start)
     state.last_seq = hb.seq
     if (history := request.app.get(RECORDER)) is not None and state.received is not None:
         history.record(hb.node, state.received)
@@ -261,10 +266,18 @@ async def heartbeat(request: web.Request) -> web.Response:
     return _answer(request, hb.node, answer, dropped)
 
 
+def _starved(received: Received | None) -> dict[str, bool]:
+    """Each engine's verdict: starved of CPU, or held back by the host."""
+    if received is None:
+        return {}
+    return {s.id: bool(v is not None and (v.cpu_starved or v.host_bound))
+            for s, v in zip(received.shards, received.verdicts, strict=True)}  # fmt: skip
+
+
 def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics: ControlPlaneMetrics | None = None,
                history: EmbeddedHistory | None = None, live: LiveSamples | None = None,
-               heartbeat_rate: float = HEARTBEAT_RATE,
-               fetches: HindsightFetches | None = None) -> web.Application:  # fmt: skip
+               heartbeat_rate: float = HEARTBEAT_RATE, fetches: HindsightFetches | None = None,
+               incidents: Incidents | None = None) -> web.Application:  # fmt: skip
     """`auth` verifies tokens; bytes are a cluster secret (HMAC node tokens only)."""
     app = web.Application(client_max_size=wire.MAX_BODY_BYTES, middlewares=[counted, no_tracebacks])
     app[REGISTRY] = registry
@@ -277,6 +290,8 @@ def create_app(registry: NodeRegistry, auth: NodeAuthenticator | bytes, metrics:
         app[LIVE] = live
     if fetches is not None:
         app[HINDSIGHT] = fetches
+    if incidents is not None:
+        app[INCIDENTS] = incidents
     app.router.add_post("/v1/register", register)
     app.router.add_post("/v1/heartbeat", heartbeat)
     return app

@@ -57,6 +57,13 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
 
     if args.state_file is not None and not args.state_file.parent.is_dir():
         fail(EXIT_USAGE, f"--state-file {args.state_file}: {args.state_file.parent} is not a directory")
+    incidents_dir = args.incidents_dir
+    if incidents_dir is None and args.state_file is not None:
+        incidents_dir = args.state_file.with_name(args.state_file.name + ".incidents")
+    if incidents_dir is not None and not incidents_dir.parent.is_dir():
+        fail(EXIT_USAGE, f"--incidents-dir {incidents_dir}: {incidents_dir.parent} is not a directory")
+    if args.incidents_mib < 1:
+        fail(EXIT_USAGE, "--incidents-mib: at least 1")
     if args.forget_after < args.stale_after:
         fail(EXIT_USAGE, "--forget-after: at least --stale-after (a node is stale before it is forgotten)")
     if args.max_shards_per_node < 1:
@@ -106,7 +113,9 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
                           args.max_shards_per_node, args.state_file, args.forget_after, add_routes=add_pages,
                           live=LiveSamples(args.max_live_nodes, args.live_linger) if args.max_live_nodes else None,
                           heartbeat_rate=args.max_heartbeats_per_second, web_config=web_config,
-                          pages_hosts=args.pages_host, admin_socket=args.admin_socket))
+                          pages_hosts=args.pages_host, admin_socket=args.admin_socket,
+                          incidents_dir=incidents_dir, incidents_bytes=args.incidents_mib << 20,
+                          incident_span=(args.incident_before, args.incident_after)))
     except OSError as e:  # the address is taken or not ours
         fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

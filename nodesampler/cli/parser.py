@@ -186,6 +186,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after its last heartbeat that a node is stale (default 60)")
     c.add_argument("--state-file", type=Path, default=None, metavar="PATH",
                    help="keep the known nodes in this file across restarts (written atomically every 30 s)")
+    c.add_argument("--incidents-dir", type=Path, default=None, metavar="DIR",
+                   help="keep incidents (every sample of the nodes an alert or a starved engine names, from 5 minutes "
+                        "before to a minute after) in this directory (default: PATH.incidents beside --state-file; "
+                        "with neither, no incidents are kept)")
+    c.add_argument("--incidents-mib", type=_count(1 << 20), default=512, metavar="N",
+                   help="the incidents' samples on disk, oldest dropped first; at most 64 of them one node's "
+                        "(default 512)")  # fmt: skip
+    c.add_argument("--incident-before", type=_positive(3000), default=300.0, metavar="S",
+                   help="an incident's samples start this many seconds before the alert or the verdict (default "
+                        "300; what the nodes' rings hold bounds it)")
+    c.add_argument("--incident-after", type=_positive(600), default=60.0, metavar="S",
+                   help="... and end this many seconds after it (default 60)")
     c.add_argument("--forget-after", type=_positive(365 * 86400), default=7 * 86400.0, metavar="S",
                    help="seconds a silent node stays known (llmgw_node_up 0) before it is forgotten "
                         "(default 604800: a week); DELETE /api/nodes/NODE forgets one at once")

@@ -1,0 +1,440 @@
+"""Incidents: every sample of the nodes named, from a few minutes before a
+moment to a minute after, fetched from their rings (controlplane/hindsight.py)
+and kept on disk, for the question asked after the fact.
+
+An incident is started by an Alertmanager webhook (`POST /api/alertmanager`,
+the nodes from the alerts' `node` label), by the control plane when an
+engine's starvation verdict turns on, or by an operator (`POST
+/api/incidents`). Each node's samples are fetched as a span; once every
+span is done (or given up, its rest named missing), the incident is written
+to its directory:
+
+    ID.json        what it is: reason, nodes, span, what is missing (written first, and again when done)
+    ID.NODE.json   a node's samples, in the raw block's shapes (docs/wire-format.md)
+
+each file written whole (a temporary file, flushed, renamed). The directory
+is bounded: at most `per_node_bytes` of one node's samples and `max_bytes`
+in all; the oldest nodes' files go first, and an incident whose every file
+went goes with them. An incident that was being captured when the control
+plane stopped is said to be so, its samples missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import csv
+import io
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from controlplane.hindsight import Fetch, HindsightFetches, Refused
+from controlplane.keys import REGISTRY
+from controlplane.listen.page_access import may_change_fleet
+from controlplane.state.registry import NodeRegistry
+from controlplane.state.registry_state import write
+
+log = logging.getLogger(__name__)
+
+BEFORE_S = 300.0  # an incident's samples start this long before its moment (--incident-before) ...
+AFTER_S = 60.0  # ... and end this long after it (--incident-after); an alert seen again within both starts none
+MAX_NODES = 32  # nodes in one incident: an alert storm naming the fleet captures the first
+PER_NODE_BYTES = 64 * 2**20  # one node's samples in all its incidents
+MAX_BYTES = 512 * 2**20  # the directory (--incidents-mib)
+MAX_BODY = 1 << 20  # a webhook's body: Alertmanager's for a few hundred alerts
+STARTS_EVERY_S = 6.0  # incidents started, sustained, one each 6 s ...
+STARTS_BURST = 10  # ... after ten at once: a flood of valid webhooks costs its 429s
+STARVED_AGAIN_S = 600.0  # an engine starved again within this starts none: a flapping verdict is one incident
+CHECK_S = 1.0  # how often a capture looks at its spans
+ID = re.compile(r"[0-9]{8}T[0-9]{6}-[0-9a-f]{6}")
+
+
+@dataclass
+class Incident:
+    id: str
+    reason: str
+    source: str  # alertmanager, starvation, operator
+    nodes: list[str]
+    t_from: float
+    t_to: float
+    created: float
+    state: str = "capturing"  # done; interrupted: the control plane stopped while capturing
+    missing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per node
+    dropped: list[str] = field(default_factory=list)  # nodes whose samples went for the budget
+    bytes: dict[str, int] = field(default_factory=dict)  # per node, on disk
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "reason": self.reason, "source": self.source, "nodes": self.nodes,
+                "from": round(self.t_from, 6), "to": round(self.t_to, 6), "created": round(self.created, 3),
+                "state": self.state, "missing": self.missing, "dropped": self.dropped, "bytes": self.bytes}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> Incident:
+        return cls(id=str(body["id"]), reason=str(body["reason"]), source=str(body["source"]),
+                   nodes=[str(n) for n in body["nodes"]], t_from=float(body["from"]), t_to=float(body["to"]),
+                   created=float(body["created"]), state=str(body["state"]), missing=dict(body.get("missing", {})),
+                   dropped=[str(n) for n in body.get("dropped", [])], bytes=dict(body.get("bytes", {})))  # fmt: skip
+
+
+class Incidents:
+    def __init__(self, directory: Path, fetches: HindsightFetches, registry: NodeRegistry,
+                 max_bytes: int = MAX_BYTES, per_node_bytes: int = PER_NODE_BYTES, before_s: float = BEFORE_S,
+                 after_s: float = AFTER_S, wall: Callable[[], float] = time.time) -> None:  # fmt: skip
+        self.directory, self.fetches, self.registry = directory, fetches, registry
+        self.before_s, self.after_s = before_s, after_s
+        self.max_bytes, self.per_node_bytes = max_bytes, min(per_node_bytes, max_bytes)
+        self.wall = wall
+        self._by_id: dict[str, Incident] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._starts = (float(STARTS_BURST), wall())
+        self._alerts_seen: dict[str, float] = {}  # fingerprint -> when
+        self._starved_at: dict[tuple[str, str], float] = {}  # (node, shard) -> when it last started one
+
+    # --- on disk -----------------------------------------------------------------
+
+    def load(self) -> int:
+        """The incidents the directory holds; one captured when the control
+        plane stopped is said interrupted. A file that is not one is left alone."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for path in sorted(self.directory.glob("*.json")):
+            if not ID.fullmatch(path.stem):
+                continue
+            try:
+                incident = Incident.from_json(json.loads(path.read_bytes()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                log.warning("incident file %s cannot be read (%s): left alone", path, e)
+                continue
+            if incident.state == "capturing":
+                incident.state = "interrupted"
+                for node in incident.nodes:
+                    incident.missing.setdefault(node, []).append(
+                        {"from": incident.t_from, "to": incident.t_to,
+                         "why": "the control plane stopped while capturing"})  # fmt: skip
+                self._write_meta(incident)
+            self._by_id[incident.id] = incident
+        return len(self._by_id)
+
+    def _part(self, incident_id: str, node: str) -> Path:
+        return self.directory / f"{incident_id}.{node}.json"
+
+    def _write_meta(self, incident: Incident) -> None:
+        write(self.directory / f"{incident.id}.json", json.dumps(incident.as_json()).encode())
+
+    # --- started ---------------------------------------------------------------
+
+    def _may_start(self) -> bool:
+        now = self.wall()
+        tokens, then = self._starts
+        tokens = min(float(STARTS_BURST), tokens + (now - then) / STARTS_EVERY_S)
+        self._starts = (tokens - 1, now) if tokens >= 1 else (tokens, now)
+        return tokens >= 1
+
+    def start(self, reason: str, source: str, nodes: Iterable[str], at: float | None = None) -> Incident:
+        """An incident of the nodes around `at` (now when None): their spans
+        asked for at once, written when all are done. Refused (429) when
+        incidents are started faster than `STARTS_EVERY_S` allows."""
+        if not self._may_start():
+            raise Refused(f"incidents are started more often than once each {STARTS_EVERY_S:.0f} s")
+        now = self.wall()
+        at = now if at is None else min(at, now)
+        named = list(dict.fromkeys(nodes))[:MAX_NODES]
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
+        incident = Incident(f"{stamp}-{secrets.token_hex(3)}", reason[:500], source, named, at - self.before_s,
+                            at + self.after_s, now)  # fmt: skip
+        spans: dict[str, Fetch] = {}
+        for node in named:
+            state = self.registry.get(node)
+            received = state.received if state is not None else None
+            held = received.heartbeat.hindsight_held_seconds if received is not None else None
+            try:
+                spans[node] = self.fetches.ask(node, incident.t_from, incident.t_to, f"incident {incident.id}", held)
+            except Refused as e:
+                incident.missing[node] = [{"from": incident.t_from, "to": incident.t_to, "why": str(e)}]
+        self._by_id[incident.id] = incident
+        self._write_meta(incident)
+        log.info("incident %s: %s (%s), %d nodes", incident.id, incident.reason, source, len(named))
+        task = asyncio.get_running_loop().create_task(self._capture(incident, spans))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return incident
+
+    async def _capture(self, incident: Incident, spans: dict[str, Fetch]) -> None:
+        try:
+            while any(f.finished_at is None for f in spans.values()):
+                await asyncio.sleep(CHECK_S)
+                self.fetches.sweep()
+            await asyncio.to_thread(self._write_parts, incident, spans)
+        except Exception:
+            log.exception("incident %s could not be written", incident.id)
+            incident.state = "failed"
+        incident.state = "done" if incident.state == "capturing" else incident.state
+        try:
+            self._write_meta(incident)
+            self._keep_within_budget()
+        except OSError as e:
+            log.error("incident %s: %s", incident.id, e)
+
+    def _write_parts(self, incident: Incident, spans: dict[str, Fetch]) -> None:
+        for node, fetch in spans.items():
+            if fetch.missing:
+                incident.missing[node] = fetch.missing
+            body = json.dumps(fetch.samples(), separators=(",", ":")).encode()
+            if len(body) > self.per_node_bytes:
+                incident.missing.setdefault(node, []).append(
+                    {"from": incident.t_from, "to": incident.t_to,
+                     "why": f"its samples ({len(body) >> 20} MiB) are more than a node may keep"})  # fmt: skip
+                continue
+            write(self._part(incident.id, node), body)
+            incident.bytes[node] = len(body)
+
+    def _keep_within_budget(self) -> None:
+        """The oldest nodes' samples dropped until each node and the whole are within budget."""
+        parts = [(i.created, i, node, size) for i in self._by_id.values() for node, size in i.bytes.items()]
+        parts.sort(key=lambda p: p[0])
+        per_node: collections.Counter[str] = collections.Counter()
+        total = 0
+        for _, _, node, size in parts:
+            per_node[node] += size
+            total += size
+        for _, incident, node, size in parts:
+            if per_node[node] <= self.per_node_bytes and total <= self.max_bytes:
+                continue
+            self._part(incident.id, node).unlink(missing_ok=True)
+            del incident.bytes[node]
+            incident.dropped.append(node)
+            per_node[node] -= size
+            total -= size
+            if not incident.bytes and incident.state != "capturing":  # nothing of it left: it goes
+                (self.directory / f"{incident.id}.json").unlink(missing_ok=True)
+                del self._by_id[incident.id]
+                log.info("incident %s dropped: the incidents' budget is spent", incident.id)
+            else:
+                self._write_meta(incident)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- what starts one ---------------------------------------------------------
+
+    def alerts(self, body: Any) -> dict[str, Any]:
+        """Alertmanager's webhook (version 4): one incident for the firing
+        alerts' nodes not already captured, around the earliest start. What
+        was done, for the answer."""
+        if not isinstance(body, dict) or str(body.get("version")) != "4" or not isinstance(body.get("alerts"), list):
+            raise ValueError("not an Alertmanager webhook body of version 4")
+        now = self.wall()
+        for fingerprint, seen in list(self._alerts_seen.items()):
+            if now - seen > self.before_s + self.after_s:
+                del self._alerts_seen[fingerprint]
+        nodes: dict[str, None] = {}
+        names: dict[str, None] = {}
+        unknown: list[str] = []
+        starts = []
+        for alert in body["alerts"][:1000]:
+            if not isinstance(alert, dict) or alert.get("status") != "firing":
+                continue
+            labels: dict[str, Any] = alert["labels"] if isinstance(alert.get("labels"), dict) else {}
+            node = labels.get("node")
+            if not isinstance(node, str):
+                continue
+            fingerprint = str(alert.get("fingerprint") or json.dumps(labels, sort_keys=True))[:200]
+            if fingerprint in self._alerts_seen:
+                continue
+            if self.registry.get(node) is None:
+                unknown.append(node[:253])
+                continue
+            self._alerts_seen[fingerprint] = now
+            nodes[node] = None
+            names[str(labels.get("alertname", "alert"))[:100]] = None
+            starts.append(_rfc3339(alert.get("startsAt")))
+        if len(self._alerts_seen) > 10_000:
+            self._alerts_seen.clear()
+        if not nodes:
+            return {"started": None, "unknown_nodes": unknown[:20]}
+        known = [s for s in starts if s is not None]
+        at = max(min(known), now - self.before_s) if known else now  # a long-firing alert: its last minutes
+        incident = self.start(f"alert {', '.join(names)}", "alertmanager", nodes, at)
+        return {"started": incident.id, "nodes": incident.nodes, "unknown_nodes": unknown[:20]}
+
+    def verdicts_changed(self, node: str, before: dict[str, bool], after: dict[str, bool], at: float) -> None:
+        """A heartbeat's engines judged starved now that were not before: one
+        incident for them (none for an engine that started one lately)."""
+        now = self.wall()
+        turned = [sid for sid, starved in after.items() if starved and not before.get(sid, False)
+                  and now - self._starved_at.get((node, sid), -STARVED_AGAIN_S) >= STARVED_AGAIN_S]  # fmt: skip
+        if not turned:
+            return
+        for sid in turned:
+            self._starved_at[(node, sid)] = now
+        if len(self._starved_at) > 100_000:
+            self._starved_at.clear()
+        try:
+            self.start(f"starved: {', '.join(turned)[:300]} on {node}", "starvation", [node], at)
+        except Refused as e:
+            log.warning("no incident for %s starved on %s: %s", ", ".join(turned)[:300], node, e)
+
+    # --- read ----------------------------------------------------------------------
+
+    def listed(self, node: str | None = None) -> list[dict[str, Any]]:
+        """Newest first; those of `node` alone when given."""
+        chosen = [i for i in self._by_id.values() if node is None or node in i.nodes]
+        return [i.as_json() for i in sorted(chosen, key=lambda i: -i.created)]
+
+    def get(self, incident_id: str) -> Incident | None:
+        return self._by_id.get(incident_id)
+
+    def parts(self, incident: Incident) -> Iterator[tuple[str, bytes]]:
+        """Each node's samples as stored (JSON), read from disk."""
+        for node in incident.nodes:
+            if node in incident.bytes:
+                try:
+                    yield node, self._part(incident.id, node).read_bytes()
+                except OSError as e:
+                    log.warning("incident %s: %s's samples: %s", incident.id, node, e)
+
+
+def _rfc3339(value: Any) -> float | None:
+    """Alertmanager's startsAt (RFC 3339, nanoseconds and a zone) as unix seconds."""
+    if not isinstance(value, str):
+        return None
+    text = re.sub(r"(\.\d{6})\d+", r"\1", value.strip()).replace("Z", "+00:00")
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
+
+
+def csv_rows(node: str, samples: dict[str, Any]) -> Iterator[list[str]]:
+    """A node's samples as CSV rows: node, series, begin, end (unix seconds), value (empty: not measured)."""
+    t0 = samples["from"]
+    series: list[tuple[str, dict[str, Any]]] = []
+    if "machine" in samples:
+        series.append(("machine_cpu_percent", samples["machine"]["cpu_percent"]))
+    series += [(f"shard_cpu_cores:{s['id']}", s["cpu_cores"]) for s in samples["shards"]]
+    for name, s in series:
+        t = t0 + s["start"]
+        for us, v in zip(s["us"], s["v"], strict=True):
+            yield [node, name, f"{t:.6f}", f"{t + us / 1e6:.6f}", "" if v is None else repr(v)]
+            t += us / 1e6
+    for g in samples["gpus"]:
+        p = g["utilization_percent"]
+        for t, v in zip(p["t"], p["v"], strict=True):
+            yield [node, f"gpu_utilization_percent:{g['index']}", "", f"{t0 + t:.6f}", repr(v)]
+
+
+def to_csv(parts: Iterable[tuple[str, bytes]]) -> bytes:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["node", "series", "begin", "end", "value"])
+    for node, body in parts:
+        writer.writerows(csv_rows(node, json.loads(body)))
+    return out.getvalue().encode()
+
+
+# --- the pages' routes -----------------------------------------------------------------
+
+INCIDENTS = web.AppKey("incidents", Incidents)
+
+
+async def _json_body(request: web.Request) -> Any:
+    if request.content_type != "application/json":
+        raise web.HTTPUnsupportedMediaType(text="a JSON body, please\n")
+    data = await request.content.read(MAX_BODY + 1)
+    if len(data) > MAX_BODY:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=len(data))
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"not JSON: {str(e)[:100]}\n") from None
+
+
+async def alertmanager(request: web.Request) -> web.Response:
+    """POST /api/alertmanager: Alertmanager's webhook (a receiver's
+    `webhook_configs` url; with users, its `http_config.basic_auth`)."""
+    body = await _json_body(request)
+    try:
+        done = request.app[INCIDENTS].alerts(body)
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"{e}\n") from None
+    except Refused as e:
+        raise web.HTTPTooManyRequests(text=f"{e}\n") from None
+    return web.json_response(done)
+
+
+async def start_incident(request: web.Request) -> web.Response:
+    """POST /api/incidents, `{"nodes": [...], "reason": "...", "at": T}`
+    (`at` optional: now): an operator's, like forgetting a node
+    (controlplane/listen/page_access.py)."""
+    if not may_change_fleet(request):
+        raise web.HTTPForbidden(text="starting an incident needs a user of --web-config-file's basic_auth_users, "
+                                     "or the control plane's --admin-socket\n")  # fmt: skip
+    body = await _json_body(request)
+    registry = request.app[REGISTRY]
+    try:
+        nodes = body["nodes"]
+        if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
+            raise ValueError("nodes: a list of node names")
+        unknown = [n[:253] for n in nodes if registry.get(n) is None]
+        if unknown:
+            raise ValueError(f"no such nodes: {', '.join(unknown[:10])}")
+        at = None if body.get("at") is None else float(body["at"])
+        reason = str(body.get("reason") or "started by an operator")
+        if not reason.isprintable():
+            raise ValueError("reason: printable text")
+    except (KeyError, TypeError, ValueError) as e:
+        raise web.HTTPBadRequest(text=f"{e}\n") from None
+    try:
+        incident = request.app[INCIDENTS].start(reason, "operator", nodes, at)
+    except Refused as e:
+        raise web.HTTPTooManyRequests(text=f"{e}\n") from None
+    return web.json_response(incident.as_json(), status=202)
+
+
+async def list_incidents(request: web.Request) -> web.Response:
+    """GET /api/incidents (`?node=NODE`: its alone)."""
+    return web.json_response({"incidents": request.app[INCIDENTS].listed(request.query.get("node"))})
+
+
+async def read_incident(request: web.Request) -> web.StreamResponse:
+    """GET /api/incidents/ID: what it is and every node's samples (JSON);
+    `?format=csv`: the samples a row each."""
+    incidents = request.app[INCIDENTS]
+    incident = incidents.get(request.match_info["id"])
+    if incident is None:
+        raise web.HTTPNotFound(text="no such incident\n")
+    if request.query.get("format") == "csv":
+        body = await asyncio.to_thread(lambda: to_csv(incidents.parts(incident)))
+        return web.Response(body=body, content_type="text/csv", headers={
+            "Content-Disposition": f'attachment; filename="incident-{incident.id}.csv"'})  # fmt: skip
+    parts = await asyncio.to_thread(lambda: list(incidents.parts(incident)))
+    # The stored samples as they are: the answer is put together, not parsed and written again.
+    out = json.dumps(incident.as_json())[:-1].encode() + b',"samples":{'
+    out += b",".join(json.dumps(node).encode() + b":" + body for node, body in parts) + b"}}"
+    return web.Response(body=out, content_type="application/json")
+
+
+def add_routes(app: web.Application, incidents: Incidents) -> None:
+    app[INCIDENTS] = incidents
+    app.router.add_post("/api/alertmanager", alertmanager)
+    app.router.add_post("/api/incidents", start_incident)
+    app.router.add_get("/api/incidents", list_incidents)
+    app.router.add_get("/api/incidents/{id}", read_incident)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await incidents.close()
+
+    app.cleanup_ctx.append(lifecycle)
+
