@@ -187,7 +187,8 @@ async def test_alertmanagers_webhook_starts_one_incident_per_new_alert(tmp_path:
     assert incident is not None and incident.reason == "alert NodeCPUSaturated" and incident.source == "alertmanager"
     # Alertmanager sends the group again at each group_interval: the same alerts start nothing.
     assert incidents.alerts(webhook(alert("n1"), alert("n2", fingerprint="f2")))["started"] is None
-    for bad in ({"version": "3", "alerts": []}, {"version": "4"}, []):
+    bads: list[Any] = [{"version": "3", "alerts": []}, {"version": "4"}, []]
+    for bad in bads:
         with pytest.raises(ValueError, match="version 4"):
             incidents.alerts(bad)
 
