@@ -52,6 +52,7 @@ KEEP_S = 600.0  # a finished fetch stays this long for the page or script that a
 # JSON is made from them whole (about 70 bytes a sample while it is made: ~100 MiB at the most).
 MAX_BYTES_PER_FETCH = 16 * 2**20
 MAX_BYTES = 128 * 2**20  # every fetch held, finished or not
+MAX_SPANS = 2000  # spans held, finished or not: a fleet's incident, and its operators' looks
 GAP_S = 1e-3  # pieces further apart than this left a gap (the ring's own rounding is 1 us a sample)
 HELD_BYTES_A_SAMPLE = 12  # an int64 length and a float32 value
 
@@ -82,6 +83,7 @@ class Fetch:
     asked_from: float = field(init=False)  # where the node is asked to begin: t_from, or its ring's oldest
     received_to: float = field(init=False)  # the end of the last piece that came
     last_piece_at: float | None = None
+    turn_at: float | None = None  # when it came first in its node's queue: a span waiting its turn is not late
     missing: list[dict[str, Any]] = field(default_factory=list)
     windows: list[tuple[float, float]] = field(default_factory=list)
     series: dict[str, list[_Chunk]] = field(default_factory=dict)
@@ -95,19 +97,24 @@ class Fetch:
 
     @property
     def request(self) -> SpanRequest:
-        return SpanRequest(self.id, self.asked_from, self.t_to)
+        """What the node is asked for: the span from where the pieces that came
+        end (an agent that restarted resumes there; one that goes on keeps its
+        own place, past a piece lost)."""
+        return SpanRequest(self.id, self.received_to, self.t_to)
 
     @property
     def deadline(self) -> float:
         """While pieces keep coming, a long span goes on; after the span's end
         and the last piece, its rest is given up."""
-        return max(self.t_to, self.asked_at, self.last_piece_at or 0.0) + GRACE_S
+        return max(self.t_to, self.turn_at or self.asked_at, self.last_piece_at or 0.0) + GRACE_S
 
     def _missing(self, t_from: float, t_to: float, why: str) -> None:
         if t_to - t_from > GAP_S:
             self.missing.append({"from": round(t_from, 6), "to": round(t_to, 6), "why": why})
 
-    def add(self, piece: Json, now: float) -> None:
+    def add(self, piece: Json, now: float, room: int = MAX_BYTES) -> None:
+        """A piece that came; its samples kept if they fit the span's budget
+        and the `room` every span's leave, else named missing."""
         t_from, t_to = piece["from"], piece["to"]
         self.last_piece_at = now
         if t_from < self.received_to - GAP_S:  # overlaps what came: a node resending, or confused
@@ -130,6 +137,9 @@ class Fetch:
         size = sum(len(c.v) * HELD_BYTES_A_SAMPLE for _, c in chunks)
         if self.bytes + size > MAX_BYTES_PER_FETCH:
             self._missing(t_from, t_to, f"over the {MAX_BYTES_PER_FETCH >> 20} MiB a span may hold")
+            return
+        if size > room:
+            self._missing(t_from, t_to, f"the control plane held {MAX_BYTES >> 20} MiB of spans, all it may")
             return
         self.bytes += size
         for key, chunk in chunks:
@@ -252,6 +262,7 @@ class HindsightFetches:
         self._by_id: dict[str, Fetch] = {}
         self._asks: dict[str, tuple[float, float]] = {}  # node -> (tokens, when)
         self._ids = itertools.count(1)
+        self.held_bytes = 0  # the samples every span holds
 
     def ask(self, node: str, t_from: float, t_to: float, why: str, held_seconds: float | None) -> Fetch:
         """A new span of `node`'s samples, fetched in its turn. `held_seconds`:
@@ -268,9 +279,9 @@ class HindsightFetches:
         queue = self._queues.setdefault(node, collections.deque())
         if len(queue) >= MAX_WAITING_PER_NODE:
             raise Refused(f"{MAX_WAITING_PER_NODE} spans of {node} are being fetched already")
-        if sum(f.bytes for f in self._by_id.values()) >= MAX_BYTES:
-            raise Refused(f"the spans held take the {MAX_BYTES >> 20} MiB allowed: try again when some are older "
-                          f"than {KEEP_S:.0f} s")  # fmt: skip
+        if self.held_bytes >= MAX_BYTES or len(self._by_id) >= MAX_SPANS:
+            raise Refused(f"the spans held take the {MAX_BYTES >> 20} MiB, or are the {MAX_SPANS}, allowed: try again "
+                          f"when some are older than {KEEP_S:.0f} s")  # fmt: skip
         if not self._may_ask(node, now):
             raise Refused(f"{node} is asked for a span more often than once each {ASK_EVERY_S:.0f} s")
         fetch = Fetch(f"{next(self._ids)}-{secrets.token_hex(4)}", node, t_from, t_to, why[:200], now)
@@ -300,7 +311,11 @@ class HindsightFetches:
         if not queue:
             return None
         now = self.wall()
-        while queue and now > queue[0].deadline:
+        while queue:
+            if queue[0].turn_at is None:
+                queue[0].turn_at = now
+            if now <= queue[0].deadline:
+                break
             queue.popleft().finish(now)
         if not queue:
             del self._queues[node]
@@ -313,7 +328,9 @@ class HindsightFetches:
         if not queue or queue[0].id != piece["id"]:
             return
         fetch = queue[0]
-        fetch.add(piece, self.wall())
+        before = fetch.bytes
+        fetch.add(piece, self.wall(), MAX_BYTES - self.held_bytes)
+        self.held_bytes += fetch.bytes - before
         if piece["done"]:
             queue.popleft()
             fetch.finish(self.wall())
@@ -332,6 +349,7 @@ class HindsightFetches:
         for fetch_id, fetch in list(self._by_id.items()):
             if fetch.finished_at is not None and now - fetch.finished_at > KEEP_S:
                 del self._by_id[fetch_id]
+                self.held_bytes -= fetch.bytes
 
     def forget(self, node: str) -> None:
         for fetch in self._queues.pop(node, ()):

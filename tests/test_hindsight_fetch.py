@@ -287,3 +287,52 @@ def test_a_span_wholly_older_than_the_ring_is_done_at_once_and_holds_up_no_other
     assert [m["why"] for m in old.missing] == ["older than the node keeps (its --hindsight)"]
     recent = fetches.ask("n1", T0 - 60, T0, "test", held_seconds=600)
     assert fetches.asked("n1") == recent.request
+
+
+def test_a_span_waiting_its_turn_is_not_late_and_a_restarted_agent_resumes() -> None:
+    clock = FakeClock(T0 + 60)
+    fetches = HindsightFetches(wall=clock)
+    first = fetches.ask("n1", T0, T0 + 60, "test", held_seconds=600)
+    second = fetches.ask("n1", T0, T0 + 30, "test", held_seconds=600)
+    ring = filled_ring(seconds=60)
+    sender = SpanSender()
+    for _ in range(3):  # the first span comes slowly: a piece a heartbeat, minutes apart
+        sender.asked = fetches.asked("n1")
+        assert sender.asked is not None and sender.asked.id == first.id
+        body = sender.next_piece(ring, 20_000)
+        assert body is not None
+        fetches.received("n1", parse_piece(json.loads(body), sender.asked, None) or {})
+        clock.advance(GRACE_S - 1)
+    asked = fetches.asked("n1")
+    assert asked is not None and asked.t_from == first.received_to > T0  # an agent that restarted resumes here
+    restarted = SpanSender()
+    restarted.asked = asked
+    while (body := restarted.next_piece(ring, 400_000)) is not None:
+        fetches.received("n1", parse_piece(json.loads(body), asked, None) or {})
+    assert first.finished_at is not None and first.missing == []
+    assert fetches.asked("n1") == second.request and second.finished_at is None  # its turn only now
+
+
+def test_the_spans_held_are_bounded_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    import controlplane.hindsight as hindsight
+
+    ring = filled_ring(seconds=30)
+    fetches = HindsightFetches(wall=lambda: T0 + 30)
+    a = fetches.ask("n1", T0, T0 + 30, "test", held_seconds=600)
+    sender = SpanSender()
+    sender.asked = fetches.asked("n1")
+    body = sender.next_piece(ring, 400_000)
+    assert body is not None and sender.asked is not None
+    fetches.received("n1", parse_piece(json.loads(body), sender.asked, None) or {})
+    assert a.finished_at is not None and fetches.held_bytes == a.bytes > 0
+    monkeypatch.setattr(hindsight, "MAX_BYTES", a.bytes + 100)
+    b = fetches.ask("n2", T0, T0 + 30, "test", held_seconds=600)
+    sender = SpanSender()
+    sender.asked = fetches.asked("n2")
+    body = sender.next_piece(ring, 400_000)
+    assert body is not None and sender.asked is not None
+    fetches.received("n2", parse_piece(json.loads(body), sender.asked, None) or {})
+    assert b.bytes == 0 and [m["why"] for m in b.missing] == ["the control plane held 0 MiB of spans, all it may"]
+    monkeypatch.setattr(hindsight, "MAX_BYTES", a.bytes)  # full: no new span is asked
+    with pytest.raises(Refused, match="allowed"):
+        fetches.ask("n3", T0, T0 + 30, "test", held_seconds=600)
