@@ -318,20 +318,20 @@ def test_the_spans_held_are_bounded_in_all(monkeypatch: pytest.MonkeyPatch) -> N
 
     ring = filled_ring(seconds=30)
     fetches = HindsightFetches(wall=lambda: T0 + 30)
-    a = fetches.ask("n1", T0, T0 + 30, "test", held_seconds=600)
-    sender = SpanSender()
-    sender.asked = fetches.asked("n1")
-    body = sender.next_piece(ring, 400_000)
-    assert body is not None and sender.asked is not None
-    fetches.received("n1", parse_piece(json.loads(body), sender.asked, None) or {})
+
+    def fetched_at_once(node: str) -> Fetch:
+        fetch = fetches.ask(node, T0, T0 + 30, "test", held_seconds=600)
+        sender = SpanSender()
+        sender.asked = fetches.asked(node)
+        body = sender.next_piece(ring, 400_000)
+        assert body is not None and sender.asked is not None
+        fetches.received(node, parse_piece(json.loads(body), sender.asked, None) or {})
+        return fetch
+
+    a = fetched_at_once("n1")
     assert a.finished_at is not None and fetches.held_bytes == a.bytes > 0
     monkeypatch.setattr(hindsight, "MAX_BYTES", a.bytes + 100)
-    b = fetches.ask("n2", T0, T0 + 30, "test", held_seconds=600)
-    sender = SpanSender()
-    sender.asked = fetches.asked("n2")
-    body = sender.next_piece(ring, 400_000)
-    assert body is not None and sender.asked is not None
-    fetches.received("n2", parse_piece(json.loads(body), sender.asked, None) or {})
+    b = fetched_at_once("n2")
     assert b.bytes == 0 and [m["why"] for m in b.missing] == ["the control plane held 0 MiB of spans, all it may"]
     monkeypatch.setattr(hindsight, "MAX_BYTES", a.bytes)  # full: no new span is asked
     with pytest.raises(Refused, match="allowed"):

@@ -158,7 +158,7 @@ def test_hostile_raw_items_are_refused_one_by_one() -> None:
         {"field": "raw.shards[2].id", "reason": "no such shard in this heartbeat"},
         {"field": "raw.shards[3].cpu_cores.us[1]", "reason": "must be within 1..3600000000"},
         {"field": "raw.shards[4].cpu_cores.v[0]", "reason": "must be within 0..100000"},
-        {"field": "raw.shards[6].id", "reason": "a shard's raw samples twice"},
+        {"field": "raw.shards[6].id", "reason": "a shard's samples twice"},
         {"field": "raw.gpus[0].utilization_percent.v[1]", "reason": "must be within 0..100"},
         {"field": "raw.gpus[1].utilization_percent.t[1]", "reason": "must be a number"},
         {"field": "raw.shards_left_out", "reason": "must be within 0..2147483648"},

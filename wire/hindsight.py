@@ -29,9 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from wire.checks import Dropped, Json, WireError, integer, items, name, number, obj
-from wire.limits import MAX_CORES, MAX_GPUS, MAX_SHARDS
-from wire.raw import MAX_OFFSET_S, checked_points, checked_series, kept
+from wire.checks import Dropped, Json, WireError, items, number, obj
+from wire.raw import MAX_OFFSET_S, checked_series_of, kept
 
 SPAN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_SPAN_S = 3600.0  # a span asked for: no ring is kept longer by the defaults (15 minutes at 16 MiB)
@@ -93,24 +92,7 @@ def parse_piece(value: Any, asked: SpanRequest, dropped: Dropped | None) -> Json
         return None
     out: Json = {"id": asked.id, "from": t_from, "to": t_to, "done": done, "held_from": held_from}
     out["windows"] = kept(dropped, _windows, p.get("windows", []), t_to - t_from) or []
-    m = p.get("machine")
-    cpu = None if m is None else kept(
-        dropped, lambda: checked_series(obj(m, ("hindsight", "machine")).get("cpu_percent"),
-                                 ("hindsight", "machine", "cpu_percent"), 100.0, MAX_PIECE_SAMPLES))  # fmt: skip
-    if cpu is not None:
-        out["machine"] = {"cpu_percent": cpu}
-    out["shards"], seen = [], set[str]()
-    for i, entry in enumerate(kept(dropped, items, p.get("shards", []), ("hindsight", "shards"), MAX_SHARDS) or []):
-        shard = kept(dropped, _shard, entry, ("hindsight", "shards", i), seen)
-        if shard is not None:
-            seen.add(shard["id"])
-            out["shards"].append(shard)
-    out["gpus"], indices = [], set[int]()
-    for i, entry in enumerate(kept(dropped, items, p.get("gpus", []), ("hindsight", "gpus"), MAX_GPUS) or []):
-        gpu = kept(dropped, _gpu, entry, ("hindsight", "gpus", i), indices)
-        if gpu is not None:
-            indices.add(gpu["index"])
-            out["gpus"].append(gpu)
+    out.update(checked_series_of(p, "hindsight", dropped, None, MAX_PIECE_SAMPLES))
     return out
 
 
@@ -125,23 +107,3 @@ def _windows(value: Any, length: float) -> list[tuple[float, float]]:
         end = number(pair[1], ("hindsight", "windows", i, 1), max(start, 0.0), length)
         out.append((start, end))
     return out
-
-
-def _shard(value: Any, field: Any, seen: set[str]) -> Json:
-    s = obj(value, field)
-    sid = name(s.get("id"), (field, "id"))
-    if sid in seen:
-        raise WireError((field, "id"), "a shard's samples twice")
-    cores = checked_series(s.get("cpu_cores"), (field, "cpu_cores"), MAX_CORES, MAX_PIECE_SAMPLES)
-    return {"id": sid, "cpu_cores": cores}
-
-
-def _gpu(value: Any, field: Any, indices: set[int]) -> Json:
-    g = obj(value, field)
-    index = integer(g.get("index"), (field, "index"), 0, 4095)
-    if index in indices:
-        raise WireError((field, "index"), "a GPU's samples twice")
-    return {"index": index,
-            "utilization_percent": checked_points(g.get("utilization_percent"), (field, "utilization_percent"),
-                                           MAX_PIECE_SAMPLES)}  # fmt: skip
-

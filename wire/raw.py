@@ -157,24 +157,7 @@ def parse_raw(value: Any, shard_ids: set[str], dropped: Dropped | None) -> Json 
     r = kept(dropped, obj, value, "raw")
     if r is None:
         return None
-    out: Json = {}
-    m = r.get("machine")
-    where = ("raw", "machine", "cpu_percent")
-    cpu = None if m is None else kept(dropped, lambda: checked_series(obj(m, where[:2]).get("cpu_percent"), where, 100))
-    if cpu:
-        out["machine"] = {"cpu_percent": cpu}
-    out["shards"], seen = [], set[str]()
-    for i, entry in enumerate(kept(dropped, items, r.get("shards", []), ("raw", "shards"), MAX_SHARDS) or []):
-        shard = kept(dropped, _raw_shard, entry, ("raw", "shards", i), shard_ids, seen)
-        if shard is not None:
-            seen.add(shard["id"])
-            out["shards"].append(shard)
-    out["gpus"], indices = [], set[int]()
-    for i, entry in enumerate(kept(dropped, items, r.get("gpus", []), ("raw", "gpus"), MAX_GPUS) or []):
-        gpu = kept(dropped, _raw_gpu, entry, ("raw", "gpus", i), indices)
-        if gpu is not None:
-            indices.add(gpu["index"])
-            out["gpus"].append(gpu)
+    out = checked_series_of(r, "raw", dropped, shard_ids, MAX_RAW_SAMPLES)
     left = kept(dropped, lambda: None if r.get("shards_left_out") is None else
                  integer(r["shards_left_out"], ("raw", "shards_left_out"), 0, 1 << 31))  # fmt: skip
     if left is not None:
@@ -182,20 +165,48 @@ def parse_raw(value: Any, shard_ids: set[str], dropped: Dropped | None) -> Json 
     return out
 
 
-def _raw_shard(value: Any, field: Field, shard_ids: set[str], seen: set[str]) -> Json:
+def checked_series_of(block: Json, where: str, dropped: Dropped | None, shard_ids: set[str] | None,
+                      most: int) -> Json:  # fmt: skip
+    """The machine's, the shards' and the GPUs' series of a raw block (or a
+    hindsight piece: wire/hindsight.py), each checked: a bad one is left out
+    and named in `dropped`. `shard_ids`: the shards a series may be of
+    (None: any); `most`: samples a series may have."""
+    out: Json = {}
+    m = block.get("machine")
+    field = (where, "machine", "cpu_percent")
+    cpu = None if m is None else kept(dropped, lambda: checked_series(obj(m, field[:2]).get("cpu_percent"), field,
+                                                                      100, most))  # fmt: skip
+    if cpu:
+        out["machine"] = {"cpu_percent": cpu}
+    out["shards"], seen = [], set[str]()
+    for i, entry in enumerate(kept(dropped, items, block.get("shards", []), (where, "shards"), MAX_SHARDS) or []):
+        shard = kept(dropped, _shard_series, entry, (where, "shards", i), shard_ids, seen, most)
+        if shard is not None:
+            seen.add(shard["id"])
+            out["shards"].append(shard)
+    out["gpus"], indices = [], set[int]()
+    for i, entry in enumerate(kept(dropped, items, block.get("gpus", []), (where, "gpus"), MAX_GPUS) or []):
+        gpu = kept(dropped, _gpu_points, entry, (where, "gpus", i), indices, most)
+        if gpu is not None:
+            indices.add(gpu["index"])
+            out["gpus"].append(gpu)
+    return out
+
+
+def _shard_series(value: Any, field: Field, shard_ids: set[str] | None, seen: set[str], most: int) -> Json:
     s = obj(value, field)
     sid = name(s.get("id"), (field, "id"))
-    if sid not in shard_ids:
+    if shard_ids is not None and sid not in shard_ids:
         raise WireError((field, "id"), "no such shard in this heartbeat")
     if sid in seen:
-        raise WireError((field, "id"), "a shard's raw samples twice")
-    return {"id": sid, "cpu_cores": checked_series(s.get("cpu_cores"), (field, "cpu_cores"), MAX_CORES)}
+        raise WireError((field, "id"), "a shard's samples twice")
+    return {"id": sid, "cpu_cores": checked_series(s.get("cpu_cores"), (field, "cpu_cores"), MAX_CORES, most)}
 
 
-def _raw_gpu(value: Any, field: Field, indices: set[int]) -> Json:
+def _gpu_points(value: Any, field: Field, indices: set[int], most: int) -> Json:
     g = obj(value, field)
     index = integer(g.get("index"), (field, "index"), 0, 4095)
     if index in indices:
-        raise WireError((field, "index"), "a GPU's raw samples twice")
-    points = checked_points(g.get("utilization_percent"), (field, "utilization_percent"))
+        raise WireError((field, "index"), "a GPU's samples twice")
+    points = checked_points(g.get("utilization_percent"), (field, "utilization_percent"), most)
     return {"index": index, "utilization_percent": points}
