@@ -80,8 +80,7 @@ class Fetch:
     t_to: float
     why: str
     asked_at: float
-    asked_from: float = field(init=False)  # where the node is asked to begin: t_from, or its ring's oldest
-    received_to: float = field(init=False)  # the end of the last piece that came
+    received_to: float = field(init=False)  # the end of the last piece that came (before any: the first asked)
     last_piece_at: float | None = None
     turn_at: float | None = None  # when it came first in its node's queue: a span waiting its turn is not late
     missing: list[dict[str, Any]] = field(default_factory=list)
@@ -90,10 +89,9 @@ class Fetch:
     bytes: int = 0
     pieces: int = 0
     finished_at: float | None = None
-    on_finish: list[Callable[[Fetch], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.received_to = self.asked_from = self.t_from
+        self.received_to = self.t_from
 
     @property
     def request(self) -> SpanRequest:
@@ -151,11 +149,6 @@ class Fetch:
         self._missing(self.received_to, self.t_to, f"not received within {GRACE_S:.0f} s of the span's end "
                                                    "and of the last piece")
         self.finished_at = now
-        for callback in self.on_finish:
-            try:
-                callback(self)
-            except Exception:
-                log.exception("a finished span's callback failed")
 
     # --- what it gives back --------------------------------------------------------
 
@@ -288,9 +281,9 @@ class HindsightFetches:
         oldest = min(round(now - held_seconds, 6), t_to)
         if t_from < oldest:  # the part before the ring is missing from the start; the node is asked for the rest
             fetch._missing(t_from, oldest, "older than the node keeps (its --hindsight)")
-            fetch.received_to = fetch.asked_from = oldest
+            fetch.received_to = oldest
         self._by_id[fetch.id] = fetch
-        if fetch.asked_from >= t_to:  # all of it before the ring: nothing to ask
+        if fetch.received_to >= t_to:  # all of it before the ring: nothing to ask
             fetch.finish(now)
             return fetch
         queue.append(fetch)
@@ -389,10 +382,9 @@ async def ask_span(request: web.Request) -> web.Response:
             raise ValueError("not finite")
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise web.HTTPBadRequest(text=f"a span is {SPAN_BODY}, wall times: {e}\n") from None
-    received = state.received
-    held = received.heartbeat.hindsight_held_seconds if received is not None else None
     try:
-        fetch = request.app[HINDSIGHT].ask(node, t_from, t_to, "asked for on the node page", held)
+        fetch = request.app[HINDSIGHT].ask(node, t_from, t_to, "asked for on the node page",
+                                           state.hindsight_held_seconds())  # fmt: skip
     except Refused as e:
         raise web.HTTPTooManyRequests(text=f"{e}\n") from None
     return web.json_response({**fetch.describe(), "url": f"/api/hindsight/{fetch.id}"}, status=202)

@@ -154,8 +154,7 @@ class Incidents:
         spans: dict[str, Fetch] = {}
         for node in named:
             state = self.registry.get(node)
-            received = state.received if state is not None else None
-            held = received.heartbeat.hindsight_held_seconds if received is not None else None
+            held = state.hindsight_held_seconds() if state is not None else None
             try:
                 spans[node] = self.fetches.ask(node, incident.t_from, incident.t_to, f"incident {incident.id}", held)
             except Refused as e:

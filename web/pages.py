@@ -295,8 +295,7 @@ async def node_page(request: web.Request) -> web.Response:
     charts, errors = await _charts(request.app, specs, time.time())
     live_url = f"/node/{quote(state.node, safe='')}/live" if LIVE in request.app else None
     # Every sample around a moment of the hour, from the node's ring: where its agent keeps one.
-    received = state.received
-    held = received.heartbeat.hindsight_held_seconds if received is not None else None
+    held = state.hindsight_held_seconds()
     hindsight_url = (f"/api/nodes/{quote(state.node, safe='')}/hindsight"
                      if HINDSIGHT in request.app and held is not None else None)  # fmt: skip
     incidents = _incidents(request.app[INCIDENTS].listed(state.node)) if INCIDENTS in request.app else None

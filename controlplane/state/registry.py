@@ -74,6 +74,11 @@ class NodeState:
     heartbeats: int = 0
     last_seq: int | None = None  # the last heartbeat's since this registration: a replay is refused
 
+    def hindsight_held_seconds(self) -> float | None:
+        """How far back the node's agent keeps every sample (its --hindsight),
+        as its last heartbeat said; None: it keeps none, or has not said."""
+        return None if self.received is None else self.received.heartbeat.hindsight_held_seconds
+
     def age(self, now: float) -> float | None:
         """Seconds since the last measurement arrived; None before the first."""
         return None if self.received_at is None else now - self.received_at
