@@ -10,13 +10,29 @@ span is done (or given up, its rest named missing), the incident is written
 to its directory:
 
     ID.json        what it is: reason, nodes, span, what is missing (written first, and again when done)
-    ID.NODE.json   a node's samples, in the raw block's shapes (docs/wire-format.md)
+    ID.K.json      the samples of its K-th node, in the raw block's shapes (docs/wire-format.md)
 
-each file written whole (a temporary file, flushed, renamed). The directory
-is bounded: at most `per_node_bytes` of one node's samples and `max_bytes`
-in all; the oldest nodes' files go first, and an incident whose every file
-went goes with them. An incident that was being captured when the control
-plane stopped is said to be so, its samples missing.
+each file written whole (a temporary file, flushed, renamed; mode 0600) in
+a directory of mode 0700 the control plane owns. A file's name is never a
+node's (a 240-character name was too long for one and cost every node's
+samples), and each node is written on its own: one node's failure costs
+that node alone.
+
+Bounded under abuse (tests/test_incidents.py, "bounded and fair"):
+- the directory: at most `per_node_bytes` of one node's samples and
+  `max_bytes` in all, each incident's own file counted; at most
+  `MAX_INCIDENTS`; the oldest nodes' files go first, an incident whose
+  every file went goes with them, and one that holds no samples goes
+  `EMPTY_KEPT_S` after it is done;
+- starts: each source has its own budget (`START_BUDGETS`), so neither a
+  node's heartbeats nor anyone else spends the Alertmanager's or an
+  operator's; a node's starvation verdicts start at most one incident each
+  `STARVED_AGAIN_S`, however its engines are named;
+- exports: `MAX_EXPORTS` at once; JSON streamed from the files as they
+  are, CSV a node's samples at a time.
+
+An incident that was being captured when the control plane stopped is said
+to be so, its samples missing.
 """
 
 from __future__ import annotations
@@ -27,6 +43,8 @@ import csv
 import io
 import json
 import logging
+import math
+import os
 import re
 import secrets
 import time
@@ -52,9 +70,14 @@ MAX_NODES = 32  # nodes in one incident: an alert storm naming the fleet capture
 PER_NODE_BYTES = 64 * 2**20  # one node's samples in all its incidents
 MAX_BYTES = 512 * 2**20  # the directory (--incidents-mib)
 MAX_BODY = 1 << 20  # a webhook's body: Alertmanager's for a few hundred alerts
-STARTS_EVERY_S = 6.0  # incidents started, sustained, one each 6 s ...
-STARTS_BURST = 10  # ... after ten at once: a flood of valid webhooks costs its 429s
-STARVED_AGAIN_S = 600.0  # an engine starved again within this starts none: a flapping verdict is one incident
+# Each source's incidents: (at once, then one each so many seconds). A flood of valid webhooks costs
+# its own 429s; the fleet's starvation verdicts share one budget, and each node one a STARVED_AGAIN_S.
+START_BUDGETS = {"alertmanager": (10, 6.0), "operator": (10, 6.0), "starvation": (10, 60.0)}
+STARVED_AGAIN_S = 600.0  # a node starved again within this starts none: a flapping verdict is one incident
+MAX_INCIDENTS = 1000  # kept at once, the oldest dropped first
+EMPTY_KEPT_S = 3600.0  # an incident that holds no samples (every node missing) is said for an hour, then goes
+MAX_EXPORTS = 2  # exports read at once (a CSV parses a node's samples whole: about 12 bytes a byte of file)
+EXPORT_CHUNK = 1 << 20  # bytes read from a file, or rows' text gathered, before each write to the client
 CHECK_S = 1.0  # how often a capture looks at its spans
 ID = re.compile(r"[0-9]{8}T[0-9]{6}-[0-9a-f]{6}")
 
@@ -72,6 +95,12 @@ class Incident:
     missing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per node
     dropped: list[str] = field(default_factory=list)  # nodes whose samples went for the budget
     bytes: dict[str, int] = field(default_factory=dict)  # per node, on disk
+    meta_bytes: int = 0  # its own file's size, not said: counted in the budget
+    done_at: float | None = None  # when it stopped capturing (not said: its file's time)
+
+    def part_name(self, node: str) -> str:
+        """The file of a node's samples: its place in `nodes`, never its name."""
+        return f"{self.id}.{self.nodes.index(node)}.json"
 
     def as_json(self) -> dict[str, Any]:
         return {"id": self.id, "reason": self.reason, "source": self.source, "nodes": self.nodes,
@@ -96,21 +125,33 @@ class Incidents:
         self.wall = wall
         self._by_id: dict[str, Incident] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._starts = (float(STARTS_BURST), wall())
+        self._starts = {source: (float(burst), wall()) for source, (burst, _) in START_BUDGETS.items()}
         self._alerts_seen: dict[str, float] = {}  # fingerprint -> when
-        self._starved_at: dict[tuple[str, str], float] = {}  # (node, shard) -> when it last started one
+        self._starved_at: dict[str, float] = {}  # node -> when its engines last started one
+        self._exports = asyncio.Semaphore(MAX_EXPORTS)
+        # Counted for /metrics (controlplane/export/own_metrics.py), fixed label sets.
+        self.started = dict.fromkeys(START_BUDGETS, 0)
+        self.refused = dict.fromkeys(START_BUDGETS, 0)
 
     # --- on disk -----------------------------------------------------------------
 
     def load(self) -> int:
         """The incidents the directory holds; one captured when the control
         plane stopped is said interrupted. A file that is not one is left alone."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        owned = self.directory.stat()
+        if owned.st_uid != os.geteuid() or owned.st_mode & 0o022:
+            raise OSError(f"{self.directory} is not the control plane's own (owned by uid {owned.st_uid}, "
+                          f"mode {owned.st_mode & 0o777:o}): incidents are kept in a directory no other user "
+                          "may write")  # fmt: skip
         for path in sorted(self.directory.glob("*.json")):
             if not ID.fullmatch(path.stem):
                 continue
             try:
-                incident = Incident.from_json(json.loads(path.read_bytes()))
+                body = path.read_bytes()
+                incident = Incident.from_json(json.loads(body))
+                incident.meta_bytes = len(body)
+                incident.done_at = path.stat().st_mtime
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 log.warning("incident file %s cannot be read (%s): left alone", path, e)
                 continue
@@ -122,29 +163,39 @@ class Incidents:
                          "why": "the control plane stopped while capturing"})  # fmt: skip
                 self._write_meta(incident)
             self._by_id[incident.id] = incident
+        self._keep_within_budget()
         return len(self._by_id)
 
-    def _part(self, incident_id: str, node: str) -> Path:
-        return self.directory / f"{incident_id}.{node}.json"
+    def _part(self, incident: Incident, node: str) -> Path:
+        return self.directory / incident.part_name(node)
 
     def _write_meta(self, incident: Incident) -> None:
-        write(self.directory / f"{incident.id}.json", json.dumps(incident.as_json()).encode())
+        body = json.dumps(incident.as_json()).encode()
+        write(self.directory / f"{incident.id}.json", body)
+        incident.meta_bytes = len(body)
+
+    def bytes_on_disk(self) -> int:
+        return sum(i.meta_bytes + sum(i.bytes.values()) for i in self._by_id.values())
 
     # --- started ---------------------------------------------------------------
 
-    def _may_start(self) -> bool:
+    def _may_start(self, source: str) -> bool:
         now = self.wall()
-        tokens, then = self._starts
-        tokens = min(float(STARTS_BURST), tokens + (now - then) / STARTS_EVERY_S)
-        self._starts = (tokens - 1, now) if tokens >= 1 else (tokens, now)
+        burst, every = START_BUDGETS[source]
+        tokens, then = self._starts[source]
+        tokens = min(float(burst), tokens + (now - then) / every)
+        self._starts[source] = (tokens - 1, now) if tokens >= 1 else (tokens, now)
         return tokens >= 1
 
     def start(self, reason: str, source: str, nodes: Iterable[str], at: float | None = None) -> Incident:
         """An incident of the nodes around `at` (now when None): their spans
         asked for at once, written when all are done. Refused (429) when
-        incidents are started faster than `STARTS_EVERY_S` allows."""
-        if not self._may_start():
-            raise Refused(f"incidents are started more often than once each {STARTS_EVERY_S:.0f} s")
+        `source` starts incidents faster than its budget (`START_BUDGETS`)."""
+        if not self._may_start(source):
+            self.refused[source] += 1
+            raise Refused(f"incidents from {source} are started more often than once each "
+                          f"{START_BUDGETS[source][1]:.0f} s")  # fmt: skip
+        self.started[source] += 1
         now = self.wall()
         at = now if at is None else min(at, now)
         named = list(dict.fromkeys(nodes))[:MAX_NODES]
@@ -156,7 +207,8 @@ class Incidents:
             state = self.registry.get(node)
             held = state.hindsight_held_seconds() if state is not None else None
             try:
-                spans[node] = self.fetches.ask(node, incident.t_from, incident.t_to, f"incident {incident.id}", held)
+                spans[node] = self.fetches.ask(node, incident.t_from, incident.t_to, f"incident {incident.id}", held,
+                                               for_incident=True, ahead_s=self.after_s)  # fmt: skip
             except Refused as e:
                 incident.missing[node] = [{"from": incident.t_from, "to": incident.t_to, "why": str(e)}]
         self._by_id[incident.id] = incident
@@ -177,6 +229,7 @@ class Incidents:
             log.exception("incident %s could not be written", incident.id)
             incident.state = "failed"
         incident.state = "done" if incident.state == "capturing" else incident.state
+        incident.done_at = self.wall()
         try:
             self._write_meta(incident)
             self._keep_within_budget()
@@ -187,38 +240,63 @@ class Incidents:
         for node, fetch in spans.items():
             if fetch.missing:
                 incident.missing[node] = fetch.missing
-            body = json.dumps(fetch.samples(), separators=(",", ":")).encode()
-            if len(body) > self.per_node_bytes:
+            try:
+                body = json.dumps(fetch.samples(), separators=(",", ":")).encode()
+                if len(body) > self.per_node_bytes:
+                    raise ValueError(f"its samples ({len(body) >> 20} MiB) are more than a node may keep")
+                write(self._part(incident, node), body)
+            except (OSError, ValueError) as e:  # this node's samples alone
+                log.warning("incident %s: %s's samples not kept: %s", incident.id, node[:253], e)
                 incident.missing.setdefault(node, []).append(
-                    {"from": incident.t_from, "to": incident.t_to,
-                     "why": f"its samples ({len(body) >> 20} MiB) are more than a node may keep"})  # fmt: skip
+                    {"from": incident.t_from, "to": incident.t_to, "why": f"not written: {str(e)[:200]}"})  # fmt: skip
                 continue
-            write(self._part(incident.id, node), body)
             incident.bytes[node] = len(body)
 
     def _keep_within_budget(self) -> None:
-        """The oldest nodes' samples dropped until each node and the whole are within budget."""
+        """The oldest nodes' samples dropped until each node and the whole
+        (each incident's own file counted) are within budget; incidents past
+        `MAX_INCIDENTS`, and those that hold no samples `EMPTY_KEPT_S` after
+        they are done, go whole."""
+        now = self.wall()
+        finished = sorted((i for i in self._by_id.values() if i.state != "capturing"), key=lambda i: i.created)
+        over = len(self._by_id) - MAX_INCIDENTS
+        for incident in finished:
+            if over > 0 or (not incident.bytes and now - (incident.done_at or incident.created) > EMPTY_KEPT_S):
+                self._drop(incident)
+                over -= 1
         parts = [(i.created, i, node, size) for i in self._by_id.values() for node, size in i.bytes.items()]
         parts.sort(key=lambda p: p[0])
         per_node: collections.Counter[str] = collections.Counter()
-        total = 0
+        total = sum(i.meta_bytes for i in self._by_id.values())
         for _, _, node, size in parts:
             per_node[node] += size
             total += size
         for _, incident, node, size in parts:
             if per_node[node] <= self.per_node_bytes and total <= self.max_bytes:
                 continue
-            self._part(incident.id, node).unlink(missing_ok=True)
+            self._part(incident, node).unlink(missing_ok=True)
             del incident.bytes[node]
             incident.dropped.append(node)
             per_node[node] -= size
             total -= size
             if not incident.bytes and incident.state != "capturing":  # nothing of it left: it goes
-                (self.directory / f"{incident.id}.json").unlink(missing_ok=True)
-                del self._by_id[incident.id]
+                total -= incident.meta_bytes
+                self._drop(incident)
                 log.info("incident %s dropped: the incidents' budget is spent", incident.id)
             else:
                 self._write_meta(incident)
+        for incident in sorted(self._by_id.values(), key=lambda i: i.created):  # their own files, the oldest first
+            if total <= self.max_bytes:
+                break
+            if incident.state != "capturing":
+                total -= incident.meta_bytes + sum(incident.bytes.values())
+                self._drop(incident)
+
+    def _drop(self, incident: Incident) -> None:
+        for node in list(incident.bytes):
+            self._part(incident, node).unlink(missing_ok=True)
+        (self.directory / f"{incident.id}.json").unlink(missing_ok=True)
+        self._by_id.pop(incident.id, None)
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -271,12 +349,10 @@ class Incidents:
         """A heartbeat's engines judged starved now that were not before: one
         incident for them (none for an engine that started one lately)."""
         now = self.wall()
-        turned = [sid for sid, starved in after.items() if starved and not before.get(sid, False)
-                  and now - self._starved_at.get((node, sid), -STARVED_AGAIN_S) >= STARVED_AGAIN_S]  # fmt: skip
-        if not turned:
+        turned = [sid for sid, starved in after.items() if starved and not before.get(sid, False)]
+        if not turned or now - self._starved_at.get(node, -STARVED_AGAIN_S) < STARVED_AGAIN_S:
             return
-        for sid in turned:
-            self._starved_at[(node, sid)] = now
+        self._starved_at[node] = now
         if len(self._starved_at) > 100_000:
             self._starved_at.clear()
         try:
@@ -295,13 +371,15 @@ class Incidents:
         return self._by_id.get(incident_id)
 
     def parts(self, incident: Incident) -> Iterator[tuple[str, bytes]]:
-        """Each node's samples as stored (JSON), read from disk."""
-        for node in incident.nodes:
-            if node in incident.bytes:
-                try:
-                    yield node, self._part(incident.id, node).read_bytes()
-                except OSError as e:
-                    log.warning("incident %s: %s's samples: %s", incident.id, node, e)
+        """Each node's samples as stored (JSON), read from disk a node at a time."""
+        for node, path in self.part_paths(incident):
+            try:
+                yield node, path.read_bytes()
+            except OSError as e:
+                log.warning("incident %s: %s's samples: %s", incident.id, node[:253], e)
+
+    def part_paths(self, incident: Incident) -> list[tuple[str, Path]]:
+        return [(node, self._part(incident, node)) for node in incident.nodes if node in incident.bytes]
 
 
 def _rfc3339(value: Any) -> float | None:
@@ -334,12 +412,9 @@ def csv_rows(node: str, samples: dict[str, Any]) -> Iterator[list[str]]:
 
 
 def to_csv(parts: Iterable[tuple[str, bytes]]) -> bytes:
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["node", "series", "begin", "end", "value"])
-    for node, body in parts:
-        writer.writerows(csv_rows(node, json.loads(body)))
-    return out.getvalue().encode()
+    """The export's CSV whole (for scripts and tests; the route streams it)."""
+    return b"node,series,begin,end,value\n" + b"".join(
+        piece for node, body in parts for piece in _csv_chunks(node, json.loads(body)))
 
 
 # --- the pages' routes -----------------------------------------------------------------
@@ -359,9 +434,19 @@ async def _json_body(request: web.Request) -> Any:
         raise web.HTTPBadRequest(text=f"not JSON: {str(e)[:100]}\n") from None
 
 
+def _may_start_incidents(request: web.Request, route: str) -> None:
+    if not may_change_fleet(request):
+        raise web.HTTPForbidden(text=f"{route} needs a user of --web-config-file's basic_auth_users "
+                                     "(Alertmanager: its http_config.basic_auth), or the control plane's "
+                                     "--admin-socket\n")  # fmt: skip
+
+
 async def alertmanager(request: web.Request) -> web.Response:
     """POST /api/alertmanager: Alertmanager's webhook (a receiver's
-    `webhook_configs` url; with users, its `http_config.basic_auth`)."""
+    `webhook_configs` url, with `http_config.basic_auth` as a web-config
+    user): what an operator's start needs, since anyone who may post it
+    spends the incidents' budget."""
+    _may_start_incidents(request, "the Alertmanager webhook")
     body = await _json_body(request)
     try:
         done = request.app[INCIDENTS].alerts(body)
@@ -374,14 +459,16 @@ async def alertmanager(request: web.Request) -> web.Response:
 
 async def start_incident(request: web.Request) -> web.Response:
     """POST /api/incidents, `{"nodes": [...], "reason": "...", "at": T}`
-    (`at` optional: now): an operator's, like forgetting a node
+    (`at` optional: now; else a finite wall time within the nodes' rings'
+    reach): an operator's, like forgetting a node
     (controlplane/listen/page_access.py)."""
-    if not may_change_fleet(request):
-        raise web.HTTPForbidden(text="starting an incident needs a user of --web-config-file's basic_auth_users, "
-                                     "or the control plane's --admin-socket\n")  # fmt: skip
+    _may_start_incidents(request, "starting an incident")
     body = await _json_body(request)
     registry = request.app[REGISTRY]
+    incidents = request.app[INCIDENTS]
     try:
+        if not isinstance(body, dict):
+            raise ValueError("a JSON object: {\"nodes\": [...], \"reason\": \"...\", \"at\": T}")
         nodes = body["nodes"]
         if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
             raise ValueError("nodes: a list of node names")
@@ -389,13 +476,21 @@ async def start_incident(request: web.Request) -> web.Response:
         if unknown:
             raise ValueError(f"no such nodes: {', '.join(unknown[:10])}")
         at = None if body.get("at") is None else float(body["at"])
+        if at is not None:
+            now = incidents.wall()
+            held = [h for n in nodes if (state := registry.get(n)) is not None
+                    and (h := state.hindsight_held_seconds()) is not None]  # fmt: skip
+            reach = max(held, default=0.0) + incidents.before_s
+            if not math.isfinite(at) or not now - reach <= at <= now:
+                raise ValueError(f"at: a wall time within the last {reach:.0f} s (what the nodes' rings hold, and "
+                                 "the incident's minutes before)")  # fmt: skip
         reason = str(body.get("reason") or "started by an operator")
         if not reason.isprintable():
             raise ValueError("reason: printable text")
     except (KeyError, TypeError, ValueError) as e:
         raise web.HTTPBadRequest(text=f"{e}\n") from None
     try:
-        incident = request.app[INCIDENTS].start(reason, "operator", nodes, at)
+        incident = incidents.start(reason, "operator", nodes, at)
     except Refused as e:
         raise web.HTTPTooManyRequests(text=f"{e}\n") from None
     return web.json_response(incident.as_json(), status=202)
@@ -408,20 +503,72 @@ async def list_incidents(request: web.Request) -> web.Response:
 
 async def read_incident(request: web.Request) -> web.StreamResponse:
     """GET /api/incidents/ID: what it is and every node's samples (JSON);
-    `?format=csv`: the samples a row each."""
+    `?format=csv`: the samples a row each. Both streamed, `MAX_EXPORTS` at
+    once (429 beyond): the JSON from the files as they are, a megabyte at a
+    time; the CSV a node's samples at a time."""
     incidents = request.app[INCIDENTS]
     incident = incidents.get(request.match_info["id"])
     if incident is None:
         raise web.HTTPNotFound(text="no such incident\n")
-    if request.query.get("format") == "csv":
-        body = await asyncio.to_thread(lambda: to_csv(incidents.parts(incident)))
-        return web.Response(body=body, content_type="text/csv", headers={
-            "Content-Disposition": f'attachment; filename="incident-{incident.id}.csv"'})  # fmt: skip
-    parts = await asyncio.to_thread(lambda: list(incidents.parts(incident)))
-    # The stored samples as they are: the answer is put together, not parsed and written again.
-    out = json.dumps(incident.as_json())[:-1].encode() + b',"samples":{'
-    out += b",".join(json.dumps(node).encode() + b":" + body for node, body in parts) + b"}}"
-    return web.Response(body=out, content_type="application/json")
+    form = request.query.get("format", "json")
+    if form not in ("json", "csv"):
+        raise web.HTTPBadRequest(text="format: json or csv\n")
+    if incidents._exports.locked():
+        raise web.HTTPTooManyRequests(text=f"{MAX_EXPORTS} incidents are being read already; try again\n",
+                                      headers={"Retry-After": "5"})  # fmt: skip
+    async with incidents._exports:
+        paths = incidents.part_paths(incident)
+        response = web.StreamResponse()
+        if form == "csv":
+            response.content_type = "text/csv"
+            response.headers["Content-Disposition"] = f'attachment; filename="incident-{incident.id}.csv"'
+            await response.prepare(request)
+            await response.write(b"node,series,begin,end,value\n")
+            for node, path in paths:
+                try:
+                    chunks = _csv_chunks(node, await asyncio.to_thread(_read_json, path))
+                    # Made on a thread a piece at a time, each written before the next is made.
+                    while (piece := await asyncio.to_thread(next, chunks, None)) is not None:
+                        await response.write(piece)
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    log.warning("incident %s: %s's samples: %s", incident.id, node[:253], e)
+        else:
+            response.content_type = "application/json"
+            await response.prepare(request)
+            # The stored samples as they are: the answer is put together, not parsed and written again.
+            await response.write(json.dumps(incident.as_json())[:-1].encode() + b',"samples":{')
+            first = True
+            for node, path in paths:
+                try:
+                    f = await asyncio.to_thread(open, path, "rb")
+                except OSError as e:
+                    log.warning("incident %s: %s's samples: %s", incident.id, node[:253], e)
+                    continue
+                with f:
+                    await response.write((b"" if first else b",") + json.dumps(node).encode() + b":")
+                    first = False
+                    while chunk := await asyncio.to_thread(f.read, EXPORT_CHUNK):
+                        await response.write(chunk)
+            await response.write(b"}}")
+        await response.write_eof()
+        return response
+
+
+def _csv_chunks(node: str, samples: dict[str, Any]) -> Iterator[bytes]:
+    """A node's samples as CSV text, in pieces of about `EXPORT_CHUNK`."""
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    for row in csv_rows(node, samples):
+        writer.writerow(row)
+        if text.tell() >= EXPORT_CHUNK:
+            yield text.getvalue().encode()
+            text.seek(0)
+            text.truncate()
+    yield text.getvalue().encode()
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_bytes())
 
 
 def add_routes(app: web.Application, incidents: Incidents) -> None:

@@ -18,9 +18,12 @@ from hypothesis import strategies as st
 import wire
 from controlplane import pages_api
 from controlplane.hindsight import (
+    AROUND_S,
     ASK_BURST,
     ASK_EVERY_S,
     GRACE_S,
+    HELD_BYTES_A_PIECE,
+    HELD_BYTES_A_WINDOW,
     MAX_WAITING_PER_NODE,
     Fetch,
     HindsightFetches,
@@ -32,7 +35,7 @@ from sampler.window.hindsight import HindsightRing
 from sampler.window.span_sender import SpanSender
 from tests.fakeproc import FakeClock
 from tests.test_controlplane_api import SECRET, Client, heartbeat, post, registration
-from wire.hindsight import SpanRequest, parse_piece, parse_request
+from wire.hindsight import MAX_WINDOWS, SpanRequest, parse_piece, parse_request
 from wire.raw import window_stats
 
 T0 = 1_764_000_000.0  # a wall time of 2025
@@ -220,7 +223,8 @@ def test_the_agent_reads_only_a_span_it_can_send(answer: Any) -> None:
 def test_window_events_carry_each_windows_stats_of_its_samples() -> None:
     ring = filled_ring(seconds=20)
     fetch = fetch_all(ring, SpanRequest("x", T0, T0 + 20), room=400_000)
-    events = fetch.window_events()
+    events, truncated = fetch.window_events()
+    assert not truncated
     assert [(e["start"], e["end"]) for e in events] == [(T0 + 5 * i, T0 + 5 * (i + 1)) for i in range(4)]
     for e in events:
         machine = next(s for s in e["series"] if s["key"] == "machine")
@@ -257,7 +261,9 @@ async def test_a_span_asked_on_the_pages_is_fetched_through_the_heartbeats(clust
     r = await pages.post("/api/nodes/gpu-17/hindsight", data=json.dumps({"at": now}))
     assert r.status == 415  # not JSON: a form another site posts is not an ask
     assert (await pages.post("/api/nodes/nobody/hindsight", json={"at": now})).status == 404
-    assert (await pages.post("/api/nodes/gpu-17/hindsight", json={"at": "soon"})).status == 400
+    for bad in ({"at": "soon"}, {"at": "NaN"}, {"from": now, "to": now - 1}, {"at": now + 3600}, [now]):
+        r = await pages.post("/api/nodes/gpu-17/hindsight", json=bad)
+        assert r.status == 400, bad  # a clear error, and nothing asked of the node
     r = await pages.post("/api/nodes/gpu-17/hindsight", json={"at": now - 100})
     assert r.status == 202
     asked = await r.json()
@@ -296,13 +302,13 @@ def test_a_span_waiting_its_turn_is_not_late_and_a_restarted_agent_resumes() -> 
     second = fetches.ask("n1", T0, T0 + 30, "test", held_seconds=600)
     ring = filled_ring(seconds=60)
     sender = SpanSender()
-    for _ in range(3):  # the first span comes slowly: a piece a heartbeat, minutes apart
+    for _ in range(3):  # the first span comes slowly: a piece a heartbeat, a minute apart (within its hard end)
         sender.asked = fetches.asked("n1")
         assert sender.asked is not None and sender.asked.id == first.id
         body = sender.next_piece(ring, 20_000)
         assert body is not None
         fetches.received("n1", parse_piece(json.loads(body), sender.asked, None) or {})
-        clock.advance(GRACE_S - 1)
+        clock.advance(60)
     asked = fetches.asked("n1")
     assert asked is not None and asked.t_from == first.received_to > T0  # an agent that restarted resumes here
     restarted = SpanSender()
@@ -320,7 +326,7 @@ def test_the_spans_held_are_bounded_in_all(monkeypatch: pytest.MonkeyPatch) -> N
     fetches = HindsightFetches(wall=lambda: T0 + 30)
 
     def fetched_at_once(node: str) -> Fetch:
-        fetch = fetches.ask(node, T0, T0 + 30, "test", held_seconds=600)
+        fetch = fetches.ask(node, T0, T0 + 30, "test", held_seconds=600, for_incident=True)
         sender = SpanSender()
         sender.asked = fetches.asked(node)
         body = sender.next_piece(ring, 400_000)
@@ -335,4 +341,115 @@ def test_the_spans_held_are_bounded_in_all(monkeypatch: pytest.MonkeyPatch) -> N
     assert b.bytes == 0 and [m["why"] for m in b.missing] == ["the control plane held 0 MiB of spans, all it may"]
     monkeypatch.setattr(hindsight, "MAX_BYTES", a.bytes)  # full: no new span is asked
     with pytest.raises(Refused, match="allowed"):
-        fetches.ask("n3", T0, T0 + 30, "test", held_seconds=600)
+        fetches.ask("n3", T0, T0 + 30, "test", held_seconds=600, for_incident=True)
+    # Viewers may hold half: with the incidents' spans at the whole, a viewer's ask is refused first.
+    monkeypatch.setattr(hindsight, "MAX_BYTES", 2 * a.bytes)
+    fetches.ask("n3", T0, T0 + 30, "test", held_seconds=600, for_incident=True)
+    fetches.ask("n4", T0, T0 + 30, "test", held_seconds=600)
+    head = fetches.asked("n4")
+    assert head is not None
+    sender = SpanSender()
+    sender.asked = head
+    body = sender.next_piece(ring, 400_000)
+    assert body is not None
+    fetches.received("n4", parse_piece(json.loads(body), head, None) or {})
+    assert fetches.viewer_bytes == a.bytes and fetches.pieces_taken == 2 and fetches.pieces_refused["all_budget"] == 1
+    with pytest.raises(Refused, match="allowed"):
+        fetches.ask("n5", T0, T0 + 30, "test", held_seconds=600)
+
+
+# --- bounded as a hostile node would push (#45) ---------------------------------------
+
+
+def piece(fetch_id: str, t_from: float, t_to: float, windows: int = 0, done: bool = False) -> dict[str, Any]:
+    """A checked piece as a node may write it: `windows` windows of no length, one machine sample."""
+    return {"id": fetch_id, "from": t_from, "to": t_to, "done": done, "held_from": None,
+            "windows": [(0.0, 0.0)] * windows, "shards": [], "gpus": [],
+            "machine": {"cpu_percent": {"start": 0.0, "us": [max(1, round((t_to - t_from) * 1e6))],
+                                        "v": [5.0]}}}  # fmt: skip
+
+
+def test_a_piece_that_does_not_advance_is_refused_and_puts_nothing_off() -> None:
+    clock = FakeClock(T0 + 60)
+    fetches = HindsightFetches(wall=clock)
+    fetch = fetches.ask("n1", T0, T0 + 60, "test", held_seconds=600)
+    assert fetches.asked("n1") is not None
+    fetches.received("n1", piece(fetch.id, T0, T0 + 5, windows=1))
+    held, deadline = fetch.bytes, fetch.deadline
+    for _ in range(50):  # the same piece forever, each a heartbeat later, with the most windows a piece may carry
+        clock.advance(5)
+        fetches.received("n1", piece(fetch.id, T0, T0 + 5, windows=MAX_WINDOWS))
+        fetches.received("n1", piece(fetch.id, T0 + 5, T0 + 5, windows=MAX_WINDOWS))
+    assert fetch.bytes == held and fetch.deadline == deadline and len(fetch.windows) == 1
+    assert fetches.pieces_refused["no_advance"] == 100 and fetches.pieces_taken == 1
+    clock.advance(deadline - clock())
+    assert fetches.asked("n1") is not None
+    clock.advance(0.01)
+    assert fetches.asked("n1") is None and fetch.finished_at is not None and fetches.given_up["viewer"] == 1
+
+
+def test_a_span_ends_at_its_hard_end_whatever_comes() -> None:
+    clock = FakeClock(T0 + 60)
+    fetches = HindsightFetches(wall=clock)
+    fetch = fetches.ask("n1", T0, T0 + 60, "test", held_seconds=600)
+    assert fetches.asked("n1") is not None and fetch.hard_end == T0 + 60 + GRACE_S + 60
+    t = T0
+    while fetches.asked("n1") is not None:  # a sliver of the span a heartbeat: it advances, slowly
+        fetches.received("n1", piece(fetch.id, t, t + 0.01))
+        t += 0.01
+        clock.advance(5)
+    assert fetch.finished_at is not None and clock() <= fetch.hard_end + 5 and t < T0 + 60
+    assert fetch.missing[-1]["why"].startswith("not received")
+
+
+def test_windows_and_pieces_count_against_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    import controlplane.hindsight as hindsight
+
+    fetches = HindsightFetches(wall=lambda: T0 + 60)
+    fetch = fetches.ask("n1", T0, T0 + 60, "test", held_seconds=600)
+    fetches.received("n1", piece(fetch.id, T0, T0 + 1, windows=MAX_WINDOWS))
+    assert fetch.bytes >= MAX_WINDOWS * HELD_BYTES_A_WINDOW + HELD_BYTES_A_PIECE
+    monkeypatch.setattr(hindsight, "MAX_BYTES_PER_FETCH", fetch.bytes + 10)
+    fetches.received("n1", piece(fetch.id, T0 + 1, T0 + 2, windows=MAX_WINDOWS))
+    assert fetches.pieces_refused["span_budget"] == 1 and len(fetch.windows) == MAX_WINDOWS
+    assert fetch.missing[-1]["why"].startswith("over the")
+
+
+def test_a_span_ends_about_now_and_an_incidents_goes_first() -> None:
+    clock = FakeClock(T0 + 600)
+    fetches = HindsightFetches(wall=clock)
+    ahead = fetches.ask("n1", T0 + 590, T0 + 600 + 3600, "a look an hour ahead", held_seconds=900)
+    assert ahead.t_to == T0 + 600 + AROUND_S
+    views = [ahead] + [fetches.ask("n1", T0 + 500, T0 + 590, "test", held_seconds=900) for _ in range(3)]
+    with pytest.raises(Refused, match="being fetched"):
+        fetches.ask("n1", T0 + 500, T0 + 590, "test", held_seconds=900)
+    assert fetches.asked("n1") == ahead.request
+    fetches.received("n1", piece(ahead.id, T0 + 590, T0 + 595))
+    # An incident's span is asked at once, ahead of the viewers' (its own turn and budget) ...
+    incident = fetches.ask("n1", T0 + 300, T0 + 660, "incident", held_seconds=900, for_incident=True, ahead_s=60)
+    assert fetches.asked("n1") == incident.request
+    fetches.received("n1", piece(ahead.id, T0 + 595, T0 + 600))  # the viewer's piece in flight: not taken now
+    assert ahead.received_to == T0 + 595 and fetches.pieces_refused["not_asked"] == 1
+    fetches.received("n1", piece(incident.id, T0 + 300, T0 + 660, done=True))
+    # ... and the viewer's resumes where its pieces ended.
+    assert incident.finished_at is not None and fetches.asked("n1") == SpanRequest(ahead.id, T0 + 595, ahead.t_to)
+    assert all(v.finished_at is None for v in views)
+
+
+def test_window_events_are_linear_in_what_they_give() -> None:
+    fetches = HindsightFetches(wall=lambda: T0 + 3600)
+    fetch = fetches.ask("n1", T0, T0 + 3600, "test", held_seconds=3600)
+    # A node's confusion: every window of every piece spans the whole piece (overlapping, and repeated).
+    for p in range(3):
+        body = piece(fetch.id, T0 + p * 1000, T0 + (p + 1) * 1000, done=p == 2)
+        body["windows"] = [(0.0, 1000.0)] * 2000 + [(float(i), float(i + 1)) for i in range(0, 1000, 50)]
+        body["shards"] = [{"id": f"s{i}", "cpu_cores": {"start": 0.0, "us": [10**9] * 1, "v": [1.0]}}
+                          for i in range(50)]  # fmt: skip
+        fetches.received("n1", body)
+    events, truncated = fetch.window_events()
+    assert not truncated
+    starts = [e["start"] for e in events]
+    assert starts == sorted(starts)
+    assert all(a["end"] <= b["start"] + 1e-3 for a, b in zip(events, events[1:], strict=False))
+    drawn = sum(len(s["us"]) for e in events for s in e["series"])
+    assert drawn <= 3 * 51  # each sample drawn once at most, however the windows overlap

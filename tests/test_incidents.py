@@ -27,10 +27,12 @@ import pytest
 import wire
 from controlplane import pages_api
 from controlplane.hindsight import HindsightFetches, Refused
-from controlplane.incidents import STARTS_BURST, Incidents, to_csv
+from controlplane.incidents import EMPTY_KEPT_S, MAX_EXPORTS, START_BUDGETS, STARVED_AGAIN_S, Incidents, to_csv
+from controlplane.listen.page_access import PageAccess
+from controlplane.listen.web_config import ReloadingWebConfig
 from controlplane.state.registry import NodeRegistry
 from sampler.window.span_sender import SpanSender
-from tests.agent_fleet import Fleet, fresh_with_seq
+from tests.agent_fleet import PASSWORD, Fleet, basic, fresh_with_seq, web_config_file
 from tests.conftest import free_port
 from tests.test_controlplane_api import heartbeat, registration
 from tests.test_hindsight_fetch import T0, filled_ring
@@ -106,7 +108,9 @@ async def test_an_incident_holds_every_sample_of_its_nodes_written_whole(tmp_pat
     await captured(incidents, nodes, incident.id)
     assert incident.state == "done" and incident.missing == {}
     files = sorted(p.name for p in (tmp_path / "incidents").iterdir())
-    assert files == [f"{incident.id}.json", f"{incident.id}.n1.json", f"{incident.id}.n2.json"]  # no temporaries
+    assert files == [f"{incident.id}.0.json", f"{incident.id}.1.json", f"{incident.id}.json"]  # no temporaries
+    assert {(tmp_path / "incidents" / f).stat().st_mode & 0o777 for f in files} == {0o600}
+    assert (tmp_path / "incidents").stat().st_mode & 0o777 == 0o700
     [(node, body), _] = list(incidents.parts(incident))
     samples = json.loads(body)
     machine = samples["machine"]["cpu_percent"]
@@ -162,8 +166,8 @@ async def test_the_budgets_drop_the_oldest_first(tmp_path: Path, registry: NodeR
     incidents.max_bytes = int(1.5 * size)
     incidents._keep_within_budget()
     assert [i["reason"] for i in incidents.listed()] == ["n1 again 1"]  # an incident with nothing left goes whole
-    assert sorted(p.name for p in (tmp_path / "incidents").iterdir()) == [f"{later[1].id}.json",
-                                                                         f"{later[1].id}.n1.json"]
+    assert sorted(p.name for p in (tmp_path / "incidents").iterdir()) == [f"{later[1].id}.0.json",
+                                                                         f"{later[1].id}.json"]
 
 
 def alert(node: str, name: str = "NodeCPUSaturated", fingerprint: str = "f1", status: str = "firing") -> dict[str, Any]:
@@ -203,36 +207,124 @@ async def test_a_verdict_turning_starved_starts_one_incident(tmp_path: Path, reg
     incidents.verdicts_changed("n1", {"s0": True}, {"s0": False}, T0 + 5)
     incidents.verdicts_changed("n1", {"s0": False}, {"s0": True}, T0 + 10)  # flapping: the same incident
     assert len(incidents.listed()) == 1
+    for i in range(20):  # a node that renames its starved engine each heartbeat: still the one incident
+        incidents.verdicts_changed("n1", {}, {f"renamed-{i}": True}, T0 + 15 + i)
+    assert len(incidents.listed()) == 1
+    incidents.wall = lambda: T0 + 60 + STARVED_AGAIN_S
+    incidents.verdicts_changed("n1", {}, {"renamed-again": True}, T0 + STARVED_AGAIN_S)
+    assert len(incidents.listed()) == 2
 
 
-async def test_incidents_are_started_at_a_bounded_rate(tmp_path: Path, registry: NodeRegistry) -> None:
+async def test_each_source_starts_incidents_from_a_budget_of_its_own(tmp_path: Path,
+                                                                      registry: NodeRegistry) -> None:  # fmt: skip
     incidents, _ = incidents_at(tmp_path, registry)
-    for i in range(STARTS_BURST):
+    for node in range(START_BUDGETS["starvation"][0] + 5):  # a fleet of starving nodes spends the starvation budget
+        known(registry, f"s{node}")
+        incidents.verdicts_changed(f"s{node}", {}, {"engine": True}, T0)
+    assert incidents.started["starvation"] == START_BUDGETS["starvation"][0] and incidents.refused["starvation"] == 5
+    for i in range(START_BUDGETS["operator"][0]):
         incidents.start(f"{i}", "operator", ["n1"])
     with pytest.raises(Refused, match="more often"):
         incidents.start("one too many", "operator", ["n1"])
+    # ... and the Alertmanager's is its own still.
+    assert incidents.alerts(webhook(alert("n2")))["started"] is not None
 
 
 async def test_the_pages_routes(aiohttp_client: Any, tmp_path: Path, registry: NodeRegistry) -> None:
     incidents, fetches = incidents_at(tmp_path, registry)
-    pages = await aiohttp_client(pages_api.create_app(registry, fetches=fetches, incidents=incidents))
-    # Starting one is an operator's: a user of the web config, or the admin socket.
-    r = await pages.post("/api/incidents", json={"nodes": ["n1"]})
+    # Without users, starting one (by the webhook too) is refused: anyone who may spends the budget.
+    anonymous = await aiohttp_client(pages_api.create_app(registry, fetches=fetches, incidents=incidents))
+    r = await anonymous.post("/api/incidents", json={"nodes": ["n1"]})
     assert r.status == 403 and "basic_auth_users" in await r.text()
-    assert (await pages.post("/api/alertmanager", data=b"{}")).status == 415
-    assert (await pages.post("/api/alertmanager", json={"version": "4"})).status == 400
-    r = await pages.post("/api/alertmanager", json=webhook(alert("n1")))
+    r = await anonymous.post("/api/alertmanager", json=webhook(alert("n1")))
+    assert r.status == 403 and "http_config.basic_auth" in await r.text()
+    assert incidents.listed() == []
+    access = PageAccess(ReloadingWebConfig(web_config_file(tmp_path, {"ops": PASSWORD}, tls=False)))
+    pages = await aiohttp_client(pages_api.create_app(registry, fetches=fetches, incidents=incidents, access=access))
+    user = basic("ops", PASSWORD)
+    assert (await pages.post("/api/alertmanager", json=webhook(alert("n1")))).status == 401
+    assert (await pages.post("/api/alertmanager", data=b"{}", headers=user)).status == 415
+    assert (await pages.post("/api/alertmanager", json={"version": "4"}, headers=user)).status == 400
+    r = await pages.post("/api/alertmanager", json=webhook(alert("n1")), headers=user)
     assert r.status == 200
     started = (await r.json())["started"]
-    listed = (await (await pages.get("/api/incidents")).json())["incidents"]
+    listed = (await (await pages.get("/api/incidents", headers=user)).json())["incidents"]
     assert [i["id"] for i in listed] == [started]
-    assert (await (await pages.get("/api/incidents?node=n2")).json())["incidents"] == []
+    assert (await (await pages.get("/api/incidents?node=n2", headers=user)).json())["incidents"] == []
     await captured(incidents, [Node(fetches, "n1")], started)
-    got = await (await pages.get(f"/api/incidents/{started}")).json()
+    got = await (await pages.get(f"/api/incidents/{started}", headers=user)).json()
     assert got["state"] == "done" and list(got["samples"]) == ["n1"] and "machine" in got["samples"]["n1"]
-    r = await pages.get(f"/api/incidents/{started}?format=csv")
-    assert r.content_type == "text/csv" and (await r.text()).startswith("node,series,begin,end,value\n")
-    assert (await pages.get("/api/incidents/nope")).status == 404
+    r = await pages.get(f"/api/incidents/{started}?format=csv", headers=user)
+    incident = incidents.get(started)
+    assert incident is not None and r.content_type == "text/csv"
+    assert await r.read() == to_csv(incidents.parts(incident))  # streamed, the same rows
+    assert (await pages.get(f"/api/incidents/{started}?format=xml", headers=user)).status == 400
+    assert (await pages.get("/api/incidents/nope", headers=user)).status == 404
+    # Exports at once are bounded.
+    for _ in range(MAX_EXPORTS):
+        await incidents._exports.acquire()
+    r = await pages.get(f"/api/incidents/{started}?format=csv", headers=user)
+    assert r.status == 429 and r.headers["Retry-After"]
+    for _ in range(MAX_EXPORTS):
+        incidents._exports.release()
+    # An operator's `at`: finite, within the nodes' rings' reach; a body that is an object.
+    bad: object
+    for bad in ({"nodes": ["n1"], "at": "NaN"}, {"nodes": ["n1"], "at": 1e300}, {"nodes": ["n1"], "at": 1},
+                {"nodes": ["n1"], "at": T0 + 3600}, [], {"nodes": "n1"}):  # fmt: skip
+        r = await pages.post("/api/incidents", json=bad, headers=user)
+        assert r.status == 400, bad
+    r = await pages.post("/api/incidents", json={"nodes": ["n1"], "at": T0 + 30}, headers=user)
+    assert r.status == 202
+    assert "NaN" not in await (await pages.get("/api/incidents", headers=user)).text()
+
+
+async def test_a_long_node_name_and_a_node_that_cannot_be_written_cost_that_node_alone(
+        tmp_path: Path, registry: NodeRegistry, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from controlplane.state.registry_state import write as real_write
+
+    long_name = "n" * 240
+    known(registry, long_name)
+    incidents, fetches = incidents_at(tmp_path, registry)
+
+    def failing(path: Path, body: bytes) -> None:
+        if path.name.endswith(".1.json"):  # the second node's samples: a disk error
+            raise OSError(28, "No space left on device")
+        real_write(path, body)
+
+    monkeypatch.setattr("controlplane.incidents.write", failing)
+    incident = incidents.start("names", "operator", [long_name, "n1", "n2"], at=T0 + 60)
+    await captured(incidents, [Node(fetches, n) for n in (long_name, "n1", "n2")], incident.id)
+    assert sorted(incident.bytes) == sorted([long_name, "n2"]) and incident.state == "done"
+    assert "No space left" in incident.missing["n1"][-1]["why"]
+    assert all(len(p.name) < 64 for p in (tmp_path / "incidents").iterdir())
+
+
+async def test_incidents_on_disk_are_bounded_in_number_and_bytes(tmp_path: Path, registry: NodeRegistry,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    import controlplane.incidents as module
+
+    known(registry, "bare", held=None)
+    incidents, _ = incidents_at(tmp_path, registry)
+    monkeypatch.setattr(module, "START_BUDGETS", {**START_BUDGETS, "operator": (1000, 1.0)})
+    incidents._starts["operator"] = (1000.0, T0)
+    empty = [incidents.start(f"{i}", "operator", ["bare"]) for i in range(30)]
+    for _ in range(100):  # each captured at once: nothing to fetch
+        if all(i.state == "done" for i in empty):
+            break
+        await asyncio.sleep(0.05)
+    directory = tmp_path / "incidents"
+    on_disk = sum(p.stat().st_size for p in directory.iterdir())
+    assert incidents.bytes_on_disk() == on_disk > 0  # their own files count in the budget
+    monkeypatch.setattr(module, "MAX_INCIDENTS", 10)
+    incidents._keep_within_budget()
+    assert len(incidents.listed()) == 10 and len(list(directory.iterdir())) == 10
+    assert {i["reason"] for i in incidents.listed()} == {str(i) for i in range(20, 30)}  # the newest kept
+    incidents.max_bytes = incidents.bytes_on_disk() - 1
+    incidents._keep_within_budget()
+    assert len(incidents.listed()) == 9 and "20" not in {i["reason"] for i in incidents.listed()}
+    incidents.wall = lambda: T0 + 61 + EMPTY_KEPT_S
+    incidents._keep_within_budget()  # an hour on, incidents that hold no samples go
+    assert incidents.listed() == [] and list(directory.iterdir()) == []
 
 
 # --- a real Prometheus and Alertmanager ---------------------------------------------------
@@ -271,7 +363,11 @@ def test_an_alert_from_the_shipped_rules_captures_the_samples_before_it(
             pytest.fail(f"{tool} missing: make setup installs Debian's")
     fleet = Fleet(tmp_path)
     try:
-        fleet.start_control_plane("--state-file", str(tmp_path / "registry.json"), "--incident-after", "3")
+        # Alertmanager posts as a web-config user, as deployment.md's receiver does; Prometheus scrapes as one.
+        config = web_config_file(tmp_path, {"ops": PASSWORD}, tls=False)
+        fleet.pages_headers = basic("ops", PASSWORD)
+        fleet.start_control_plane("--state-file", str(tmp_path / "registry.json"), "--incident-after", "3",
+                                  "--web-config-file", str(config))  # fmt: skip
         fleet.start_agent("--hz", "10")
         fleet.wait_for(lambda nodes: fresh_with_seq(nodes, 3))
         rules = tmp_path / "rules.yml"
@@ -281,13 +377,14 @@ def test_an_alert_from_the_shipped_rules_captures_the_samples_before_it(
             "route: {receiver: nodesampler, group_by: [alertname, node], group_wait: 1s, group_interval: 5s, "
             "repeat_interval: 1h}\n"
             f"receivers:\n  - name: nodesampler\n    webhook_configs:\n"
-            f"      - url: http://127.0.0.1:{fleet.pages_port}/api/alertmanager\n")  # fmt: skip
+            f"      - url: http://127.0.0.1:{fleet.pages_port}/api/alertmanager\n"
+            f"        http_config: {{basic_auth: {{username: ops, password: '{PASSWORD}'}}}}\n")  # fmt: skip
         (tmp_path / "prometheus.yml").write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
             f"rule_files: [{rules}]\n"
             f"alerting: {{alertmanagers: [{{static_configs: [{{targets: ['127.0.0.1:{am_port}']}}]}}]}}\n"
-            f"scrape_configs:\n  - job_name: nodesampler\n    static_configs: "
-            f"[{{targets: ['127.0.0.1:{fleet.pages_port}']}}]\n")  # fmt: skip
+            f"scrape_configs:\n  - job_name: nodesampler\n    basic_auth: {{username: ops, password: '{PASSWORD}'}}\n"
+            f"    static_configs: [{{targets: ['127.0.0.1:{fleet.pages_port}']}}]\n")  # fmt: skip
         processes.append(subprocess.Popen(
             ["prometheus-alertmanager", f"--config.file={tmp_path / 'am.yml'}", f"--storage.path={tmp_path / 'am'}",
              f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="],
@@ -315,7 +412,7 @@ def test_an_alert_from_the_shipped_rules_captures_the_samples_before_it(
     [incident] = listed
     assert incident["source"] == "alertmanager" and incident["reason"] == "alert NodeCPUSaturated"
     assert incident["nodes"] == ["n1"] and incident["from"] < busy_from
-    stored = json.loads((tmp_path / "registry.json.incidents" / f"{incident['id']}.n1.json").read_text())
+    stored = json.loads((tmp_path / "registry.json.incidents" / f"{incident['id']}.0.json").read_text())
     cpu = stored["machine"]["cpu_percent"]
     ends = stored["from"] + cpu["start"] + np.cumsum(cpu["us"]) / 1e6
     values = np.array([np.nan if v is None else v for v in cpu["v"]])

@@ -261,6 +261,8 @@ async def heartbeat(request: web.Request) -> web.Response:
     if fetches is not None:
         if decoded.hindsight is not None:
             fetches.received(hb.node, decoded.hindsight)
+        elif decoded.hindsight_came:  # a piece not of the span asked, or not one: left out whole
+            fetches.refused_piece("not_asked" if fetches.asked(hb.node) is None else "bad")
         if (span := fetches.asked(hb.node)) is not None:
             answer["hindsight"] = span.as_json()
     return _answer(request, hb.node, answer, dropped)

@@ -8,7 +8,10 @@ stale until it speaks again, so a node that was down stays
 
 The file is JSON, written whole to a temporary file beside it, flushed to
 disk and renamed over the old one, so a crash leaves the old state or the
-new one, never half of either. A file that cannot be read is set aside
+new one, never half of either. The temporary file's name is new each time
+and it is opened `O_CREAT | O_EXCL | O_NOFOLLOW`, mode 0600: a link another
+user left at a name the control plane would write through is never followed
+(a fixed `PATH.tmp` was), and nobody else reads what the fleet said. A file that cannot be read is set aside
 (`PATH.bad`) and said in the log, and the control plane starts empty: a
 bad volume never keeps it from serving.
 """
@@ -19,6 +22,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -53,12 +57,23 @@ def encoded(registry: NodeRegistry) -> bytes:
 
 
 def write(path: Path, body: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(body)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """`body` as the whole of `path` (mode 0600), or the old file left as it was."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            break
+        except FileExistsError:  # a name taken (by chance, or by whoever guessed it): another
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # a rename replaces a link at `path` itself, never what it points to
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)  # the rename itself survives a crash
