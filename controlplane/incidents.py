@@ -73,6 +73,7 @@ MAX_BODY = 1 << 20  # a webhook's body: Alertmanager's for a few hundred alerts
 # Each source's incidents: (at once, then one each so many seconds). A flood of valid webhooks costs
 # its own 429s; the fleet's starvation verdicts share one budget, and each node one a STARVED_AGAIN_S.
 START_BUDGETS = {"alertmanager": (10, 6.0), "operator": (10, 6.0), "starvation": (10, 60.0)}
+STATES = ("capturing", "done", "interrupted", "failed")
 STARVED_AGAIN_S = 600.0  # a node starved again within this starts none: a flapping verdict is one incident
 MAX_INCIDENTS = 1000  # kept at once, the oldest dropped first
 EMPTY_KEPT_S = 3600.0  # an incident that holds no samples (every node missing) is said for an hour, then goes
@@ -176,6 +177,15 @@ class Incidents:
 
     def bytes_on_disk(self) -> int:
         return sum(i.meta_bytes + sum(i.bytes.values()) for i in self._by_id.values())
+
+    def kept(self) -> dict[tuple[str, str], int]:
+        """Incidents kept, by (source, state): every pair, 0 where none."""
+        counts = dict.fromkeys(((source, state) for source in START_BUDGETS for state in STATES), 0)
+        for incident in self._by_id.values():
+            key = (incident.source, incident.state)
+            if key in counts:
+                counts[key] += 1
+        return counts
 
     # --- started ---------------------------------------------------------------
 

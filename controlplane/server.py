@@ -20,6 +20,7 @@ from aiohttp import web
 
 from controlplane import pages_api
 from controlplane.export.own_metrics import ControlPlaneMetrics
+from controlplane.export.surface_metrics import SurfacesCollector
 from controlplane.hindsight import HindsightFetches
 from controlplane.history import EmbeddedHistory
 from controlplane.incidents import AFTER_S, BEFORE_S, Incidents
@@ -113,6 +114,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
         log.info("incidents kept in %s: %d there", incidents_dir, incidents.load())
     else:
         log.info("no incidents kept: --incidents-dir, or --state-file, names where")
+    own.prometheus.register(SurfacesCollector(fetches, incidents, access.checker if web_config is not None else None))
     pages = pages_api.create_app(registry, own, history, state_file, live, access, SHARE_FOR_S, fetches, incidents)
     if add_routes is not None:  # the pages (web/pages.py): charts from the history or from Prometheus
         add_routes(pages, history, prometheus_url)
@@ -123,8 +125,8 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     agents = agent_api.create_app(registry, auth, own, history, live, heartbeat_rate, fetches, incidents)
     try:
         for name, app, address, context in (
-            ("agents", agents, agent_listen, tls.context if tls else None),
-            ("pages", pages, pages_listen, pages_tls.context if pages_tls else None),
+            ("agents", agents, agent_listen, tls.handshake_context if tls else None),
+            ("pages", pages, pages_listen, pages_tls.handshake_context if pages_tls else None),
         ):
             # Every connection through a guard (controlplane/listen/connection_limits.py):
             # aiohttp's own sites would time out neither half a request nor none,

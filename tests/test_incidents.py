@@ -299,6 +299,44 @@ async def test_a_long_node_name_and_a_node_that_cannot_be_written_cost_that_node
     assert all(len(p.name) < 64 for p in (tmp_path / "incidents").iterdir())
 
 
+async def test_the_surfaces_are_counted_with_fixed_labels(tmp_path: Path, registry: NodeRegistry) -> None:
+    """/metrics' figures for spans, incidents and password checks: every label
+    pair there from the start (a rate is never of a series that appears),
+    none from what a sender chose, and each figure the one counted."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from controlplane.export.surface_metrics import SurfacesCollector
+    from controlplane.listen.page_access import PasswordChecker
+
+    incidents, fetches = incidents_at(tmp_path, registry)
+    exported = CollectorRegistry()
+    exported.register(SurfacesCollector(fetches, incidents, PasswordChecker()))
+
+    def figures() -> dict[str, float]:
+        text = generate_latest(exported).decode()
+        return {m[1]: float(m[2]) for m in re.finditer(r"^(nodesampler_\S+) (\S+)$", text, re.M)}
+
+    before = figures()
+    assert before['nodesampler_hindsight_pieces_refused_total{reason="no_advance"}'] == 0
+    assert before['nodesampler_incidents{source="alertmanager",state="failed"}'] == 0
+    assert before['nodesampler_password_checks_total{result="refused"}'] == 0
+    assert len([k for k in before if k.startswith("nodesampler_incidents{")]) == 3 * 4
+    incident = incidents.start("a test", "operator", ["n1"], at=T0 + 60)
+    fetches.refused_piece("not_asked")
+    await captured(incidents, [Node(fetches, "n1")], incident.id)
+    after = figures()
+    assert after['nodesampler_incidents{source="operator",state="done"}'] == 1
+    assert after['nodesampler_incidents_started_total{source="operator"}'] == 1
+    assert after['nodesampler_hindsight_spans_asked_total{kind="incident"}'] == 1
+    assert after['nodesampler_hindsight_pieces_taken_total'] == fetches.pieces_taken > 0
+    assert after['nodesampler_hindsight_pieces_refused_total{reason="not_asked"}'] == 1
+    assert after["nodesampler_incident_bytes_on_disk"] == incidents.bytes_on_disk() > 0
+    assert set(after) == set(before)
+    bare = CollectorRegistry()
+    bare.register(SurfacesCollector(fetches, None, None))
+    assert "nodesampler_incidents" not in generate_latest(bare).decode()  # off: absent, not 0
+
+
 async def test_incidents_on_disk_are_bounded_in_number_and_bytes(tmp_path: Path, registry: NodeRegistry,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     import controlplane.incidents as module

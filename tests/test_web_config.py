@@ -11,7 +11,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from controlplane.listen.page_access import PasswordChecker, basic_credentials, host_name
+from controlplane.listen.page_access import PasswordChecker, basic_credentials, host_name, peer_of
 from controlplane.listen.web_config import ReloadingWebConfig, WebConfigError, load, parse
 from tests.agent_fleet import web_config_file
 
@@ -93,21 +93,68 @@ def test_malformed_basic_credentials(header: str) -> None:
 
 async def test_password_checks_wait_their_turn_and_a_good_one_is_remembered() -> None:
     users = {"ops": bcrypt.hashpw(b"pw", bcrypt.gensalt(8))}
-    checker = PasswordChecker(max_waiting=3)
+    checker = PasswordChecker(max_waiting=3, max_waiting_a_peer=3)
     try:
         assert await checker.check(users, "ops", "pw") is True
         assert checker.checks == 1
-        # Twenty guesses at once: one runs, three wait, sixteen are refused at once.
+        # Twenty guesses at once: three wait, seventeen are refused at once.
         results = await asyncio.gather(*(checker.check(users, "ops", f"guess{i}") for i in range(20)),
                                        checker.check(users, "ops", "pw"))  # fmt: skip
-        assert results[:20].count(None) == 16 and results[:20].count(False) == 4
+        assert results[:20].count(None) == 17 and results[:20].count(False) == 3
         assert results[20] is True  # remembered: not behind the guesses
-        assert checker.checks == 5
+        assert checker.checks == 4 and (checker.refused, checker.wrong, checker.good) == (17, 3, 1)
         # An unknown user costs a check too (a wrong name and a wrong password take as long).
-        assert await checker.check(users, "nobody", "pw") is False and checker.checks == 6
+        assert await checker.check(users, "nobody", "pw") is False and checker.checks == 5
     finally:
         checker.close()
 
+
+async def test_password_checks_take_turns_by_peer() -> None:
+    """A flood from one address fills its own queue alone: another address's
+    first login is refused by none of it, and is checked second, after the
+    check already running (40 guesses in one global queue once locked it out)."""
+    users = {"ops": bcrypt.hashpw(b"pw", bcrypt.gensalt(4)), "prometheus": bcrypt.hashpw(b"pw", bcrypt.gensalt(4))}
+    checker = PasswordChecker(max_waiting=64, max_waiting_a_peer=4)
+    checked_when: list[int] = []
+
+    async def login() -> bool | None:
+        ok = await checker.check(users, "prometheus", "pw", peer="10.0.0.2")
+        checked_when.append(checker.checks)
+        return ok
+
+    try:
+        guesses = [asyncio.ensure_future(checker.check(users, "ops", f"guess{i}", peer="10.0.0.66"))
+                   for i in range(40)]  # fmt: skip
+        await asyncio.sleep(0)  # the first guess is taken; the rest wait, four of them
+        assert await login() is True and checked_when == [2]
+        results = await asyncio.gather(*guesses)
+        assert results.count(None) == 36 and results.count(False) == 4
+    finally:
+        checker.close()
+
+
+def test_peers_are_addresses_and_ipv6_prefixes() -> None:
+    assert peer_of("10.1.2.3") == "10.1.2.3" and peer_of("::ffff:10.1.2.3") == "10.1.2.3"
+    assert peer_of("2001:db8::1") == peer_of("2001:db8::ffff:2") == "2001:db8::/64" != peer_of("2001:db8:0:1::1")
+    assert peer_of(None) == "unknown"
+
+
+async def test_a_name_no_file_holds_is_checked_at_the_files_highest_cost() -> None:
+    """A known user's check costs the hash's cost; an unknown name's, the
+    highest cost of the file's users (a cost-10 dummy against cost-12 users
+    answered unknown names 4x faster: users enumerable by timing). A
+    password longer than bcrypt's 72 bytes is judged on those 72, for a
+    known user or not (bcrypt 5 raises on it: a 500 and a traceback)."""
+    users = {"low": bcrypt.hashpw(b"pw", bcrypt.gensalt(4)), "high": bcrypt.hashpw(b"p" * 72, bcrypt.gensalt(6))}
+    checker = PasswordChecker()
+    try:
+        assert await checker.check(users, "nobody", "x" * 100, peer="a") is False
+        assert list(checker._dummies) == [6]
+        assert await checker.check(users, "high", "p" * 72 + "more", peer="a") is True
+        assert await checker.check(users, "low", "x" * 500, peer="a") is False
+        assert await checker.check(users, "low", "\0" * 80, peer="a") is False
+    finally:
+        checker.close()
 
 
 async def test_client_certificates_are_asked_for_as_the_file_says(tmp_path: Path) -> None:
@@ -137,7 +184,7 @@ async def test_client_certificates_are_asked_for_as_the_file_says(tmp_path: Path
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     assert runner.server is not None
-    guard = ConnectionGuard(ConnectionLimits(request_s=5), tls=config.tls.context)
+    guard = ConnectionGuard(ConnectionLimits(request_s=5), tls=config.tls.handshake_context)
     server = await asyncio.get_running_loop().create_server(guard.protocol_factory(runner.server), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
 

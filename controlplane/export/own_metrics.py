@@ -1,7 +1,9 @@
 """The control plane's own metrics, with prometheus-client: requests it
 accepted and refused (by reason), nodes registered, and what the last fleet
 scrape cost. Counters of its own events are counted as they happen; the
-rest is read at scrape time by a collector."""
+rest is read at scrape time by a collector (and by
+controlplane/export/surface_metrics.py's, for spans, incidents and
+password checks)."""
 
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from controlplane.incidents import INCIDENTS, Incidents
 from controlplane.ingest.node_identity import Forbidden, NodeAuthenticator, Unauthenticated
 from controlplane.keys import AUTHENTICATOR, METRICS, RECORDER, REGISTRY
 from controlplane.live import LIVE, LiveSamples
+from controlplane.rate_limited_log import RateLimitedLog
 from controlplane.state.registry import NodeRegistry, Received, UnknownNode
 
 log = logging.getLogger(__name__)
@@ -105,41 +106,9 @@ async def counted(request: web.Request, handler: Handler) -> web.StreamResponse:
     return response
 
 
-_SENDERS_TEXT = re.compile(r"'[^']*'|\"[^\"]*\"|\d+(\.\d+)?")
-
-
-def category(reason: str) -> str:
-    """A reason with what the sender chose taken out (quoted text, numbers):
-    what a log line or a label is keyed by, from a set the code's own
-    messages bound, however many distinct reasons a client makes up."""
-    return _SENDERS_TEXT.sub("_", reason)[:200]
-
-
-class _RateLimitedLog:
-    """A warning once a minute per category of its reason, so that a
-    misconfigured fleet (or a scanner, or a node that sends nonsense) is seen
-    without flooding the log: a JWT's key id or a list's lengths, which the
-    sender chooses, make no new line."""
-
-    EVERY_S = 60.0
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self._last: dict[str, float] = {}
-
-    def log(self, reason: str, *context: object) -> None:
-        key, now = category(reason), time.monotonic()
-        if now - self._last.get(key, -self.EVERY_S) < self.EVERY_S:
-            return
-        if len(self._last) > 1000:
-            self._last.clear()
-        self._last[key] = now
-        log.warning("%s %s: %s", self.what, " ".join(map(str, context)), reason[:500])
-
-
 B = TypeVar("B")  # a body as its parser gives it
-_refusals = _RateLimitedLog("token refused")
-_left_out = _RateLimitedLog("heartbeat entry left out")
+_refusals = RateLimitedLog("token refused", log)
+_left_out = RateLimitedLog("heartbeat entry left out", log)
 
 
 async def _checked_body(request: web.Request, parse: Callable[[bytes], B],

@@ -127,7 +127,7 @@ class GuardedConnection(asyncio.Protocol):
         transport.pause_reading()
         self.guard.handshakes += 1
         # Held: a task nobody holds may be collected before it ends.
-        self._handshake = asyncio.ensure_future(self._upgrade(transport, self.guard.tls))
+        self._handshake = asyncio.ensure_future(self._upgrade(transport, self.guard.tls()))
 
     async def _upgrade(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
         # loop.start_tls's own steps (CPython 3.11-3.14), with the smaller TLS layer.
@@ -287,7 +287,7 @@ class ConnectionGuard:
     """One listener's connections: counted per peer, found by transport."""
 
     def __init__(self, limits: ConnectionLimits, on_close: Callable[[str], None] | None = None,
-                 tls: ssl.SSLContext | None = None, max_active: int = 0,
+                 tls: Callable[[], ssl.SSLContext] | None = None, max_active: int = 0,
                  first_in_line: tuple[bytes, ...] = ()) -> None:  # fmt: skip
         self.limits = limits
         self.tls = tls

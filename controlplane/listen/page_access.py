@@ -22,11 +22,23 @@
 
 bcrypt costs about 50-100 ms of CPU a check (cost 10, the htpasswd default),
 so an anonymous flood of guessed passwords must not buy that without bound:
-checks run one at a time on a thread of their own (bcrypt lets go of the
-GIL, so the event loop goes on), at most `MAX_WAITING` wait (429 beyond),
-and a password once found good is remembered (a digest of user, hash and
-password, for as long as the hash stays in the file), so Prometheus' scrape
-every 15 s costs one check a restart, not one a scrape.
+- checks run one at a time on a thread of their own (bcrypt lets go of the
+  GIL, so the event loop goes on), taken from the peers' queues in turn, so
+  a real login waits for one check of each other peer, not for a flood's
+  queue: 40 guesses from one address once locked the first login and
+  Prometheus' first scrape out. A peer is its IPv4 address or its IPv6 /64.
+  At most `MAX_WAITING_A_PEER` of one peer's and `MAX_WAITING` in all wait
+  (429 beyond);
+- a password once found good is remembered (a digest of user, hash and
+  password, for as long as the hash stays in the file), so Prometheus'
+  scrape every 15 s costs one check a restart, not one a scrape;
+- every password is judged alike, whatever its length or user: bcrypt reads
+  its first 72 bytes (as Go's bcrypt, which Prometheus' exporter-toolkit
+  uses, and htpasswd do; Python's bcrypt 5 raises instead), and a name no
+  file holds is checked against a hash of the file's highest cost, so a
+  wrong name and a wrong password take as long;
+- a wrong password or a full queue is a warning at most once a minute
+  (controlplane/rate_limited_log.py), never a traceback.
 """
 
 from __future__ import annotations
@@ -41,18 +53,22 @@ import os
 import socket
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from controlplane.listen.connection_limits import end_turn
 from controlplane.listen.web_config import ReloadingWebConfig
+from controlplane.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 OPEN_PATHS = frozenset({"/health"})
-MAX_WAITING = 16  # password checks queued behind the one running; ~1 s of bcrypt at cost 10
+MAX_WAITING = 64  # password checks queued in all; taken in turn by peer, so one peer's do not hold another's
+MAX_WAITING_A_PEER = 4  # of one peer: its fifth guess at once is 429
+BCRYPT_READS = 72  # bytes of a password bcrypt reads
 REMEMBERED = 256  # good passwords remembered (digests): far more than a fleet's scrapers and operators
 REALM = 'Basic realm="nodesampler", charset="UTF-8"'
 USER = web.RequestKey("user", str)  # the request's authenticated user (absent: none)
@@ -94,17 +110,55 @@ def basic_credentials(header: str) -> tuple[str, str] | None:
     return (user, password) if sep else None
 
 
-class PasswordChecker:
-    """bcrypt, bounded (see the module's docstring)."""
+def peer_of(address: str | None) -> str:
+    """The key a client's checks queue under: its IPv4 address, or its IPv6
+    /64 (one host is given a whole /64; an address is not a client there)."""
+    try:
+        ip = ipaddress.ip_address(address or "")
+    except ValueError:
+        return address or "unknown"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
-    def __init__(self, max_waiting: int = MAX_WAITING) -> None:
+
+def bcrypt_cost(hashed: bytes) -> int | None:
+    """`$2b$12$...` -> 12 (None: not that shape)."""
+    parts = hashed.split(b"$")
+    return int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else None
+
+
+@dataclass
+class _Check:
+    hashed: bytes | None  # None: a name no file holds
+    dummy_cost: int
+    password: bytes
+    answer: asyncio.Future[bool] = field(repr=False)
+
+
+class PasswordChecker:
+    """bcrypt, bounded and fair by peer (see the module's docstring)."""
+
+    def __init__(self, max_waiting: int = MAX_WAITING, max_waiting_a_peer: int = MAX_WAITING_A_PEER) -> None:
         self.max_waiting = max_waiting
+        self.max_waiting_a_peer = max_waiting_a_peer
         self._remembered: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._executor: ThreadPoolExecutor | None = None
-        self._waiting = 0
-        # A name no file holds still costs a check, so a wrong name and a wrong password take as long.
-        self._dummy: bytes | None = None
-        self.checks = 0
+        self._queues: collections.OrderedDict[str, collections.deque[_Check]] = collections.OrderedDict()
+        self._worker: asyncio.Task[None] | None = None
+        # A name no file holds still costs a check at the file's highest cost: a hash of
+        # that cost to check against (bcrypt reads only its salt), made once a cost.
+        self._dummies: dict[int, bytes] = {}
+        self.checks = 0  # bcrypt runs
+        self.refused = 0  # checks refused: too many waiting (429)
+        self.wrong = 0  # passwords found wrong, or names no file holds (401)
+        self.good = 0  # passwords bcrypt found good (a remembered one is not checked)
+        self._log = RateLimitedLog("password", log)
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._queues.values())
 
     @staticmethod
     def _digest(user: str, hashed: bytes, password: str) -> bytes:
@@ -121,42 +175,78 @@ class PasswordChecker:
             return True
         return False
 
-    async def check(self, users: dict[str, bytes], user: str, password: str) -> bool | None:
-        """Whether the password is the user's; None when too many checks wait already."""
+    async def check(self, users: dict[str, bytes], user: str, password: str, peer: str = "") -> bool | None:
+        """Whether the password is the user's; None when too many checks wait
+        already (in all, or of `peer`, see `peer_of`)."""
         if self.remembered(users, user, password):
             return True
-        hashed = users.get(user)
-        if self._waiting >= self.max_waiting + 1:
+        queue = self._queues.get(peer)
+        if self.waiting() >= self.max_waiting or (queue is not None and len(queue) >= self.max_waiting_a_peer):
+            self.refused += 1
+            self._log.log("too many checks waiting: refused (429)", "from", peer)
             return None
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcrypt")
-        self._waiting += 1
-        try:
-            ok = await asyncio.get_running_loop().run_in_executor(self._executor, self._bcrypt, hashed, password)
-        finally:
-            self._waiting -= 1
+        hashed = users.get(user)
+        costs = [c for c in map(bcrypt_cost, users.values()) if c is not None]
+        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._queues.setdefault(peer, collections.deque()).append(
+            _Check(hashed, max(costs, default=10), password.encode()[:BCRYPT_READS], answer))
+        if self._worker is None:
+            self._worker = asyncio.create_task(self._take_turns())
+        ok = await answer  # cancelled with the request: the check is skipped, not run
         if ok and hashed is not None:
+            self.good += 1
             self._remembered[self._digest(user, hashed, password)] = None
             while len(self._remembered) > REMEMBERED:
                 self._remembered.popitem(last=False)
+        else:
+            self.wrong += 1
+            self._log.log("wrong user or password (401)", "from", peer)
         return ok and hashed is not None
 
-    def _bcrypt(self, hashed: bytes | None, password: str) -> bool:
+    async def _take_turns(self) -> None:
+        """Each peer's oldest check in turn, one at a time, until none wait."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcrypt")
+        loop = asyncio.get_running_loop()
+        try:
+            while self._queues:
+                peer, queue = next(iter(self._queues.items()))
+                check = queue.popleft()
+                if queue:
+                    self._queues.move_to_end(peer)
+                else:
+                    del self._queues[peer]
+                if check.answer.done():  # its client went away
+                    continue
+                ok = await loop.run_in_executor(self._executor, self._bcrypt, check)
+                if not check.answer.done():
+                    check.answer.set_result(ok)
+        finally:
+            self._worker = None
+
+    def _bcrypt(self, check: _Check) -> bool:
         import bcrypt  # here: the kernel tier's guests import the control plane without it
 
         self.checks += 1
-        if hashed is None:
-            if self._dummy is None:
-                self._dummy = bcrypt.hashpw(b"not a password", bcrypt.gensalt(10))
-            bcrypt.checkpw(password.encode(), self._dummy)
+        if check.hashed is None:
+            dummy = self._dummies.get(check.dummy_cost)
+            if dummy is None:
+                dummy = self._dummies[check.dummy_cost] = bcrypt.gensalt(check.dummy_cost) + b"." * 31
+            bcrypt.checkpw(check.password, dummy)
             return False
         try:
-            return bool(bcrypt.checkpw(password.encode(), hashed))
+            return bool(bcrypt.checkpw(check.password, check.hashed))
         except ValueError:  # a hash bcrypt cannot read (the file's check is by shape only)
-            log.error("basic_auth_users: a user's hash is not one bcrypt reads")
+            self._log.log("basic_auth_users: a user's hash is not one bcrypt reads")
             return False
 
     def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+        for queue in self._queues.values():
+            for check in queue:
+                check.answer.cancel()
+        self._queues.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -206,7 +296,7 @@ async def page_access(request: web.Request, handler: Handler) -> web.StreamRespo
             # bcrypt is waited for off the loop: the turn goes to the next request
             # (a flood of guesses held every turn, and a user queued behind them).
             end_turn(request)
-            ok = await access.checker.check(users, *credentials)
+            ok = await access.checker.check(users, *credentials, peer=peer_of(request.remote))
         if ok is None:
             return web.Response(status=429, text="too many password checks under way; try again\n",
                                 headers={"Retry-After": "1"})  # fmt: skip

@@ -6,6 +6,15 @@ new connection and, when they changed, hands that connection and the ones
 after it a context made from the new files. A pair that does not load (half
 written, key and certificate not matching) is logged and the last good one
 stays in force: the listener never goes without a certificate.
+
+The check runs before the connection's TLS object is made
+(`handshake_context`), and what it loads becomes the listener's context
+whole: whether a client certificate is asked for and the protocol versions
+are fixed when that object is made, so a context swapped in during the
+handshake (SNI's callback) changed the certificate alone, and a reload to
+`RequireAndVerifyClientCert` and TLS 1.3 let a TLS 1.2 client without a
+certificate in until a restart. The SNI swap stays for listeners that hold
+the context itself (aiohttp's own sites, in tests): a certificate there.
 """
 
 from __future__ import annotations
@@ -70,25 +79,28 @@ class TlsSettings:
 
 
 class ReloadingServerTLS:
-    """`context` is the listener's; each handshake gets a context made from
-    the settings' files as they are now. `before_hello`, when set, runs
-    first at each handshake (the web config checks its own file there)."""
+    """`handshake_context()` is the context a new connection is wrapped with:
+    the settings' files as they are now (and, with `before_hello` set, the
+    web config's settings as its file is now: it runs first)."""
 
     def __init__(self, settings: TlsSettings) -> None:
         self.settings = settings
         self._stamps = self._stamps_now()
-        self.current = settings.context()  # raises at start: a listener without its certificate does not start
-        self.context = settings.context()
-        self.context.sni_callback = self._on_hello
+        self.context = self._listening(settings.context())  # raises at start: no listener without its certificate
         self.reloads = 0
         self.before_hello: Callable[[], object] | None = None
+
+    def _listening(self, context: ssl.SSLContext) -> ssl.SSLContext:
+        context.sni_callback = self._on_hello
+        return context
 
     def _stamps_now(self) -> tuple[tuple[int, int, int], ...]:
         return tuple(stamp(p) for p in self.settings.files())
 
     def use(self, settings: TlsSettings, context: ssl.SSLContext) -> None:
-        """Other settings (the web config changed), already loaded."""
-        self.settings, self.current, self._stamps = settings, context, self._stamps_now()
+        """Other settings (the web config changed), already loaded: the next handshake's, whole."""
+        self.settings, self._stamps = settings, self._stamps_now()
+        self.context = self._listening(context)
         self.reloads += 1
 
     def maybe_reload(self) -> None:
@@ -100,14 +112,20 @@ class ReloadingServerTLS:
         except (OSError, ssl.SSLError) as e:
             log.error("TLS certificate %s not reloaded, keeping the last good one: %s", self.settings.cert_file, e)
             return
-        self._stamps, self.current = stamps, context
+        self._stamps, self.context = stamps, self._listening(context)
         self.reloads += 1
         log.info("TLS certificate %s reloaded", self.settings.cert_file)
 
-    def _on_hello(self, conn: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
-        # Called for every handshake, with or without SNI.
+    def handshake_context(self) -> ssl.SSLContext:
+        """The context for a connection about to shake hands (one stat a file)."""
         if self.before_hello is not None:
             self.before_hello()
         self.maybe_reload()
-        if self.current is not context:
-            conn.context = self.current
+        return self.context
+
+    def _on_hello(self, conn: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        # Called for every handshake, with or without SNI; a connection made from
+        # an older context (a listener that holds it) gets the newer certificate.
+        current = self.handshake_context()
+        if current is not context:
+            conn.context = current
