@@ -23,6 +23,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,7 +89,9 @@ def main() -> None:
                              start_new_session=True) if args.processes else None  # fmt: skip
     if crowd is not None and crowd.stdout is not None:
         crowd.stdout.readline()  # all forked
-    up = subprocess.Popen([sys.executable, "-m", "nodesampler", "up", "--listen", args.listen, "--hz", str(args.hz)],
+    state = tempfile.TemporaryDirectory(prefix="agent-steady-")  # not the user's own state directory
+    up = subprocess.Popen([sys.executable, "-m", "nodesampler", "up", "--listen", args.listen, "--hz", str(args.hz),
+                           "--state-dir", state.name],
                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         agent = agent_of(up.pid, time.monotonic() + 60)

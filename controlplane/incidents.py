@@ -594,3 +594,19 @@ def add_routes(app: web.Application, incidents: Incidents) -> None:
 
     app.cleanup_ctx.append(lifecycle)
 
+
+INCIDENTS_OFF = ("no incidents are kept by this control plane: start it with --incidents-dir DIR (or --state-file "
+                 "PATH, which keeps them beside it)\n")  # fmt: skip
+
+
+async def incidents_off(request: web.Request) -> web.Response:
+    """503: Alertmanager retries, and its log and the operator's client say which flag turns incidents on."""
+    return web.Response(status=503, text=INCIDENTS_OFF)
+
+
+def add_routes_when_off(app: web.Application) -> None:
+    """Without a directory for incidents: each route says why, not a bare 404."""
+    app.router.add_post("/api/alertmanager", incidents_off)
+    app.router.add_route("*", "/api/incidents", incidents_off)
+    app.router.add_get("/api/incidents/{id}", incidents_off)
+

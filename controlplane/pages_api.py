@@ -23,6 +23,7 @@ from controlplane.hindsight import HINDSIGHT, HindsightFetches
 from controlplane.history import EmbeddedHistory
 from controlplane.incidents import Incidents
 from controlplane.incidents import add_routes as add_incident_routes
+from controlplane.incidents import add_routes_when_off as add_incident_routes_when_off
 from controlplane.ingest.agent_api import no_tracebacks
 from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
 from controlplane.listen.page_access import PAGE_ACCESS, PageAccess, add_headers, may_change_fleet, page_access
@@ -153,5 +154,7 @@ def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
         hindsight.add_routes(app, fetches)
     if incidents is not None:
         add_incident_routes(app, incidents)
+    else:
+        add_incident_routes_when_off(app)
     app.cleanup_ctx.append(forget_gone_nodes)
     return app

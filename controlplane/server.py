@@ -8,7 +8,6 @@ the pages' app through `add_routes`."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import ipaddress
 import logging
@@ -34,7 +33,7 @@ from controlplane.listen.connection_limits import (
     end_turn_when_answering,
     within_deadline,
 )
-from controlplane.listen.page_access import PageAccess, listen_admin_socket
+from controlplane.listen.page_access import PageAccess, listen_admin_socket, remove_admin_socket
 from controlplane.listen.tls_files import ReloadingServerTLS
 from controlplane.listen.web_config import ReloadingWebConfig
 from controlplane.live import LiveSamples
@@ -122,6 +121,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     loop = asyncio.get_running_loop()
     runners: list[web.AppRunner] = []
     servers: list[asyncio.AbstractServer] = []
+    admin_made: tuple[int, int] | None = None  # the admin socket's identity, once made
     agents = agent_api.create_app(registry, auth, own, history, live, heartbeat_rate, fetches, incidents)
     try:
         for name, app, address, context in (
@@ -144,7 +144,8 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
             assert runner.server is not None  # set up
             servers.append(await loop.create_server(guard.protocol_factory(runner.server), host, port))
         if admin_socket is not None:  # the pages' routes to the operator (listen/page_access.py)
-            servers.append(await listen_admin_socket(runners[1], admin_socket))
+            admin_server, admin_made = await listen_admin_socket(runners[1], admin_socket)
+            servers.append(admin_server)
         if auth.service_accounts is not None:
             await auth.service_accounts.keys.refresh()  # a failure is logged; tokens are refused until keys load
         scheme, pages_scheme = ("https" if tls else "http"), ("https" if pages_tls else "http")
@@ -161,8 +162,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
         for runner in runners:
             await runner.cleanup()
         access.checker.close()
-        if admin_socket is not None:
-            with contextlib.suppress(OSError):
-                admin_socket.unlink()
+        if admin_socket is not None and admin_made is not None:
+            remove_admin_socket(admin_socket, admin_made)
         if auth.service_accounts is not None:
             await auth.service_accounts.keys.close()

@@ -459,3 +459,13 @@ def test_an_alert_from_the_shipped_rules_captures_the_samples_before_it(
     assert np.nanmax(values[ends > busy_from + 2]) > 95
     # The span's start is older than the agent's ring: said, not filled.
     assert all(m["why"].startswith("older than the node keeps") for m in incident["missing"].get("n1", []))
+
+
+async def test_without_incidents_the_webhook_says_which_flag_turns_them_on(aiohttp_client: Any,
+                                                                           registry: NodeRegistry) -> None:  # fmt: skip
+    """Not a bare 404: Alertmanager retries a 503, and its log says why."""
+    pages = await aiohttp_client(pages_api.create_app(registry))
+    for method, path in (("POST", "/api/alertmanager"), ("POST", "/api/incidents"), ("GET", "/api/incidents"),
+                         ("GET", "/api/incidents/1-abc")):  # fmt: skip
+        r = await pages.request(method, path, json={"alerts": []})
+        assert r.status == 503 and "--incidents-dir" in await r.text(), (method, path)

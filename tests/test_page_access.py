@@ -10,10 +10,13 @@ import base64
 import http.client
 import os
 import re
+import shutil
 import socket
 import ssl
 import stat
 import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +25,7 @@ import pytest
 
 from tests.agent_fleet import PASSWORD, Fleet, basic, fresh_with_seq
 from tests.certs import TestCA
+from tests.conftest import free_port
 from tests.test_connection_limits import connect, wait_closed_by_server
 
 pytestmark = pytest.mark.live
@@ -78,6 +82,68 @@ def test_a_loopback_peer_is_no_operator_and_this_machine_forgets_through_its_soc
     assert again.returncode == 1 and "404" in again.stderr and again.stderr.count("\n") == 1
     missing = forget(fleet, "n1", fleet.tmp / "nothing.sock")
     assert missing.returncode == 1 and "--admin-socket" in missing.stderr
+
+
+ADMIN_CLIENT = """
+import http.client, socket, sys
+class Unix(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(sys.argv[1])
+c = Unix("localhost", timeout=10)
+c.request("GET", "/api/nodes")
+print(c.getresponse().status)
+"""
+
+
+def test_the_admin_socket_is_its_own_and_serves_its_user_alone(fleet: Fleet) -> None:
+    """A second control plane does not take a live admin socket over, nor a
+    path where something else lies; a peer of another uid is refused even
+    where the socket's mode would let it in; on stopping, the control plane
+    removes its own socket, never one another put at the path since."""
+    # A directory another uid may enter (pytest's own are root's alone): the socket's mode is the question.
+    shared = Path(tempfile.mkdtemp(prefix="nodesampler-admin-"))
+    shared.chmod(0o755)
+    try:
+        admin_socket_checks(fleet, shared / "admin.sock")
+    finally:
+        shutil.rmtree(shared)
+
+
+def admin_socket_checks(fleet: Fleet, admin: Path) -> None:
+    fleet.start_control_plane("--admin-socket", str(admin))
+    second = subprocess.run(fleet.cli("controlplane", "--listen", f"127.0.0.1:{free_port()}", "--pages-listen",
+                                      f"127.0.0.1:{free_port()}", "--secret-file", str(fleet.secret),
+                                      "--admin-socket", str(admin)),
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert second.returncode != 0 and "another process serves it" in second.stderr, second.stderr
+    assert forget(fleet, "nobody", admin).stderr.count("404") == 1  # the first still answers on it
+    not_a_socket = fleet.tmp / "plain"
+    not_a_socket.write_text("an operator's file\n")
+    third = subprocess.run(fleet.cli("controlplane", "--listen", f"127.0.0.1:{free_port()}", "--pages-listen",
+                                     f"127.0.0.1:{free_port()}", "--secret-file", str(fleet.secret),
+                                     "--admin-socket", str(not_a_socket)),
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert third.returncode != 0 and "not a socket" in third.stderr
+    assert not_a_socket.read_text() == "an operator's file\n"
+    if os.geteuid() == 0:  # another uid's client: only root can be one here
+        os.chmod(admin, 0o666)  # as a mistaken mode would leave it
+        other = subprocess.run([sys.executable, "-c", ADMIN_CLIENT, str(admin)], user=65534, capture_output=True,
+                               text=True, timeout=30)  # fmt: skip
+        assert other.stdout.strip() == "403", other.stderr
+    # Another instance's socket put at the path while this one runs: left alone at exit.
+    os.unlink(admin)
+    theirs = socket.socket(socket.AF_UNIX)
+    theirs.bind(str(admin))
+    assert fleet.control is not None
+    fleet.control.terminate()
+    assert fleet.control.wait(timeout=30) == 0
+    assert stat.S_ISSOCK(os.lstat(admin).st_mode)
+    theirs.close()  # now a leftover nobody listens on: the next control plane replaces it
+    fleet.start_control_plane("--admin-socket", str(admin))
+    assert forget(fleet, "nobody", admin).stderr.count("404") == 1
+    fleet.control.terminate()
+    assert fleet.control.wait(timeout=30) == 0 and not admin.exists()
 
 
 def test_pages_need_a_user_tls_serves_both_listeners_and_only_named_hosts_are_served(fleet: Fleet) -> None:

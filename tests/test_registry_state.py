@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import logging
+import stat
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -87,6 +88,27 @@ async def test_a_state_file_that_cannot_be_read_is_set_aside(aiohttp_client: Any
     register(registry, "n1")
     await pages.close()
     assert [n["registration"]["node"] for n in json.loads(path.read_bytes())["nodes"]] == ["n1"]
+
+
+async def test_the_state_file_is_private_and_follows_no_link(aiohttp_client: Any, tmp_path: Path) -> None:
+    """0600, written through a temporary name of its own (O_EXCL|O_NOFOLLOW): a
+    link planted at the old fixed `.tmp` name, or at the state file itself,
+    makes the control plane neither read nor write what it points to."""
+    victim = tmp_path / "victim"
+    victim.write_text('{"version": 1, "nodes": [{"registration": {"node": "planted"}}]}')
+    path = tmp_path / "registry.json"
+    (tmp_path / "registry.json.tmp").symlink_to(victim)
+    path.symlink_to(victim)
+    registry = NodeRegistry(stale_after=60)
+    pages = await aiohttp_client(pages_api.create_app(registry, state_file=path))
+    assert len(registry) == 0  # the link was not read
+    register(registry, "n1")
+    await pages.close()
+    assert victim.read_text().count("planted") == 1 and not path.is_symlink()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [n["registration"]["node"] for n in json.loads(path.read_bytes())["nodes"]] == ["n1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["registry.json", "registry.json.bad", "registry.json.tmp",
+                                                          "victim"]  # fmt: skip
 
 
 async def test_a_bad_entry_is_left_out_alone(aiohttp_client: Any, tmp_path: Path) -> None:

@@ -51,6 +51,8 @@ import ipaddress
 import logging
 import os
 import socket
+import stat
+import struct
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,9 +76,21 @@ REALM = 'Basic realm="nodesampler", charset="UTF-8"'
 USER = web.RequestKey("user", str)  # the request's authenticated user (absent: none)
 
 
-def from_admin_socket(request: web.Request) -> bool:
+def admin_peer(request: web.Request) -> bool | None:
+    """None: the request did not come through the admin socket; else whether
+    its peer (SO_PEERCRED) is this process's user or root, the only ones it serves."""
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
-    return sock is not None and sock.family == socket.AF_UNIX
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:
+        return False
+    return uid in (0, os.geteuid())
+
+
+def from_admin_socket(request: web.Request) -> bool:
+    return admin_peer(request) is True
 
 
 def host_name(header: str) -> str:
@@ -280,7 +294,10 @@ def _unauthorized(text: str) -> web.Response:
 @web.middleware
 async def page_access(request: web.Request, handler: Handler) -> web.StreamResponse:
     access = request.app.get(PAGE_ACCESS)
-    if access is None or from_admin_socket(request):
+    admin = admin_peer(request)
+    if admin is False:
+        return web.Response(status=403, text="the admin socket serves the control plane's own user and root\n")
+    if access is None or admin:
         return await handler(request)
     if access.hosts:
         name = host_name(request.headers.get("Host", ""))
@@ -318,17 +335,55 @@ def may_change_fleet(request: web.Request) -> bool:
     return from_admin_socket(request) or USER in request
 
 
-async def listen_admin_socket(runner: web.AppRunner, path: os.PathLike[str] | str) -> asyncio.AbstractServer:
+class AdminSocketInUse(OSError):
+    """Another process serves the admin socket's path, or something not a socket is there."""
+
+
+AdminSocket = tuple[asyncio.AbstractServer, tuple[int, int]]  # its server, and its file's (st_dev, st_ino)
+
+
+async def listen_admin_socket(runner: web.AppRunner, path: os.PathLike[str] | str) -> AdminSocket:
     """The admin socket: made 0600 from the start (umask around bind: a chmod after
-    it leaves a moment when others may connect); a stale one from a crash is replaced."""
+    it leaves a moment when others may connect). A socket left at the path by a
+    crash (nobody answers on it) is replaced; a live one, or anything not a
+    socket, is refused. Returns the server and the socket file's identity, for
+    `remove_admin_socket`."""
     path = os.fspath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        os.unlink(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise AdminSocketInUse(f"--admin-socket {path}: something not a socket is there; not replaced")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # nobody listens: a crash's leftover
+        except OSError as e:
+            raise AdminSocketInUse(f"--admin-socket {path}: cannot tell whether it is in use: {e}") from None
+        else:
+            raise AdminSocketInUse(f"--admin-socket {path}: another process serves it (another control plane?)")
+        finally:
+            probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
         sock.bind(path)
     finally:
         os.umask(old)
+    made = os.lstat(path)
     assert runner.server is not None
-    return await asyncio.get_running_loop().create_unix_server(runner.server, sock=sock)
+    server = await asyncio.get_running_loop().create_unix_server(runner.server, sock=sock)
+    return server, (made.st_dev, made.st_ino)
+
+
+def remove_admin_socket(path: os.PathLike[str] | str, made: tuple[int, int]) -> None:
+    """Unlink the socket this process made, and nothing another put there since."""
+    try:
+        st = os.lstat(path)
+        if (st.st_dev, st.st_ino) == made:
+            os.unlink(path)
+    except OSError:
+        pass

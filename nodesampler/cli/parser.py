@@ -243,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of the pages (default 127.0.0.1:8080); agents talk to PORT+1")
     u.add_argument("--hz", type=_positive(1000), default=10.0, help="samples a second (default 10)")
     u.add_argument("--interval", type=_positive(3600), default=5.0, help="seconds per heartbeat (default 5)")
+    u.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                   help="where the nodes known, the incidents and the admin socket are kept (default "
+                        "$XDG_STATE_HOME/nodesampler, else ~/.local/state/nodesampler)")
     return p
 
 
