@@ -231,7 +231,8 @@ async def heartbeat(request: web.Request) -> web.Response:
         if decoded.hindsight is not None:
             fetches.received(hb.node, decoded.hindsight)
         elif decoded.hindsight_came:  # a piece not of the span asked, or not one: left out whole
-            fetches.refused_piece("not_asked" if fetches.asked(hb.node) is None else "bad")
+            foreign = fetches.asked(hb.node) is None or any(d["field"] == "hindsight.id" for d in dropped)
+            fetches.refused_piece("not_asked" if foreign else "bad")
         if (span := fetches.asked(hb.node)) is not None:
             answer["hindsight"] = span.as_json()
     return _answer(request, hb.node, answer, dropped)
