@@ -12,13 +12,22 @@ connections), Prometheus' scrape of /metrics every second, and, in turn:
 - user loops: 200 clients asking for `/` as a user, in a loop (a valid
   password used to flood);
 - slow viewers: ten live views as one user from ten addresses, reading a
-  byte every 14 s; then a real operator (another user) opens a live view.
+  byte every 14 s; then a real operator (another user) opens a live view;
+- hindsight flood: 20 hostile nodes (their own tokens) each asked a span by
+  a viewer, sending pieces as heavy as a body allows (10,000 windows and
+  30,000 samples) as fast as their heartbeat rate lets them, and pieces of
+  spans nobody asked;
+- guess flood: 200 clients guessing passwords in a loop (half as a known
+  user, half as names no file holds, some 1,000 bytes long); then a user's
+  first login from another address (it is not remembered: bcrypt runs);
+- incident export: 20 clients reading a full incident (8 nodes, 6 minutes
+  at 100 Hz of 8 engines each) as CSV and JSON in a loop.
 
 Printed for each phase: the control plane's peak RSS (VmHWM, reset at the
 phase's start), heartbeat p50/p99 and /metrics' time (median and max), each
-beside the baseline's. Targets (#32): RSS under the Deployment's 1 GiB
+beside the baseline's. Targets (#32, #45): RSS under the Deployment's 1 GiB
 limit, heartbeat p99 under 50 ms, /metrics under 1 s, the operator's live
-view served.
+view and the newcomer's first login served.
 
 The control plane is pinned to CPU 0; this script and its attackers run on
 CPU 1 (the attackers that loop in processes of their own, so the heartbeat
@@ -60,7 +69,10 @@ from tests.agent_fleet import web_config_file  # noqa: E402
 from tests.test_controlplane_api import registration  # noqa: E402
 
 INTERVAL_S = 5.0
-USERS = {"ops": "ops-password", "prometheus": "scrape-password", "operator": "operator-password"}
+USERS = {"ops": "ops-password", "prometheus": "scrape-password", "operator": "operator-password",
+         "newcomer": "first-login"}  # fmt: skip
+HOSTILE_NODES = 20
+INCIDENT_NODES, INCIDENT_S = 8, 360.0
 
 
 def basic(user: str) -> str:
@@ -78,17 +90,19 @@ def pct(values: list[float], q: int) -> float:
 
 
 class Bench:
-    def __init__(self, tmp: Path, nodes: int, seconds: float) -> None:
+    def __init__(self, tmp: Path, nodes: int, seconds: float, incident: str) -> None:
         self.tmp, self.nodes, self.seconds = tmp, nodes, seconds
         self.config = web_config_file(tmp, USERS, cost=10)
         self.context = ssl.create_default_context(cafile=str(tmp / "ca.crt"))
         self.agents, self.pages = free_port(), free_port()
         (tmp / "secret").write_bytes(SECRET)
+        self.incident = incident  # written before the control plane starts: it loads it
         self.log = open(tmp / "control.log", "wb")  # noqa: SIM115 (the child's, for its life)
         self.cp = subprocess.Popen(
             ["taskset", "-c", "0", sys.executable, "-m", "nodesampler", "controlplane",
              "--listen", f"127.0.0.1:{self.agents}", "--pages-listen", f"127.0.0.1:{self.pages}",
-             "--secret-file", str(tmp / "secret"), "--web-config-file", str(self.config), "--stale-after", "3600"],
+             "--secret-file", str(tmp / "secret"), "--web-config-file", str(self.config), "--stale-after", "3600",
+             "--incidents-dir", str(tmp / "incidents")],
             stdout=subprocess.PIPE, stderr=self.log)  # fmt: skip
         assert self.cp.stdout is not None and b"control plane" in self.cp.stdout.readline()
         self.seq = 10
@@ -157,6 +171,13 @@ class Bench:
             text = r.read().decode()
         pattern = r'^nodesampler_connections_closed_total\{listener="(\w+)",reason="(\w+)"\} (\S+)$'
         return {f"{m[1]}/{m[2]}": int(float(m[3])) for m in re.finditer(pattern, text, re.M) if float(m[3])}
+
+    def surfaces(self) -> dict[str, float]:
+        req = _request(self.url(self.pages, "/metrics"), basic("prometheus"))
+        with _opener(self.context).open(req, timeout=30) as r:
+            text = r.read().decode()
+        pattern = r"^(nodesampler_(?:hindsight|incident|password)\S*) (\S+)$"
+        return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M) if float(m[2])}
 
 
 def _scrape_worker(url: str, cafile: str, stop: Any, results: Any) -> None:
@@ -243,10 +264,15 @@ def _loop_worker(url: str, cafile: str, auth: str | None, clients: int, stop: An
     asyncio.run(main())
 
 
-def page_loops(bench: Bench, auth: str | None, clients: int = 200) -> Callable[[], None]:
+def page_loops(bench: Bench, auth: str | None, clients: int = 200, path: str = "/",
+               other_auth: str | None = None, other_path: str | None = None) -> Callable[[], None]:  # fmt: skip
+    """`clients` in two processes, each looping over a page (the second process's
+    auth and path may differ)."""
     stop = multiprocessing.Event()
-    args = (bench.url(bench.pages, "/"), str(bench.tmp / "ca.crt"), auth, clients // 2, stop)
-    workers = [multiprocessing.Process(target=_loop_worker, args=args) for _ in range(2)]
+    cafile = str(bench.tmp / "ca.crt")
+    workers = [multiprocessing.Process(target=_loop_worker, args=(bench.url(bench.pages, p), cafile, a, clients // 2,
+                                                                  stop))
+               for a, p in ((auth, path), (other_auth or auth, other_path or path))]  # fmt: skip
     for w in workers:
         w.start()
 
@@ -296,6 +322,117 @@ def slow_viewers(bench: Bench, viewers: int = 10) -> tuple[Callable[[], None], l
     return let_go, told
 
 
+async def write_full_incident(directory: Path) -> str:
+    """An incident of `INCIDENT_NODES` nodes' `INCIDENT_S` at 100 Hz of 8
+    engines each, captured as the control plane captures one (the nodes'
+    rings and pieces as the agent cuts them); its id."""
+    from controlplane.hindsight import HindsightFetches
+    from controlplane.incidents import Incidents
+    from controlplane.state.registry import NodeRegistry
+    from tests.test_hindsight_fetch import T0, filled_ring
+    from tests.test_incidents import Node, captured, known
+
+    registry = NodeRegistry(stale_after=60)
+    names = [f"node-{i:05d}" for i in range(INCIDENT_NODES)]
+    nodes = []
+    fetches = HindsightFetches(wall=lambda: T0 + INCIDENT_S)
+    for name in names:
+        known(registry, name)
+        node = Node(fetches, name, seconds=1)
+        node.ring = filled_ring(seconds=INCIDENT_S, shards=8)
+        nodes.append(node)
+    incidents = Incidents(directory, fetches, registry, before_s=INCIDENT_S - 5, after_s=0,
+                          wall=lambda: T0 + INCIDENT_S)  # fmt: skip
+    incidents.load()
+    incident = incidents.start("bench: a full incident", "operator", names, at=T0 + INCIDENT_S)
+    await captured(incidents, nodes, incident.id)
+    await incidents.close()
+    return incident.id
+
+
+def _hostile_worker(agents: str, pages: str, cafile: str, stop: Any) -> None:
+    """`HOSTILE_NODES` nodes with their own tokens, each asked a span by a viewer,
+    sending the heaviest pieces a body holds as fast as they are let."""
+    from wire.hindsight import MAX_WINDOWS
+
+    os.sched_setaffinity(0, {1})
+    os.nice(19)
+
+    def piece(span: str, t_from: float) -> dict[str, Any]:
+        return {"id": span, "from": t_from, "to": t_from + 1, "done": False, "windows": [[0, 0]] * MAX_WINDOWS,
+                "machine": {"cpu_percent": {"start": 0, "us": [1] * 30_000, "v": [1.5] * 30_000}}}  # fmt: skip
+
+    async def node(session: aiohttp.ClientSession, i: int) -> None:
+        name = f"hostile-{i:02d}"
+        auth = {"Authorization": f"Bearer {tokens.node_token(SECRET, name)}"}
+        async with session.post(f"{agents}/v1/register", json=registration(name), headers=auth) as r:
+            await r.read()
+        seq, asked, viewer_asked = 1, None, 0.0
+        while not stop.is_set():
+            now = time.time()
+            if now - viewer_asked > 10:  # a viewer's look (the control plane lets one in each 10 s a node)
+                viewer_asked = now
+                async with session.post(f"{pages}/api/nodes/{name}/hindsight", json={"from": now - 300, "to": now - 1},
+                                        headers={"Authorization": basic("ops")}) as r:  # fmt: skip
+                    await r.read()
+            body = gpu_node_heartbeat(name) | {"seq": seq, "hindsight_held_seconds": 900.0}
+            body["hindsight"] = piece(asked["id"], asked["from"]) if asked else piece("nobody-asked", now - 10)
+            seq += 1
+            try:
+                async with session.post(f"{agents}/v1/heartbeat", json=body, headers=auth) as r:
+                    answer = await r.json(content_type=None)
+                    if r.status == 429:
+                        await asyncio.sleep(0.25)
+                    elif r.status == 200:
+                        asked = answer.get("hindsight")
+            except (aiohttp.ClientError, ValueError):  # refused, or an answer that is not JSON
+                await asyncio.sleep(0.25)
+
+    async def main() -> None:
+        context = ssl.create_default_context(cafile=cafile)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=HOSTILE_NODES * 2, ssl=context)) as s:
+            await asyncio.gather(*(node(s, i) for i in range(HOSTILE_NODES)))
+
+    asyncio.run(main())
+
+
+def hindsight_flood(bench: Bench) -> Callable[[], None]:
+    stop = multiprocessing.Event()
+    worker = multiprocessing.Process(target=_hostile_worker, args=(bench.url(bench.agents, ""),
+                                                                   bench.url(bench.pages, ""),
+                                                                   str(bench.tmp / "ca.crt"), stop))  # fmt: skip
+    worker.start()
+
+    def let_go() -> None:
+        stop.set()
+        worker.join(30)
+        if worker.is_alive():
+            worker.kill()
+
+    return let_go
+
+
+def guess_flood(bench: Bench) -> Callable[[], None]:
+    wrong = "Basic " + base64.b64encode(b"ops:guess").decode()
+    unknown = "Basic " + base64.b64encode(b"nobody:" + b"x" * 1000).decode()
+    return page_loops(bench, wrong, other_auth=unknown, path="/api/nodes")
+
+
+def incident_exports(bench: Bench) -> Callable[[], None]:
+    path = f"/api/incidents/{bench.incident}"
+    return page_loops(bench, basic("ops"), clients=20, path=path + "?format=csv", other_path=path)
+
+
+async def first_login(bench: Bench) -> str:
+    """A user's first request (bcrypt runs), from an address of its own."""
+    connector = aiohttp.TCPConnector(ssl=bench.context, local_addr=("127.0.5.1", 0))
+    async with aiohttp.ClientSession(connector=connector) as session:
+        started = time.perf_counter()
+        async with session.get(bench.url(bench.pages, "/api/nodes"), headers={"Authorization": basic("newcomer")}) as r:
+            await r.read()
+            return f"the newcomer's first login: HTTP {r.status} in {(time.perf_counter() - started) * 1e3:.0f} ms"
+
+
 async def operator_live_view(bench: Bench, session: aiohttp.ClientSession) -> str:
     async with session.get(bench.url(bench.pages, "/node/node-00000/live"),
                            headers={"Authorization": basic("operator")}) as r:  # fmt: skip
@@ -306,7 +443,7 @@ async def operator_live_view(bench: Bench, session: aiohttp.ClientSession) -> st
 
 
 async def run(args: argparse.Namespace, tmp: Path) -> None:
-    bench = Bench(tmp, args.nodes, args.seconds)
+    bench = Bench(tmp, args.nodes, args.seconds, await write_full_incident(tmp / "incidents"))
     try:
         connector = aiohttp.TCPConnector(limit=256, ssl=bench.context)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
@@ -322,6 +459,9 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
                 ("200 anonymous page loops", lambda: page_loops(bench, None)),
                 ("200 page loops as a user", lambda: page_loops(bench, basic("ops"))),
                 ("10 slow live viewers", lambda: slow_viewers(bench)),
+                (f"hindsight flood: {HOSTILE_NODES} nodes", lambda: hindsight_flood(bench)),
+                ("200 password guess loops", lambda: guess_flood(bench)),
+                ("20 exports of a full incident", lambda: incident_exports(bench)),
             ]
             phases = [p for i, p in enumerate(phases) if i == 0 or not args.phases or i in args.phases]
             for name, attack in phases:
@@ -333,6 +473,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
                     note = (f"viewers: {told.count('served')} served, {told.count('refused')} refused; "
                             f"the operator's live view: {await operator_live_view(bench, session)}")
                 figures = await bench.measure(session)
+                if name == "200 password guess loops":
+                    note = await first_login(bench)
                 peak = status_kib(bench.cp.pid, "VmHWM")
                 await asyncio.get_running_loop().run_in_executor(None, held)
                 rows.append((name, figures, peak, note))
@@ -347,6 +489,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
                 if note:
                     print(f"    {note}")
             print(f"closed connections, by listener and reason: {bench.closed()}")
+            print(f"the new surfaces, as counted: {bench.surfaces()}")
     finally:
         bench.cp.terminate()
         bench.cp.wait()
@@ -357,7 +500,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=20.0)
-    ap.add_argument("--phases", type=int, nargs="*", default=[], help="only these (1-5; the baseline always runs)")
+    ap.add_argument("--phases", type=int, nargs="*", default=[], help="only these (1-8; the baseline always runs)")
     args = ap.parse_args()
     os.sched_setaffinity(0, {1})
     with tempfile.TemporaryDirectory() as tmp:

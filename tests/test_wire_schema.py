@@ -163,3 +163,29 @@ def test_every_number_declares_its_unit_and_every_string_its_bounds() -> None:
                 assert inner.ge is not None and inner.le is not None, path
             if isinstance(inner, mi.StrType):
                 assert inner.pattern or (inner.min_length == 1 and inner.max_length), path
+
+
+def test_a_body_with_its_blocks_is_decoded_on_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A raw block and a hindsight piece are read by msgspec as they are, not
+    by the slow path (msgspec reads no `Raw` within a union: every live-view
+    heartbeat and every piece once went through `explained`); the heartbeat
+    held is the schema's own, equal to one made from the same body."""
+    import wire.heartbeat as module
+    from wire.hindsight import SpanRequest
+
+    def slow(*args: object) -> None:
+        raise AssertionError("the slow path read a body that fits the schema")
+
+    monkeypatch.setattr(module, "explained", slow)
+    raw = {"window_start": 0.0, "machine": {"cpu_percent": {"start": 0, "us": [100], "v": [1.0]}}}
+    piece = {"id": "s1", "from": 10.0, "to": 11.0, "done": True, "windows": [[0, 1]]}
+    body = heartbeat() | {"raw": raw, "hindsight": piece, "hindsight_held_seconds": 60.0}
+    decoded = wire.decode_heartbeat(json.dumps(body).encode(), [], lambda node: True,
+                                    lambda node: SpanRequest("s1", 10.0, 11.0))  # fmt: skip
+    assert type(decoded.heartbeat) is Heartbeat and decoded.heartbeat.raw is None
+    assert decoded.raw_came and decoded.hindsight_came
+    assert decoded.hindsight is not None and decoded.hindsight["done"] is True
+    plain = wire.decode_heartbeat(json.dumps(heartbeat() | {"hindsight_held_seconds": 60.0}).encode())
+    assert plain.heartbeat == decoded.heartbeat and not plain.raw_came and not plain.hindsight_came
+    nulls = wire.decode_heartbeat(json.dumps(heartbeat() | {"raw": None, "hindsight": None}).encode())
+    assert not nulls.raw_came and not nulls.hindsight_came

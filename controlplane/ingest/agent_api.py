@@ -111,8 +111,8 @@ _refusals = RateLimitedLog("token refused", log)
 _left_out = RateLimitedLog("heartbeat entry left out", log)
 
 
-async def _checked_body(request: web.Request, parse: Callable[[bytes], B],
-                        node_of: Callable[[B], str]) -> B | web.Response:  # fmt: skip
+async def _checked_body(request: web.Request, parse: Callable[[bytes], B], node_of: Callable[[B], str],
+                        admit: Callable[[str], web.Response | None] | None = None) -> B | web.Response:  # fmt: skip
     """The request's body, authenticated, validated and spoken by its own node;
     or the answer refusing it (401, 400, 403). `parse` may leave out bad
     entries of a list (see `_parse_keeping`)."""
@@ -130,6 +130,11 @@ async def _checked_body(request: web.Request, parse: Callable[[bytes], B],
     except Forbidden as e:
         _refusals.log(str(e), 403, "from", request.remote)
         return _error(403, str(e))
+    # The token's node is admitted before its body is read: a node past its rate costs no
+    # parse (20 nodes sending 250 KB hindsight pieces at 4 a second, most of them 429s,
+    # took heartbeats' p99 from 8 ms to 470 ms while each was parsed first).
+    if admit is not None and (refused := admit(token_node)) is not None:
+        return refused
     try:
         body = parse(await request.read())
     except wire.WireError as e:
@@ -185,6 +190,15 @@ async def register(request: web.Request) -> web.Response:
     return _answer(request, node, {"node": node, "stale_after": registry.stale_after}, dropped)
 
 
+def _within_rate(rates: HeartbeatRate) -> Callable[[str], web.Response | None]:
+    def admit(node: str) -> web.Response | None:
+        if rates.allow(node):
+            return None
+        return _error(429, f"more than {rates.rate:g} heartbeats a second from this node")
+
+    return admit
+
+
 async def heartbeat(request: web.Request) -> web.Response:
     """A window's summary. While someone watches the node live, the answer
     asks for raw samples (`"raw": true`), and those that come are the live
@@ -196,13 +210,10 @@ async def heartbeat(request: web.Request) -> web.Response:
     fetches = request.app.get(HINDSIGHT)
     decoded = await _checked_body(request, lambda data: wire.decode_heartbeat(
         data, dropped, live.wanted if live is not None else None, fetches.asked if fetches is not None else None),
-        lambda d: d.heartbeat.node)  # fmt: skip
+        lambda d: d.heartbeat.node, _within_rate(request.app[HEARTBEAT_RATES]))  # fmt: skip
     if isinstance(decoded, web.Response):
         return decoded
     hb = decoded.heartbeat
-    rates = request.app[HEARTBEAT_RATES]
-    if not rates.allow(hb.node):
-        return _error(429, f"more than {rates.rate:g} heartbeats a second from this node")
     registry: NodeRegistry = request.app[REGISTRY]
     state = registry.get(hb.node)
     if state is not None and state.last_seq is not None and hb.seq <= state.last_seq:
