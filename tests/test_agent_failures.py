@@ -18,7 +18,6 @@ from aiohttp.test_utils import TestServer
 from controlplane.ingest import tokens
 from nodesampler import cli
 from sampler.agent import run as agent_module
-from sampler.agent.client import HeartbeatClient
 from sampler.agent.run import Agent, AgentFailed
 from sampler.backend import BackendChoice
 from sampler.shards.proc_shards import ProcShardSampler
@@ -143,7 +142,7 @@ def _count_waits(agent: Agent, stop_after: int) -> list[float]:
 async def _deliver_once(agent: Agent) -> None:
     agent.mailbox.put(window_summary())
     async with aiohttp.ClientSession() as session:
-        await agent._deliver(HeartbeatClient(session, agent.url, agent.token))
+        await agent._deliver(agent.clients(session))
 
 
 def test_a_hung_mount_is_said_once_skipped_and_taken_back(caplog: Any) -> None:
@@ -230,7 +229,7 @@ async def test_a_resent_window_the_control_plane_has_is_not_a_failure(tmp_path: 
 
     try:
         async with aiohttp.ClientSession() as session:
-            sender = asyncio.create_task(agent._deliver(HeartbeatClient(session, agent.url, agent.token)))
+            sender = asyncio.create_task(agent._deliver(agent.clients(session)))
             agent.mailbox.put(window(1))
             await asyncio.wait_for(heartbeats(1), 10)
             agent.mailbox.put(window(1))  # again: its answer was lost

@@ -31,16 +31,19 @@ def cmd_agent(args: argparse.Namespace) -> int:
         wire.node_id(node)
     except wire.WireError:
         fail(EXIT_USAGE, f"--node {node!r}: letters, digits, '.', '-' or '_' only")
-    if not args.control_plane.startswith(("http://", "https://")):
-        fail(EXIT_USAGE, f"--control-plane {args.control_plane!r}: expected an http:// or https:// URL")
+    for url in args.control_plane:
+        if not url.startswith(("http://", "https://")):
+            fail(EXIT_USAGE, f"--control-plane {url!r}: expected an http:// or https:// URL")
+    if len(set(args.control_plane)) != len(args.control_plane):
+        fail(EXIT_USAGE, "--control-plane: a replica given twice")
     try:
         token = TokenFile(args.token_file)
     except (OSError, ValueError) as e:
         fail(EXIT_USAGE, f"--token-file: {e}")
     context = None
     if args.ca_file is not None:
-        if not args.control_plane.startswith("https://"):
-            fail(EXIT_USAGE, "--ca-file is for an https:// control plane")
+        if not all(url.startswith("https://") for url in args.control_plane):
+            fail(EXIT_USAGE, "--ca-file is for an https:// control plane (every --control-plane)")
         try:
             context = ssl.create_default_context(cafile=str(args.ca_file))
         except (OSError, ssl.SSLError) as e:

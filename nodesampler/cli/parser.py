@@ -135,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bpf_stats_flag(s)
 
     a = sub.add_parser("agent", help="sample this node and send a heartbeat per window to the control plane")
-    a.add_argument("--control-plane", required=True, metavar="URL", help="the control plane's agent listener")
+    a.add_argument("--control-plane", required=True, action="append", metavar="URL",
+                   help="the control plane's agent listener; repeated: one a replica, the node held by the first "
+                        "of its order (rendezvous hashing) that answers")
     a.add_argument("--token-file", required=True, type=Path, metavar="PATH",
                    help="this node's token (HMAC or projected service-account token), re-read when it changes")
     a.add_argument("--ca-file", type=Path, default=None, metavar="PATH",

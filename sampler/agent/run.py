@@ -1,7 +1,10 @@
 """The agent: a thread samples window after window and never waits for the
-network; the sender delivers the newest summary, retrying with capped
-exponential backoff and jitter, and the log says one line per event (the
-control plane went away, came back, restarted), not one per retry.
+network; the sender delivers the newest summary to the control-plane
+replica that holds the node (sampler/agent/replicas.py), to the next one
+at once when that one does not answer, retrying with capped exponential
+backoff and jitter once none does; the log says one line per event (the
+control plane went away, came back, restarted, the node moved), not one
+per retry.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import signal
 import socket
 import ssl
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ import wire
 from sampler.agent.client import AlreadyDelivered, DeliveryError, HeartbeatClient, Refused, UnknownToControlPlane
 from sampler.agent.config import ConfigFile, TokenFile
 from sampler.agent.delivery import Backoff, NewestSummary
+from sampler.agent.replicas import ReplicaChoice
 from sampler.off_thread import Said
 from sampler.window.sampler import WindowSampler
 from wire.schema import Registration, WindowSummary
@@ -52,6 +56,13 @@ class AgentFailed(Exception):
 
 
 WINDOW_FAILURES_BEFORE_EXIT = 3  # one failed window is retried; three in a row is a broken agent
+# A node held by a later replica tries its first choice again this often (six windows: a
+# minute at the 10 s default, at least 5 s): back within a minute of its return.
+RETURN_EVERY_WINDOWS = 6
+
+
+def return_every_s(interval: float) -> float:
+    return min(60.0, max(5.0, RETURN_EVERY_WINDOWS * interval))
 
 
 def registration_body(sampler: WindowSampler, node: str, hostname: str | None = None) -> Registration:
@@ -73,7 +84,8 @@ def registration_body(sampler: WindowSampler, node: str, hostname: str | None = 
 
 
 class Agent:
-    def __init__(self, sampler: WindowSampler, client_url: str, token: str | TokenFile, node: str, interval: float,
+    def __init__(self, sampler: WindowSampler, client_url: str | Sequence[str], token: str | TokenFile, node: str,
+                 interval: float,
                  stopping: threading.Event, config: ConfigFile | None = None,
                  ssl_context: ssl.SSLContext | None = None, hostname: str | None = None,
                  alive_file: Path | None = None) -> None:  # fmt: skip
@@ -83,8 +95,11 @@ class Agent:
         touched on the event loop as each window reaches the sender: a
         liveness probe that finds it old knows that sampling or the loop
         that sends has stopped (the sends themselves are bounded by the
-        session's timeout, so a control plane that is down never stops it)."""
-        self.sampler, self.url, self.node = sampler, client_url, node
+        session's timeout, so a control plane that is down never stops it).
+        `client_url`: the control plane, or its replicas (the node's is chosen
+        by sampler/agent/replicas.py)."""
+        self.sampler, self.node = sampler, node
+        self.urls = [client_url] if isinstance(client_url, str) else list(client_url)
         self.token = token.value if isinstance(token, TokenFile) else token
         self.interval, self.config, self.ssl_context = interval, config, ssl_context
         self.hostname = hostname  # the host's, read through pid 1 when in a container
@@ -144,8 +159,14 @@ class Agent:
 
     # --- delivery -------------------------------------------------------------
 
-    async def _deliver(self, client: HeartbeatClient) -> None:
+    def clients(self, session: aiohttp.ClientSession) -> dict[str, HeartbeatClient]:
+        """A client a replica, on the one session."""
+        return {url: HeartbeatClient(session, url, self.token) for url in self.urls}
+
+    async def _deliver(self, clients: dict[str, HeartbeatClient]) -> None:
+        choice = ReplicaChoice(self.node, list(clients), return_every_s(self.interval))
         backoff = Backoff()
+        returned = False  # the current replica is the first choice, tried again after the node left it
         registered = False
         down_since_reason: str | None = None
         unknown_again = False  # a 404 right after registering: not a restart, something else is wrong
@@ -156,13 +177,20 @@ class Agent:
             if registered and gpus != registered_gpus:
                 log.info("the GPUs changed (NVML loaded late, or a card came or went): registering again")
                 registered = False
+            if choice.worth_trying_back():
+                left = choice.order[choice.back_to_first()]
+                log.info("trying %s again, this node's first choice (held by %s meanwhile)", choice.url, left)
+                registered, returned = False, True
+            client = clients[choice.url]
             try:
                 if not registered:
                     body = registration_body(self.sampler, self.node, self.hostname)
                     await client.register(body)
                     registered, registered_gpus = True, gpus
-                    log.info("registered with %s as %s", self.url, self.node)
+                    log.info("registered with %s as %s", choice.url, self.node)
                 answer = await client.heartbeat(summary)
+                choice.taken(returned)
+                returned = False
                 self.sent += 1
                 if answer.raw != self.sampler.raw_wanted:
                     log.info("raw samples %s: %s", "on" if answer.raw else "off",
@@ -183,6 +211,17 @@ class Agent:
                 await self.sleep(backoff.next_delay())  # 404 again at once: back off like any retry
                 continue
             except DeliveryError as e:
+                came_back = returned
+                returned = False
+                # Unreachable, timed out or 5xx: the next replica in the node's order, at once. A
+                # refusal (4xx) would be the same at any replica: it is not a reason to move.
+                failed = choice.url
+                if not isinstance(e, Refused) and choice.failed():
+                    if not came_back:
+                        log.warning("control plane %s unreachable (%s): heartbeats go to %s", failed, e, choice.url)
+                    registered = False
+                    continue
+                registered = registered and choice.url == failed  # none answered: the first choice, after backoff
                 if down_since_reason is None:
                     what = "refused the request" if isinstance(e, Refused) else "unreachable"
                     log.warning("control plane %s (%s); retrying with backoff", what, e)
@@ -210,7 +249,7 @@ class Agent:
             if self.sampler.gpus is not None:
                 await loop.run_in_executor(None, self.sampler.gpus.wait_ready, 60.0)
             thread.start()
-            sender = asyncio.create_task(self._deliver(HeartbeatClient(session, self.url, self.token)))
+            sender = asyncio.create_task(self._deliver(self.clients(session)))
             stopped = asyncio.create_task(stop.wait())
             watched: set[asyncio.Future[Any]] = {sender, stopped, sampler_died}
             await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)

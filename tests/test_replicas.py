@@ -1,0 +1,196 @@
+"""Which control-plane replica holds a node (sampler/agent/replicas.py): the
+order is the same in every process, spreads a fleet evenly, and moves few
+nodes when replicas come and go; a node held by a later replica tries its
+way back, less often when its first choice keeps going away; and, as
+processes, a real agent given three replicas heartbeats to its first
+choice, moves to the next when that one is killed, and comes back."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sampler.agent.replicas import MAX_RETURN_S, SETTLED_S, ReplicaChoice, ranked, weight
+from tests.conftest import free_port
+
+NODES = [f"gpu-{i:05d}" for i in range(10_000)]
+REPLICAS = [f"https://nodesampler-{i}.nodesampler.nodesampler.svc:8081" for i in range(4)]
+
+
+def holders(replicas: list[str]) -> dict[str, str]:
+    return {node: ranked(node, replicas)[0] for node in NODES}
+
+
+def test_the_order_is_the_same_in_every_process() -> None:
+    script = "from sampler.agent.replicas import ranked; print(ranked('gpu-7', ['a', 'b', 'c']))"
+    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"})  # fmt: skip
+    assert other.stdout.strip() == str(ranked("gpu-7", ["a", "b", "c"]))
+    assert ranked("gpu-7", ["c", "a", "b", "a"]) == ranked("gpu-7", ["a", "b", "c"])  # the list's order, twice: one
+    assert weight("gpu-7", "a") != weight("gpu-7", "b")
+
+
+def test_a_fleet_is_spread_evenly_and_moves_little() -> None:
+    three = holders(REPLICAS[:3])
+    shares = collections.Counter(three.values())
+    assert all(0.30 < n / len(NODES) < 0.37 for n in shares.values()), shares
+    # A fourth replica takes about a quarter, each from whichever held it; no node moves between the three.
+    four = holders(REPLICAS)
+    moved = [n for n in NODES if four[n] != three[n]]
+    assert all(four[n] == REPLICAS[3] for n in moved)
+    assert 0.22 < len(moved) / len(NODES) < 0.28, len(moved)
+    # Losing one moves its own nodes alone, each to its next in order.
+    two = holders([REPLICAS[0], REPLICAS[2]])
+    assert [n for n in NODES if two[n] != three[n]] == [n for n in NODES if three[n] == REPLICAS[1]]
+    assert all(two[n] == ranked(n, REPLICAS[:3])[1] for n in NODES if three[n] == REPLICAS[1])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_node_moves_down_its_order_and_tries_its_way_back() -> None:
+    clock = Clock()
+    choice = ReplicaChoice("gpu-7", REPLICAS[:3], return_every_s=30, clock=clock)
+    first, second, third = choice.order
+    assert choice.url == first and not choice.worth_trying_back()
+    assert choice.failed() and choice.url == second  # the next, at once
+    assert choice.failed() and choice.url == third
+    assert not choice.failed() and choice.url == first  # none answered: the first again, after the backoff
+    assert choice.failed() and choice.url == second
+    clock.now += 29
+    assert not choice.worth_trying_back()
+    clock.now += 1
+    assert choice.worth_trying_back() and choice.back_to_first() == 1 and choice.url == first
+    assert choice.failed() and choice.url == second  # still down: held where it was, tried again in 30 s
+    clock.now += 30
+    assert choice.worth_trying_back()
+    choice.back_to_first()
+    choice.taken(returned=True)  # back
+    # It goes again soon after: the node waits twice as long before trying it next time, and so on.
+    waits = []
+    for _ in range(6):
+        clock.now += 10
+        assert choice.failed() and choice.url == second
+        waited = 0
+        while not choice.worth_trying_back():
+            clock.now += 5
+            waited += 5
+        waits.append(waited)
+        choice.back_to_first()
+        choice.taken(returned=True)
+    assert waits == [60, 120, 240, 480, 600, 600] and MAX_RETURN_S == 600
+    # It stays: after a while it is trusted again, and the wait is back to 30 s.
+    clock.now += SETTLED_S
+    choice.taken(returned=False)
+    clock.now += 1
+    assert choice.failed()
+    clock.now += 30
+    assert choice.worth_trying_back()
+
+
+def test_one_replica_is_the_control_plane_as_before() -> None:
+    choice = ReplicaChoice("gpu-7", ["http://cp:8081"], return_every_s=30, clock=Clock())
+    assert not choice.failed() and choice.url == "http://cp:8081" and not choice.worth_trying_back()
+    with pytest.raises(ValueError):
+        ReplicaChoice("gpu-7", [], return_every_s=30)
+
+
+# --- as processes ---------------------------------------------------------------------
+
+
+class Replica:
+    def __init__(self, tmp: Path, index: int) -> None:
+        self.tmp, self.index = tmp, index
+        self.agent_port, self.pages_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.agent_port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = open(self.tmp / f"replica-{self.index}.log", "ab")  # noqa: SIM115 (the child's)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nodesampler", "controlplane", "--listen", f"127.0.0.1:{self.agent_port}",
+             "--pages-listen", f"127.0.0.1:{self.pages_port}", "--secret-file", str(self.tmp / "secret")],
+            stdout=subprocess.PIPE, stderr=log)  # fmt: skip
+        log.close()
+        assert self.process.stdout is not None and b"control plane" in self.process.stdout.readline()
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.pages_port}/api/nodes", timeout=10) as r:
+            return {n["node"]: n for n in json.loads(r.read())["nodes"]}
+
+    def holds_fresh(self, node: str) -> bool:
+        try:
+            n = self.nodes().get(node)
+        except OSError:
+            return False
+        return n is not None and n["state"] == "fresh"
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[list[Replica]]:
+    (tmp_path / "secret").write_text("s3cret-s3cret-s3cret-s3cret\n")
+    started = [Replica(tmp_path, i) for i in range(3)]
+    for r in started:
+        r.start()
+    yield started
+    for r in started:
+        if r.process is not None and r.process.poll() is None:
+            r.kill()
+
+
+def wait_until(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@pytest.mark.live
+def test_an_agent_moves_to_the_next_replica_and_comes_back(replicas: list[Replica], tmp_path: Path) -> None:
+    interval = 0.5
+    token = tmp_path / "token"
+    token.write_bytes(subprocess.run([sys.executable, "-m", "nodesampler", "token", "n1", "--secret-file",
+                                      str(tmp_path / "secret")], capture_output=True, check=True).stdout)  # fmt: skip
+    by_url = {r.url: r for r in replicas}
+    first, second, _ = (by_url[u] for u in ranked("n1", list(by_url)))
+    log = open(tmp_path / "agent.log", "ab")  # noqa: SIM115 (the child's)
+    agent = subprocess.Popen([sys.executable, "-m", "nodesampler", "agent", "--token-file", str(token), "--node", "n1",
+                              "--interval", str(interval), "--backend", "proc", "--hindsight", "0",
+                              *[a for r in replicas for a in ("--control-plane", r.url)]],
+                             stderr=log)  # fmt: skip
+    log.close()
+    try:
+        wait_until(lambda: first.holds_fresh("n1"), 60, "the node at its first choice")
+        assert all("n1" not in r.nodes() for r in replicas if r is not first)  # held by one replica alone
+        first.kill()
+        # The next in its order, within two windows of its first missed heartbeat (and the sends' timeout).
+        wait_until(lambda: second.holds_fresh("n1"), 30, "the node at its second choice")
+        first.start()  # back, on the same address, knowing nothing
+        wait_until(lambda: first.holds_fresh("n1"), 30, "the node back at its first choice")
+        said = (tmp_path / "agent.log").read_text()
+        assert f"control plane {first.url} unreachable" in said and f"heartbeats go to {second.url}" in said
+        assert f"trying {first.url} again" in said
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
