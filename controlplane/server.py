@@ -12,6 +12,7 @@ import functools
 import ipaddress
 import logging
 import signal
+import ssl
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from controlplane.listen.page_access import PageAccess, listen_admin_socket, rem
 from controlplane.listen.tls_files import ReloadingServerTLS
 from controlplane.listen.web_config import ReloadingWebConfig
 from controlplane.live import LiveSamples
+from controlplane.peers import Peers, polled
+from controlplane.peers import add_routes as add_peer_routes
 from controlplane.state.registry import MAX_SHARDS_PER_NODE, NodeRegistry
 from controlplane.state.starvation import StarvationRules
 
@@ -90,7 +93,8 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                 web_config: ReloadingWebConfig | None = None, pages_hosts: Iterable[str] = (),
                 admin_socket: Path | None = None, incidents_dir: Path | None = None,
                 incidents_bytes: int = MAX_INCIDENT_BYTES,
-                incident_span: tuple[float, float] = (BEFORE_S, AFTER_S)) -> None:  # fmt: skip
+                incident_span: tuple[float, float] = (BEFORE_S, AFTER_S), peers: Iterable[str] = (),
+                peer_ssl: ssl.SSLContext | None = None) -> None:  # fmt: skip
     """`tls` is the agent listener's (--tls-cert, or the web config's); the
     pages listener takes the web config's TLS and users (controlplane/listen/page_access.py)."""
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
@@ -123,6 +127,20 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     servers: list[asyncio.AbstractServer] = []
     admin_made: tuple[int, int] | None = None  # the admin socket's identity, once made
     agents = agent_api.create_app(registry, auth, own, history, live, heartbeat_rate, fetches, incidents)
+    peer_urls = list(peers)
+    if peer_urls:  # replicas sharing the fleet (controlplane/peers.py): only then is the route there
+        if auth.secret is None:
+            raise ValueError("--peer: peers show each other a token made from --secret-file's cluster secret")
+
+        def let_go(node: str) -> None:
+            if registry.forget(node):
+                if history is not None:
+                    history.forget(node)
+                fetches.forget(node)
+
+        replicas = Peers(peer_urls, auth.secret, registry, let_go, peer_ssl)
+        add_peer_routes(agents, auth.secret, registry)
+        agents.cleanup_ctx.append(lambda app: polled(replicas))
     try:
         for name, app, address, context in (
             ("agents", agents, agent_listen, tls.handshake_context if tls else None),

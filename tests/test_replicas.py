@@ -120,12 +120,14 @@ class Replica:
         self.agent_port, self.pages_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.agent_port}"
         self.process: subprocess.Popen[bytes] | None = None
+        self.extra: list[str] = []
 
     def start(self) -> None:
         log = open(self.tmp / f"replica-{self.index}.log", "ab")  # noqa: SIM115 (the child's)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "nodesampler", "controlplane", "--listen", f"127.0.0.1:{self.agent_port}",
-             "--pages-listen", f"127.0.0.1:{self.pages_port}", "--secret-file", str(self.tmp / "secret")],
+             "--pages-listen", f"127.0.0.1:{self.pages_port}", "--secret-file", str(self.tmp / "secret"),
+             *self.extra],
             stdout=subprocess.PIPE, stderr=log)  # fmt: skip
         log.close()
         assert self.process.stdout is not None and b"control plane" in self.process.stdout.readline()
@@ -141,17 +143,25 @@ class Replica:
             return False
         return n is not None and n["state"] == "fresh"
 
-    def kill(self) -> None:
+    def kill(self, how: signal.Signals = signal.SIGKILL) -> None:
         assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
+        self.process.send_signal(how)
         self.process.wait()
 
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.pages_port}/metrics", timeout=10) as r:
+            return str(r.read().decode())
 
-@pytest.fixture
-def replicas(tmp_path: Path) -> Iterator[list[Replica]]:
+
+@pytest.fixture(params=[False, True], ids=["alone", "peers"])
+def replicas(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[Replica]]:
+    """Three replicas; with peers, each given all three (itself too) and a state file."""
     (tmp_path / "secret").write_text("s3cret-s3cret-s3cret-s3cret\n")
     started = [Replica(tmp_path, i) for i in range(3)]
     for r in started:
+        if request.param:
+            r.extra = [a for p in started for a in ("--peer", p.url)] + [
+                "--state-file", str(tmp_path / f"state-{r.index}.json")]
         r.start()
     yield started
     for r in started:
@@ -166,20 +176,34 @@ def wait_until(check: Any, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.live
-def test_an_agent_moves_to_the_next_replica_and_comes_back(replicas: list[Replica], tmp_path: Path) -> None:
-    interval = 0.5
+def start_agent(replicas: list[Replica], tmp_path: Path, interval: float) -> subprocess.Popen[bytes]:
     token = tmp_path / "token"
     token.write_bytes(subprocess.run([sys.executable, "-m", "nodesampler", "token", "n1", "--secret-file",
                                       str(tmp_path / "secret")], capture_output=True, check=True).stdout)  # fmt: skip
-    by_url = {r.url: r for r in replicas}
-    first, second, _ = (by_url[u] for u in ranked("n1", list(by_url)))
     log = open(tmp_path / "agent.log", "ab")  # noqa: SIM115 (the child's)
     agent = subprocess.Popen([sys.executable, "-m", "nodesampler", "agent", "--token-file", str(token), "--node", "n1",
                               "--interval", str(interval), "--backend", "proc", "--hindsight", "0",
                               *[a for r in replicas for a in ("--control-plane", r.url)]],
                              stderr=log)  # fmt: skip
     log.close()
+    return agent
+
+
+def listing(replicas: list[Replica], node: str) -> list[tuple[int, str]]:
+    """The replicas whose /api/nodes has the node, and its state there."""
+    out = []
+    for r in replicas:
+        n = r.nodes().get(node)
+        if n is not None:
+            out.append((r.index, n["state"]))
+    return out
+
+
+@pytest.mark.live
+def test_an_agent_moves_to_the_next_replica_and_comes_back(replicas: list[Replica], tmp_path: Path) -> None:
+    by_url = {r.url: r for r in replicas}
+    first, second, _ = (by_url[u] for u in ranked("n1", list(by_url)))
+    agent = start_agent(replicas, tmp_path, interval=0.5)
     try:
         wait_until(lambda: first.holds_fresh("n1"), 60, "the node at its first choice")
         assert all("n1" not in r.nodes() for r in replicas if r is not first)  # held by one replica alone
@@ -194,3 +218,66 @@ def test_an_agent_moves_to_the_next_replica_and_comes_back(replicas: list[Replic
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=30)
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
+def test_a_moved_node_is_one_series_at_the_replica_that_holds_it(replicas: list[Replica], tmp_path: Path) -> None:
+    """The replica a node left lets it go once a peer holds it: it leaves that
+    replica's /api/nodes and /metrics (no `llmgw_node_up 0` to fire
+    `NodeDown` for a node that is fine); a replica that comes back from its
+    state file knowing the node, stale, lets it go too."""
+    by_url = {r.url: r for r in replicas}
+    first, second, third = (by_url[u] for u in ranked("n1", list(by_url)))
+    agent = start_agent(replicas, tmp_path, interval=2.0)  # back to its first choice after 12 s at the soonest
+    try:
+        wait_until(lambda: listing(replicas, "n1") == [(first.index, "fresh")], 60, "the node at its first choice")
+        first.kill(signal.SIGTERM)  # its state file keeps the node
+        wait_until(lambda: listing([second, third], "n1") == [(second.index, "fresh")], 30,
+                   "the node at its second choice, and nowhere else")  # fmt: skip
+        first.start()
+        # Whichever holds it then (the agent comes back to its first choice), it is one node, fresh, at one replica.
+        wait_until(lambda: len(listing(replicas, "n1")) == 1 and listing(replicas, "n1")[0][1] == "fresh", 30,
+                   f"one replica lists the node: {listing(replicas, 'n1')}")  # fmt: skip
+        up = [r.index for r in replicas if 'llmgw_node_up{node="n1"}' in r.metrics()]
+        assert up == [listing(replicas, "n1")[0][0]]
+        logs = {r.url: (tmp_path / f"replica-{r.index}.log").read_text() for r in replicas}
+        assert "node n1 is held by" in "".join(logs.values())
+        assert not any(f"held by {url}" in said for url, said in logs.items())  # itself, in its --peer list: no peer
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+
+
+async def test_a_peer_shows_the_clusters_token_and_its_answer_is_checked(aiohttp_client: Any) -> None:
+    """The held list is for peers alone: no token, or a node's, is refused. A
+    peer's answer is checked entry by entry: a bad one left out, counted."""
+    import msgspec
+
+    from controlplane import peers
+    from controlplane.ingest import agent_api, tokens
+    from controlplane.state.registry import NodeRegistry
+    from tests.test_controlplane_api import heartbeat, registration
+    from wire.schema import Heartbeat, Registration
+
+    secret = b"s3cret-s3cret-s3cret-s3cret"
+    registry = NodeRegistry(stale_after=60)
+    registry.register(msgspec.convert(registration("n1"), Registration))
+    registry.heartbeat(msgspec.convert(heartbeat("n1"), Heartbeat))
+    registry.register(msgspec.convert(registration("n2"), Registration))  # known, never heard: not held
+    app = agent_api.create_app(registry, secret)
+    peers.add_routes(app, secret, registry)
+    client = await aiohttp_client(app)
+    for auth in ({}, {"Authorization": f"Bearer {tokens.node_token(secret, 'peer')}"},
+                 {"Authorization": f"Bearer {tokens.peer_token(b'another-cluster-secret')}"}):  # fmt: skip
+        assert (await client.get("/v1/peer/held", headers=auth)).status == 401
+    r = await client.get("/v1/peer/held", headers={"Authorization": f"Bearer {tokens.peer_token(secret)}"})
+    replica, holds, bad = peers.parse_held(await r.read())
+    assert r.status == 200 and list(holds) == ["n1"] and 0 <= holds["n1"] < 60 and bad == 0
+    body = json.dumps({"replica": "x" * 500, "nodes": [["ok-1", 1.5], ["bad name", 1], ["ok-2", -1], ["ok-3", None],
+                                                        "n4", ["ok-5", 2]]}).encode()  # fmt: skip
+    replica, holds, bad = peers.parse_held(body)
+    assert len(replica) == 64 and holds == {"ok-1": 1.5, "ok-5": 2.0} and bad == 4
+    for not_an_answer in (b"[]", b'{"nodes": []}', b"{not json"):
+        with pytest.raises(ValueError):
+            peers.parse_held(not_an_answer)

@@ -96,6 +96,17 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     for name in args.pages_host:
         if not name or any(c in name for c in "/ @?#"):
             fail(EXIT_USAGE, f"--pages-host {name!r}: a host name (no scheme, port or path)")
+    for url in args.peer:
+        if not url.startswith(("http://", "https://")):
+            fail(EXIT_USAGE, f"--peer {url!r}: expected an http:// or https:// URL (a replica's agent listener)")
+    if args.peer and args.secret_file is None:
+        fail(EXIT_USAGE, "--peer needs --secret-file: replicas show each other a token made from the cluster secret")
+    peer_ssl = None
+    if args.peer_ca_file is not None:
+        try:
+            peer_ssl = ssl.create_default_context(cafile=str(args.peer_ca_file))
+        except (OSError, ssl.SSLError) as e:
+            fail(EXIT_USAGE, f"--peer-ca-file {args.peer_ca_file}: {e}")
     if args.admin_socket is not None and not args.admin_socket.parent.is_dir():
         fail(EXIT_USAGE, f"--admin-socket {args.admin_socket}: {args.admin_socket.parent} is not a directory")
     logging.getLogger().setLevel(logging.INFO)
@@ -115,7 +126,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
                           heartbeat_rate=args.max_heartbeats_per_second, web_config=web_config,
                           pages_hosts=args.pages_host, admin_socket=args.admin_socket,
                           incidents_dir=incidents_dir, incidents_bytes=args.incidents_mib << 20,
-                          incident_span=(args.incident_before, args.incident_after)))
+                          incident_span=(args.incident_before, args.incident_after), peers=args.peer,
+                          peer_ssl=peer_ssl))
     except OSError as e:  # the address is taken or not ours
         fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

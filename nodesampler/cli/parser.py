@@ -200,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "300; what the nodes' rings hold bounds it)")
     c.add_argument("--incident-after", type=_positive(600), default=60.0, metavar="S",
                    help="... and end this many seconds after it (default 60)")
+    c.add_argument("--peer", action="append", default=[], metavar="URL",
+                   help="another replica's agent listener (repeatable; this replica's own may be in the list): "
+                        "replicas tell each other which nodes they hold, and let go of a node that moved")
+    c.add_argument("--peer-ca-file", type=Path, default=None, metavar="PATH",
+                   help="CA bundle (PEM) an https peer's certificate must chain to (default: the system's)")
     c.add_argument("--forget-after", type=_positive(365 * 86400), default=7 * 86400.0, metavar="S",
                    help="seconds a silent node stays known (llmgw_node_up 0) before it is forgotten "
                         "(default 604800: a week); DELETE /api/nodes/NODE forgets one at once")
