@@ -156,19 +156,25 @@ def add_routes(agents: web.Application, secret: bytes, registry: NodeRegistry) -
 
 
 async def polled(peers: Peers) -> AsyncIterator[None]:
-    """The peers asked every `POLL_S`, for the control plane's life."""
+    """The peers asked once before the control plane serves (after its state
+    file is loaded: a node that moved while it was down is let go before
+    any scrape sees it twice; `TIMEOUT_S` at most), then every `POLL_S`."""
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
+
+    async def poll() -> None:
+        try:
+            await peers.poll(session)
+        except Exception:  # one poll's fault: logged, and the next poll goes on
+            log.exception("asking the peers failed")
 
     async def forever() -> None:
-        timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
-                try:
-                    await peers.poll(session)
-                except Exception:  # one poll's fault: logged, and the next poll goes on
-                    log.exception("asking the peers failed")
-                await asyncio.sleep(POLL_S)
+        while True:
+            await asyncio.sleep(POLL_S)
+            await poll()
 
+    await poll()
     task = asyncio.create_task(forever())
     yield
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+    await session.close()

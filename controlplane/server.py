@@ -20,6 +20,7 @@ from aiohttp import web
 
 from controlplane import pages_api
 from controlplane.export.own_metrics import ControlPlaneMetrics
+from controlplane.export.peer_metrics import PeersCollector
 from controlplane.export.surface_metrics import SurfacesCollector
 from controlplane.hindsight import HindsightFetches
 from controlplane.history import EmbeddedHistory
@@ -140,7 +141,8 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
 
         replicas = Peers(peer_urls, auth.secret, registry, let_go, peer_ssl)
         add_peer_routes(agents, auth.secret, registry)
-        agents.cleanup_ctx.append(lambda app: polled(replicas))
+        pages.cleanup_ctx.append(lambda app: polled(replicas))  # after the pages' own: the state file is in
+        own.prometheus.register(PeersCollector(replicas))
     try:
         for name, app, address, context in (
             ("agents", agents, agent_listen, tls.handshake_context if tls else None),

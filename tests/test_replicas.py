@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,6 +242,13 @@ def test_a_moved_node_is_one_series_at_the_replica_that_holds_it(replicas: list[
                    f"one replica lists the node: {listing(replicas, 'n1')}")  # fmt: skip
         up = [r.index for r in replicas if 'llmgw_node_up{node="n1"}' in r.metrics()]
         assert up == [listing(replicas, "n1")[0][0]]
+        let_go = 0.0
+        for r in replicas:
+            text = r.metrics()
+            peers_up = re.findall(r'^nodesampler_peer_up\{peer="([^"]+)"\} [01]\.0$', text, re.M)
+            assert sorted(peers_up) == sorted(p.url for p in replicas if p is not r)  # itself not a peer
+            let_go += float(re.search(r"^nodesampler_nodes_let_go_total (\S+)$", text, re.M)[1])  # type: ignore[index]
+        assert let_go >= 1
         logs = {r.url: (tmp_path / f"replica-{r.index}.log").read_text() for r in replicas}
         assert "node n1 is held by" in "".join(logs.values())
         assert not any(f"held by {url}" in said for url, said in logs.items())  # itself, in its --peer list: no peer
@@ -281,3 +289,55 @@ async def test_a_peer_shows_the_clusters_token_and_its_answer_is_checked(aiohttp
     for not_an_answer in (b"[]", b'{"nodes": []}', b"{not json"):
         with pytest.raises(ValueError):
             peers.parse_held(not_an_answer)
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
+def test_prometheus_counts_a_moved_node_once_and_fires_no_node_down(replicas: list[Replica], tmp_path: Path) -> None:
+    """A real Prometheus scraping all three replicas and evaluating the shipped
+    rules: the node is one series before and after its replica goes away and
+    comes back, up at whichever holds it, and `NodeDown` never fires."""
+    import shutil
+
+    from tests.test_prometheus_live import Stack
+
+    if shutil.which("prometheus") is None:
+        pytest.fail("prometheus missing: make setup installs Debian's prometheus")
+    root = Path(__file__).resolve().parent.parent
+    stack = Stack(tmp_path)
+    by_url = {r.url: r for r in replicas}
+    first = by_url[ranked("n1", list(by_url))[0]]
+    agent = start_agent(replicas, tmp_path, interval=1.0)
+    try:
+        targets = ", ".join(f"'127.0.0.1:{r.pages_port}'" for r in replicas)
+        config = tmp_path / "prometheus.yml"
+        config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+                          f"rule_files: ['{root / 'deploy' / 'alerts.yml'}']\n"
+                          "scrape_configs:\n"
+                          f"  - job_name: nodesampler\n    static_configs: [{{targets: [{targets}]}}]\n")  # fmt: skip
+        stack.start(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                     f"--web.listen-address=127.0.0.1:{stack.prom_port}"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        stack.wait_ready()
+        once = 'count by (node) (llmgw_node_up{node="n1"})'
+        stack.wait_for(once, lambda r: len(r) == 1 and float(r[0]["value"][1]) == 1)
+        stack.wait_for('llmgw_node_up{node="n1"}', lambda r: len(r) == 1 and float(r[0]["value"][1]) == 1)
+        first.kill(signal.SIGTERM)
+        stack.wait_for('llmgw_node_up{node="n1"} == 1', lambda r: len(r) == 1 and r[0]["metric"]["instance"]
+                       != f"127.0.0.1:{first.pages_port}", timeout=60)  # fmt: skip
+        first.start()  # back with its state file: it knew the node
+        stack.wait_for('up{job="nodesampler"} == 1', lambda r: len(r) == 3)
+        # Held at one replica: counted once, up, whichever it is.
+        stack.wait_for(once, lambda r: len(r) == 1 and float(r[0]["value"][1]) == 1, timeout=60)
+        stack.wait_for('llmgw_node_up{node="n1"}', lambda r: len(r) == 1 and float(r[0]["value"][1]) == 1)
+        assert stack.query('ALERTS{alertname="NodeDown"}') == []
+        # Over the whole run, as Prometheus saw it every second: never up at two replicas at once.
+        [twice] = stack.query('max_over_time(count by (node) (llmgw_node_up{node="n1"} == 1)[5m:1s])')
+        assert float(twice["value"][1]) == 1
+        # Nor known at two: the replica that came back let the node go before it served a scrape.
+        [known] = stack.query('max_over_time(count by (node) (llmgw_node_up{node="n1"})[5m:1s])')
+        assert float(known["value"][1]) == 1
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+        stack.stop()
