@@ -8,9 +8,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
@@ -55,15 +55,36 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "nodes": len(request.app[REGISTRY])})
 
 
-@shared()
+# The fleet beyond this replica (controlplane/peers.py), when it has peers: given this
+# replica's rows, the whole fleet's, with the peers whose rows did not come named.
+class FleetRows(Protocol):
+    def __call__(self, own: list[dict[str, Any]]) -> Awaitable[dict[str, Any]]: ...
+
+
+FLEET_ROWS = web.AppKey("fleet_rows", FleetRows)
+
+
+@shared("here")
 async def nodes(request: web.Request) -> web.Response:
+    """GET /api/nodes: every node of the fleet (with peers, theirs too: `?here=1`, this replica's alone)."""
     live = request.app.get(LIVE)  # read here, on the loop that changes it
     watched = {node: live.describe(node) for node in live.live_nodes()} if live is not None else {}
-    body = await request.app[PAGE_WORKER].run(_nodes_json, request.app[REGISTRY], watched)
+    worker = request.app[PAGE_WORKER]
+    fleet = request.app.get(FLEET_ROWS)
+    if fleet is None or request.query.get("here") == "1":
+        body = await worker.run(nodes_json, request.app[REGISTRY], watched)
+    else:
+        own = await worker.run(node_rows, request.app[REGISTRY], watched)
+        body = await worker.run(json.dumps, await fleet(own))
     return web.Response(text=body, content_type="application/json")
 
 
-def _nodes_json(registry: NodeRegistry, watched: dict[str, dict[str, Any] | None] | None = None) -> str:
+def nodes_json(registry: NodeRegistry, watched: dict[str, dict[str, Any] | None] | None = None) -> str:
+    return json.dumps({"nodes": node_rows(registry, watched)})
+
+
+def node_rows(registry: NodeRegistry, watched: dict[str, dict[str, Any] | None] | None = None) -> list[dict[str, Any]]:
+    """Each node this replica knows, as `/api/nodes` lists it."""
     now = registry.clock()
     out: list[dict[str, Any]] = []
     for state in registry.nodes():
@@ -80,7 +101,7 @@ def _nodes_json(registry: NodeRegistry, watched: dict[str, dict[str, Any] | None
             # Watched live: its viewers and the samples kept (absent while nobody watches).
             **({"live": d} if (d := (watched or {}).get(state.node)) is not None else {}),
         })  # fmt: skip
-    return json.dumps({"nodes": out})
+    return out
 
 
 async def forget_node(request: web.Request) -> web.Response:

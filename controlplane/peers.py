@@ -10,7 +10,11 @@ the answering replica's own clock: no two replicas' clocks are compared),
 and lets go of a node a peer heard from more recently than it did: the node
 leaves its registry, `/metrics` and history, as a node forgotten does. The
 replica that holds a node never lets it go, so a node down everywhere stays
-with its last replica, down, and alerts.
+with its last replica, down, and alerts. A node that registers at a replica
+(an agent moving there) is also told to the peers at once (`POST
+/v1/peer/arrived`, the arrivals of `ARRIVALS_EVERY_S` in one body a peer),
+and a peer that has not heard from it for `ARRIVED_AFTER_S` lets it go then:
+a moved node is up at two replicas for less than a scrape, not a poll.
 
 Peers show each other a token made from the cluster secret they share
 (controlplane/ingest/tokens.py's `peer_token`); a peer's answer is bounded
@@ -29,11 +33,13 @@ import secrets
 import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 
 from controlplane.ingest import tokens
+from controlplane.ingest.agent_api import ON_REGISTERED
 from controlplane.state.registry import NodeRegistry
 from wire.limits import NODE_ID
 
@@ -42,7 +48,12 @@ log = logging.getLogger(__name__)
 POLL_S = 5.0  # a moved node leaves its former replica's /metrics within this and one scrape
 TIMEOUT_S = 4.0
 MAX_ANSWER_BYTES = 16 * 2**20  # 30,000 nodes at ~60 bytes each, with room
-INSTANCE_HEADER = "X-Nodesampler-Replica"
+ARRIVALS_EVERY_S = 0.2  # arrivals told together: a replica's death moves thousands of nodes at once
+MAX_ARRIVALS = 50_000  # node names in one telling (~1.5 MB): more wait for the next
+ARRIVED_AFTER_S = 1.0  # a node told arrived elsewhere is let go here if silent here this long
+ROWS_TIMEOUT_S = 2.0  # a page waits this long for a peer's rows, then names it and shows the rest
+MAX_ROWS_BYTES = 64 * 2**20  # 10,000 GPU nodes' rows, with room
+ROWS_SHARED_S = 1.0  # one fetch of the peers' rows serves every page view for this long
 
 
 @dataclass
@@ -51,6 +62,7 @@ class Peer:
     instance: str | None = None  # its id, once it answered (ours: it is this replica)
     holds: dict[str, float] = field(default_factory=dict)  # node -> seconds since it last spoke there
     error: str | None = None  # why the last poll failed; None: it answered
+    rows_error: str | None = None  # why its rows did not come for the last fleet view
 
     @property
     def is_us(self) -> bool:
@@ -95,6 +107,54 @@ class Peers:
         self.registry, self.let_go, self.ssl_context = registry, let_go, ssl_context
         self.polls = 0
         self.let_go_count = 0
+        self.session: aiohttp.ClientSession | None = None  # while the control plane runs (`polled`)
+        self._rows: tuple[float, list[tuple[Peer, list[dict[str, Any]]]]] | None = None
+        self._rows_lock = asyncio.Lock()
+        self._arrivals: dict[str, None] = {}  # nodes that registered here, not yet told
+        self._telling: asyncio.Task[None] | None = None
+
+    def arrived(self, node: str) -> None:
+        """A node registered here: the peers are told soon, with the others that came meanwhile."""
+        if len(self._arrivals) < MAX_ARRIVALS:
+            self._arrivals[node] = None
+        if self._telling is None and self.session is not None:
+            self._telling = asyncio.create_task(self._tell())
+
+    async def _tell(self) -> None:
+        try:
+            await asyncio.sleep(ARRIVALS_EVERY_S)
+            nodes, self._arrivals = list(self._arrivals), {}
+            body = {"replica": _INSTANCE, "nodes": nodes}
+            await asyncio.gather(*(self._tell_one(p, body) for p in self.peers if not p.is_us))
+        finally:
+            self._telling = None
+            if self._arrivals and self.session is not None:
+                self._telling = asyncio.create_task(self._tell())
+
+    async def _tell_one(self, peer: Peer, body: dict[str, Any]) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.post(f"{peer.url}/v1/peer/arrived", json=body, ssl=self.ssl_context or True,
+                                         headers={"Authorization": f"Bearer {self.token}"}) as r:  # fmt: skip
+                await r.read()
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            pass  # it is down, or slow: the polls settle it
+
+    def told_arrived(self, nodes: list[str]) -> int:
+        """A peer says these nodes registered there: each silent here for
+        `ARRIVED_AFTER_S` is let go. How many were."""
+        now, let_go = self.registry.clock(), 0
+        for node in nodes:
+            state = self.registry.get(node)
+            if state is None:
+                continue
+            ours = math.inf if state.received_at is None else now - state.received_at
+            if ours > ARRIVED_AFTER_S:
+                log.info("node %s registered at a peer (it spoke here %.1f s ago): let go", node, ours)
+                self.let_go(node)
+                self.let_go_count += 1
+                let_go += 1
+        return let_go
 
     async def poll(self, session: aiohttp.ClientSession) -> None:
         """Every peer at once; then the nodes a peer heard from more recently, let go."""
@@ -116,7 +176,7 @@ class Peers:
         error = None
         try:
             async with session.get(f"{peer.url}/v1/peer/held", headers={"Authorization": f"Bearer {self.token}"},
-                                   ssl=self.ssl_context if self.ssl_context is not None else True) as r:  # fmt: skip
+                                   ssl=self.ssl_context or True) as r:  # fmt: skip
                 if r.status != 200:
                     raise ValueError(f"HTTP {r.status}")
                 body = await r.content.read(MAX_ANSWER_BYTES + 1)
@@ -136,30 +196,132 @@ class Peers:
         peer.error = error
 
 
-async def held(request: web.Request) -> web.Response:
-    """GET /v1/peer/held, for a peer (its token, from the cluster secret)."""
+    async def fleet_rows(self) -> list[tuple[Peer, list[dict[str, Any]]]]:
+        """Every other peer's `/api/nodes` rows (its own nodes), fetched at
+        once and bounded in time and size; a peer whose rows did not come has
+        none, and its `rows_error` says why. Shared for `ROWS_SHARED_S`: a
+        flood of page views asks the peers once a second."""
+        async with self._rows_lock:
+            now = self.registry.clock()
+            if self._rows is not None and now - self._rows[0] < ROWS_SHARED_S:
+                return self._rows[1]
+            peers = [p for p in self.peers if not p.is_us]
+            got = await asyncio.gather(*(self._fetch_rows(p) for p in peers))
+            self._rows = (self.registry.clock(), list(zip(peers, got, strict=True)))
+            return self._rows[1]
+
+    async def _fetch_rows(self, peer: Peer) -> list[dict[str, Any]]:
+        if self.session is None:
+            peer.rows_error = "not asked: the control plane is starting"
+            return []
+        try:
+            async with self.session.get(f"{peer.url}/v1/peer/nodes", headers={"Authorization": f"Bearer {self.token}"},
+                                        timeout=aiohttp.ClientTimeout(total=ROWS_TIMEOUT_S),
+                                        ssl=self.ssl_context or True) as r:  # fmt: skip
+                if r.status != 200:
+                    raise ValueError(f"HTTP {r.status}")
+                body = await r.content.read(MAX_ROWS_BYTES + 1)
+            if len(body) > MAX_ROWS_BYTES:
+                raise ValueError(f"rows over {MAX_ROWS_BYTES >> 20} MiB")
+            rows = await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
+            if not isinstance(rows, dict) or not isinstance(rows.get("nodes"), list):
+                raise ValueError("not a list of nodes")
+            peer.rows_error = None
+            return [n for n in rows["nodes"] if isinstance(n, dict) and isinstance(n.get("node"), str)
+                    and NODE_ID.fullmatch(n["node"])]  # fmt: skip
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+            peer.rows_error = f"{type(e).__name__}: {e}"[:300]
+            return []
+
+
+def merged_rows(own: list[dict[str, Any]], theirs: list[tuple[Peer, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """The fleet as one list: each node once, from the replica that heard from
+    it last (`replica`: the peer's URL; absent: this replica), and each peer
+    whose rows did not come named, with the nodes it held at the last poll."""
+    best: dict[str, dict[str, Any]] = {row["node"]: row for row in own}
+
+    def age(row: dict[str, Any]) -> float:
+        a = row.get("sample_age_seconds")
+        return float(a) if isinstance(a, (int, float)) and math.isfinite(a) else math.inf
+
+    for peer, rows in theirs:
+        for row in rows:
+            row["replica"] = peer.url
+            mine = best.get(row["node"])
+            if mine is None or age(row) < age(mine):
+                best[row["node"]] = row
+    peers = [{"peer": peer.url, "answered": peer.rows_error is None, "error": peer.rows_error,
+              "nodes_not_shown": None if peer.rows_error is None else len(peer.holds)}
+             for peer, _ in theirs]  # fmt: skip
+    return {"nodes": sorted(best.values(), key=lambda r: r["node"]), "peers": peers}
+
+
+async def peer_nodes(request: web.Request) -> web.Response:
+    """GET /v1/peer/nodes, for a peer: this replica's own nodes, as `/api/nodes` lists them."""
+    if (refused := _refused(request)) is not None:
+        return refused
+    body = await asyncio.get_running_loop().run_in_executor(None, request.app[PEER_ROWS])
+    return web.Response(text=body, content_type="application/json")
+
+
+def _refused(request: web.Request) -> web.Response | None:
     secret = request.app[PEER_SECRET]
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not tokens.is_peer_token(secret, token.strip()):
         return web.json_response({"error": "a peer's token is needed"}, status=401)
+    return None
+
+
+async def held(request: web.Request) -> web.Response:
+    """GET /v1/peer/held, for a peer (its token, from the cluster secret)."""
+    if (refused := _refused(request)) is not None:
+        return refused
     return web.json_response(held_answer(request.app[PEER_REGISTRY]))
+
+
+async def arrived(request: web.Request) -> web.Response:
+    """POST /v1/peer/arrived, from a peer: `{"replica": ID, "nodes": [...]}`, nodes that registered there."""
+    if (refused := _refused(request)) is not None:
+        return refused
+    try:
+        body = json.loads(await request.content.read(MAX_ARRIVALS * 300))
+        nodes = body["nodes"] if isinstance(body, dict) and isinstance(body.get("nodes"), list) else None
+        if nodes is None or body.get("replica") == _INSTANCE:
+            raise ValueError("not a peer's arrivals")
+    except (ValueError, RecursionError) as e:
+        return web.json_response({"error": str(e)[:200]}, status=400)
+    named = [n for n in nodes[:MAX_ARRIVALS] if isinstance(n, str) and NODE_ID.fullmatch(n)]
+    return web.json_response({"let_go": request.app[PEERS].told_arrived(named)})
 
 
 PEER_SECRET = web.AppKey("peer_secret", bytes)
 PEER_REGISTRY = web.AppKey("peer_registry", NodeRegistry)
+class OwnRows(Protocol):
+    def __call__(self) -> str: ...
 
 
-def add_routes(agents: web.Application, secret: bytes, registry: NodeRegistry) -> None:
+PEER_ROWS = web.AppKey("peer_rows", OwnRows)
+PEERS = web.AppKey("peers", Peers)
+
+
+def add_routes(agents: web.Application, peers: Peers, secret: bytes, own_rows: OwnRows) -> None:
+    """The peers' routes on the agent listener; `own_rows`: this replica's
+    nodes as `/api/nodes` writes them (made on a thread)."""
+    agents[PEERS] = peers
     agents[PEER_SECRET] = secret
-    agents[PEER_REGISTRY] = registry
+    agents[PEER_REGISTRY] = peers.registry
+    agents[PEER_ROWS] = own_rows
+    agents[ON_REGISTERED] = peers.arrived
     agents.router.add_get("/v1/peer/held", held)
+    agents.router.add_get("/v1/peer/nodes", peer_nodes)
+    agents.router.add_post("/v1/peer/arrived", arrived)
 
 
 async def polled(peers: Peers) -> AsyncIterator[None]:
     """The peers asked once before the control plane serves (after its state
     file is loaded: a node that moved while it was down is let go before
     any scrape sees it twice; `TIMEOUT_S` at most), then every `POLL_S`."""
-    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
+    session = peers.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
 
     async def poll() -> None:
         try:
@@ -177,4 +339,5 @@ async def polled(peers: Peers) -> AsyncIterator[None]:
     yield
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+    peers.session = None
     await session.close()

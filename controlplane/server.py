@@ -15,6 +15,7 @@ import signal
 import ssl
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -39,7 +40,7 @@ from controlplane.listen.page_access import PageAccess, listen_admin_socket, rem
 from controlplane.listen.tls_files import ReloadingServerTLS
 from controlplane.listen.web_config import ReloadingWebConfig
 from controlplane.live import LiveSamples
-from controlplane.peers import Peers, polled
+from controlplane.peers import Peers, merged_rows, polled
 from controlplane.peers import add_routes as add_peer_routes
 from controlplane.state.registry import MAX_SHARDS_PER_NODE, NodeRegistry
 from controlplane.state.starvation import StarvationRules
@@ -140,7 +141,12 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                 fetches.forget(node)
 
         replicas = Peers(peer_urls, auth.secret, registry, let_go, peer_ssl)
-        add_peer_routes(agents, auth.secret, registry)
+        add_peer_routes(agents, replicas, auth.secret, functools.partial(pages_api.nodes_json, registry))
+
+        async def fleet_rows(own: list[dict[str, Any]]) -> dict[str, Any]:
+            return merged_rows(own, await replicas.fleet_rows())
+
+        pages[pages_api.FLEET_ROWS] = fleet_rows
         pages.cleanup_ctx.append(lambda app: polled(replicas))  # after the pages' own: the state file is in
         own.prometheus.register(PeersCollector(replicas))
     try:

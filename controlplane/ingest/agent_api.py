@@ -16,7 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from aiohttp import web
 
@@ -90,6 +90,15 @@ class HeartbeatRate:
 
 
 HEARTBEAT_RATES = web.AppKey("heartbeat_rates", HeartbeatRate)
+
+
+class Registered(Protocol):
+    def __call__(self, node: str) -> None: ...
+
+
+# Told of each node that registers here (controlplane/peers.py: a node that arrives from
+# another replica is let go there at once, not at the next poll).
+ON_REGISTERED = web.AppKey("on_registered", Registered)
 
 
 @web.middleware
@@ -188,6 +197,8 @@ async def register(request: web.Request) -> web.Response:
     registry.register(registration)
     if not known:
         log.info("node %s registered", node)
+    if (told := request.app.get(ON_REGISTERED)) is not None:
+        told(node)
     return _answer(request, node, {"node": node, "stale_after": registry.stale_after}, dropped)
 
 
