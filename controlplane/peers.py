@@ -172,16 +172,21 @@ class Peers:
                     self.let_go_count += 1
                     break
 
+    async def _get(self, session: aiohttp.ClientSession, url: str, most: int, seconds: float) -> bytes:
+        """A peer's answer, whole: ValueError when it is not 200 or over `most` bytes."""
+        async with session.get(url, headers={"Authorization": f"Bearer {self.token}"},
+                               timeout=aiohttp.ClientTimeout(total=seconds), ssl=self.ssl_context or True) as r:
+            if r.status != 200:
+                raise ValueError(f"HTTP {r.status}")
+            body = await r.content.read(most + 1)
+        if len(body) > most:
+            raise ValueError(f"an answer over {most >> 20} MiB")
+        return body
+
     async def _ask(self, session: aiohttp.ClientSession, peer: Peer) -> None:
         error = None
         try:
-            async with session.get(f"{peer.url}/v1/peer/held", headers={"Authorization": f"Bearer {self.token}"},
-                                   ssl=self.ssl_context or True) as r:  # fmt: skip
-                if r.status != 200:
-                    raise ValueError(f"HTTP {r.status}")
-                body = await r.content.read(MAX_ANSWER_BYTES + 1)
-                if len(body) > MAX_ANSWER_BYTES:
-                    raise ValueError(f"an answer over {MAX_ANSWER_BYTES >> 20} MiB")
+            body = await self._get(session, f"{peer.url}/v1/peer/held", MAX_ANSWER_BYTES, TIMEOUT_S)
             peer.instance, peer.holds, bad = parse_held(body)
             if bad:
                 error = f"{bad} entries of its answer left out"
@@ -194,7 +199,6 @@ class Peers:
             else:
                 log.warning("peer %s: %s", peer.url, error)
         peer.error = error
-
 
     async def fleet_rows(self) -> list[tuple[Peer, list[dict[str, Any]]]]:
         """Every other peer's `/api/nodes` rows (its own nodes), fetched at
@@ -215,14 +219,7 @@ class Peers:
             peer.rows_error = "not asked: the control plane is starting"
             return []
         try:
-            async with self.session.get(f"{peer.url}/v1/peer/nodes", headers={"Authorization": f"Bearer {self.token}"},
-                                        timeout=aiohttp.ClientTimeout(total=ROWS_TIMEOUT_S),
-                                        ssl=self.ssl_context or True) as r:  # fmt: skip
-                if r.status != 200:
-                    raise ValueError(f"HTTP {r.status}")
-                body = await r.content.read(MAX_ROWS_BYTES + 1)
-            if len(body) > MAX_ROWS_BYTES:
-                raise ValueError(f"rows over {MAX_ROWS_BYTES >> 20} MiB")
+            body = await self._get(self.session, f"{peer.url}/v1/peer/nodes", MAX_ROWS_BYTES, ROWS_TIMEOUT_S)
             rows = await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
             if not isinstance(rows, dict) or not isinstance(rows.get("nodes"), list):
                 raise ValueError("not a list of nodes")
