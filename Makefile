@@ -1,5 +1,5 @@
 # The two commands: `make up` and `make test`. Both start with `make setup`.
-.PHONY: setup setup-test up test lint unit vm-test vagrant-test image
+.PHONY: setup setup-test setup-bench up test lint unit vm-test vagrant-test image
 
 VENV := .venv/bin
 
@@ -9,6 +9,10 @@ setup:
 
 setup-test:
 	@bash deploy/host-setup.sh test
+
+# What the scripts under bench/ need beyond the tests' (wrk).
+setup-bench:
+	@bash deploy/host-setup.sh bench
 
 up: setup
 	$(VENV)/nodesampler up

@@ -19,8 +19,13 @@ With `--tokens k8s` every node speaks with a projected service-account
 token (RS256 JWT) that the control plane verifies against a JWKS file; a
 verified token is cached until it expires, so the rate should match HMAC's.
 
+With `--peers N` the measured control plane is one of N+1 replicas
+(controlplane/peers.py): N more, on CPU 1, poll it every 5 s for the nodes
+it holds (all of them) and are polled by it. The cost of peering is this
+run's ratio against one without (#46's target: at most 5% less).
+
     PYTHONPATH=. .venv/bin/python bench/heartbeat_throughput.py [--nodes 200] [--seconds 10] [--runs 3]
-                                                                [--tokens hmac|k8s] [--fresh]
+                                                                [--tokens hmac|k8s] [--fresh] [--peers N]
 """
 
 from __future__ import annotations
@@ -152,6 +157,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", choices=("hmac", "k8s"), default="hmac")
     ap.add_argument("--fresh", action="store_true", help="runs begin with every node's first heartbeat")
+    ap.add_argument("--peers", type=int, default=0, help="other replicas peering with the measured one")
     args = ap.parse_args()
     issuer = TestIssuer() if args.tokens == "k8s" else None
     if shutil.which("wrk") is None:
@@ -164,10 +170,19 @@ def main() -> None:
         if issuer is not None:
             (Path(tmp) / "jwks.json").write_text(json.dumps(issuer.jwks()))
             identity = ["--k8s-jwks", str(Path(tmp) / "jwks.json"), "--k8s-issuer", ISSUER]
+        others = [(free_port(), free_port()) for _ in range(args.peers)]
+        everyone = [a for p in [port, *(o[0] for o in others)] for a in ("--peer", f"http://127.0.0.1:{p}")]
+        if args.peers and issuer is not None:
+            raise SystemExit("--peers needs the cluster secret: with --tokens hmac")
         cp = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-m", "nodesampler", "controlplane",
                                "--listen", f"127.0.0.1:{port}", "--pages-listen", f"127.0.0.1:{pages}", *identity,
-                               "--max-heartbeats-per-second", "0"],  # the flood is the measurement
+                               "--max-heartbeats-per-second", "0",  # the flood is the measurement
+                               *(everyone if args.peers else [])],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+        peers = [subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "nodesampler", "controlplane",
+                                   "--listen", f"127.0.0.1:{a}", "--pages-listen", f"127.0.0.1:{b}", *identity,
+                                   *everyone], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                 for a, b in others]  # fmt: skip
         ref = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", REFERENCE_SERVER, str(ref_port)],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
         try:
@@ -175,7 +190,8 @@ def main() -> None:
             assert ref.stdout is not None and b"reference" in ref.stdout.readline()
             agents = Agents(port, issuer)
             print(f"{args.nodes} nodes{', fresh' if args.fresh else ''}, {args.tokens} tokens, wrk -t1 -c64 on CPU 1, "
-                  "the control plane and the do-nothing reference on CPU 0", flush=True)
+                  "the control plane and the do-nothing reference on CPU 0"
+                  f"{f', {args.peers} peers polling it on CPU 1' if args.peers else ''}", flush=True)
             rates, refs, p99s = [], [], []
             for run in range(args.runs):
                 names = [f"node-{run if args.fresh else 0}-{i:05d}" for i in range(args.nodes)]
@@ -199,7 +215,7 @@ def main() -> None:
                   f"ratio {statistics.median(r / f for r, f in zip(rates, refs, strict=True)):.2f}, "
                   f"p99 {statistics.median(p99s):.1f} ms")
         finally:
-            for process in (cp, ref):
+            for process in (cp, ref, *peers):
                 process.terminate()
                 process.wait()
 

@@ -25,6 +25,11 @@ if [ "$mode" = test ]; then
     packages="$packages iproute2 nftables prometheus prometheus-alertmanager chromium qemu-system-x86 podman runc debootstrap linux-headers-$arch"
     extra="[test]"
 fi
+if [ "$mode" = bench ]; then
+    # wrk: bench/heartbeat_throughput.py's load generator (a C client, so the client is not what is measured).
+    packages="$packages wrk"
+    extra="[test]"
+fi
 missing=""
 for p in $packages; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
