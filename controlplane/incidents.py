@@ -48,11 +48,11 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -451,20 +451,49 @@ def _may_start_incidents(request: web.Request, route: str) -> None:
                                      "--admin-socket\n")  # fmt: skip
 
 
+class Holders(Protocol):
+    """The replicas a node may be held by instead of this one (controlplane/peers.py)."""
+
+    def holder(self, node: str) -> str | None: ...
+
+    def forward_alerts(self, peer: str, body: dict[str, Any]) -> Awaitable[dict[str, Any]]: ...
+
+
+HOLDERS = web.AppKey("holders", Holders)
+
+
 async def alertmanager(request: web.Request) -> web.Response:
     """POST /api/alertmanager: Alertmanager's webhook (a receiver's
     `webhook_configs` url, with `http_config.basic_auth` as a web-config
     user): what an operator's start needs, since anyone who may post it
-    spends the incidents' budget."""
+    spends the incidents' budget. With peers, the alerts of nodes another
+    replica holds are that replica's to capture: sent on to it, its answer
+    under `forwarded`."""
     _may_start_incidents(request, "the Alertmanager webhook")
     body = await _json_body(request)
+    forwarded: dict[str, Any] = {}
+    if (holders := request.app.get(HOLDERS)) is not None and isinstance(body, dict) and isinstance(
+            body.get("alerts"), list):  # fmt: skip
+        here: list[Any] = []
+        elsewhere: dict[str, list[Any]] = {}
+        for alert in body["alerts"][:1000]:
+            labels = alert.get("labels") if isinstance(alert, dict) else None
+            node = labels.get("node") if isinstance(labels, dict) else None
+            peer = holders.holder(node) if isinstance(node, str) else None
+            (elsewhere.setdefault(peer, []) if peer is not None else here).append(alert)
+        body = {**body, "alerts": here}
+        answers = await asyncio.gather(*(holders.forward_alerts(peer, {**body, "alerts": alerts})
+                                         for peer, alerts in elsewhere.items()))  # fmt: skip
+        forwarded = dict(zip(elsewhere, answers, strict=True))
     try:
         done = request.app[INCIDENTS].alerts(body)
     except ValueError as e:
         raise web.HTTPBadRequest(text=f"{e}\n") from None
     except Refused as e:
-        raise web.HTTPTooManyRequests(text=f"{e}\n") from None
-    return web.json_response(done)
+        if not forwarded:
+            raise web.HTTPTooManyRequests(text=f"{e}\n") from None
+        done = {"started": None, "refused": str(e)}
+    return web.json_response({**done, "forwarded": forwarded} if forwarded else done)
 
 
 async def start_incident(request: web.Request) -> web.Response:

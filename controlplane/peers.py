@@ -38,6 +38,8 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from controlplane.hindsight import Refused as IncidentsRefused
+from controlplane.incidents import INCIDENTS
 from controlplane.ingest import tokens
 from controlplane.ingest.agent_api import ON_REGISTERED
 from controlplane.state.registry import NodeRegistry
@@ -51,6 +53,8 @@ MAX_ANSWER_BYTES = 16 * 2**20  # 30,000 nodes at ~60 bytes each, with room
 ARRIVALS_EVERY_S = 0.2  # arrivals told together: a replica's death moves thousands of nodes at once
 MAX_ARRIVALS = 50_000  # node names in one telling (~1.5 MB): more wait for the next
 ARRIVED_AFTER_S = 1.0  # a node told arrived elsewhere is let go here if silent here this long
+MAX_ALERTS_BODY = 2**20  # as Alertmanager's own body to /api/alertmanager
+MAX_FORWARD_ANSWER = 64 * 1024  # a peer's answer to forwarded alerts: an incident's id and its nodes
 ROWS_TIMEOUT_S = 2.0  # a page waits this long for a peer's rows, then names it and shows the rest
 MAX_ROWS_BYTES = 64 * 2**20  # 10,000 GPU nodes' rows, with room
 ROWS_SHARED_S = 1.0  # one fetch of the peers' rows serves every page view for this long
@@ -139,6 +143,33 @@ class Peers:
                 await r.read()
         except (aiohttp.ClientError, TimeoutError, OSError):
             pass  # it is down, or slow: the polls settle it
+
+    def holder(self, node: str) -> str | None:
+        """The peer that holds `node` (heard from it last, at the last poll),
+        or None when this replica does or nobody does."""
+        state = self.registry.get(node)
+        ours = math.inf if state is None or state.received_at is None else self.registry.clock() - state.received_at
+        best, age = None, ours
+        for peer in self.peers:
+            theirs = peer.holds.get(node)
+            if theirs is not None and not peer.is_us and theirs < age:
+                best, age = peer.url, theirs
+        return best
+
+    async def forward_alerts(self, peer: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Alertmanager's alerts of nodes `peer` holds, for it to capture: its answer, or why there is none."""
+        if self.session is None:
+            return {"error": "not sent: the control plane is starting"}
+        try:
+            async with self.session.post(f"{peer}/v1/peer/alerts", json=body, ssl=self.ssl_context or True,
+                                         headers={"Authorization": f"Bearer {self.token}"}) as r:  # fmt: skip
+                text = (await r.content.read(MAX_FORWARD_ANSWER)).decode(errors="replace")
+                if r.status != 200:
+                    return {"error": f"HTTP {r.status}: {text[:200]}"}
+                answer = json.loads(text)
+                return answer if isinstance(answer, dict) else {"error": "not an answer"}
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+            return {"error": f"{type(e).__name__}: {e}"[:300]}
 
     def told_arrived(self, nodes: list[str]) -> int:
         """A peer says these nodes registered there: each silent here for
@@ -291,6 +322,24 @@ async def arrived(request: web.Request) -> web.Response:
     return web.json_response({"let_go": request.app[PEERS].told_arrived(named)})
 
 
+async def alerts(request: web.Request) -> web.Response:
+    """POST /v1/peer/alerts, from a peer: Alertmanager's alerts of nodes this
+    replica holds, captured here as if Alertmanager had sent them (and sent
+    on no further: a peer that thinks otherwise answers for what it holds)."""
+    if (refused := _refused(request)) is not None:
+        return refused
+    incidents = request.app.get(INCIDENTS)
+    if incidents is None:
+        return web.json_response({"error": "this replica keeps no incidents (--incidents-dir)"}, status=503)
+    try:
+        body = json.loads(await request.content.read(MAX_ALERTS_BODY))
+        return web.json_response(incidents.alerts(body))
+    except (ValueError, RecursionError) as e:
+        return web.json_response({"error": str(e)[:200]}, status=400)
+    except IncidentsRefused as e:
+        return web.json_response({"error": str(e)[:200]}, status=429)
+
+
 PEER_SECRET = web.AppKey("peer_secret", bytes)
 PEER_REGISTRY = web.AppKey("peer_registry", NodeRegistry)
 class OwnRows(Protocol):
@@ -312,6 +361,7 @@ def add_routes(agents: web.Application, peers: Peers, secret: bytes, own_rows: O
     agents.router.add_get("/v1/peer/held", held)
     agents.router.add_get("/v1/peer/nodes", peer_nodes)
     agents.router.add_post("/v1/peer/arrived", arrived)
+    agents.router.add_post("/v1/peer/alerts", alerts)
 
 
 async def polled(peers: Peers) -> AsyncIterator[None]:

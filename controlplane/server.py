@@ -25,7 +25,7 @@ from controlplane.export.peer_metrics import PeersCollector
 from controlplane.export.surface_metrics import SurfacesCollector
 from controlplane.hindsight import HindsightFetches
 from controlplane.history import EmbeddedHistory
-from controlplane.incidents import AFTER_S, BEFORE_S, Incidents
+from controlplane.incidents import AFTER_S, BEFORE_S, HOLDERS, Incidents
 from controlplane.incidents import MAX_BYTES as MAX_INCIDENT_BYTES
 from controlplane.ingest import agent_api
 from controlplane.ingest.node_identity import NodeAuthenticator
@@ -147,6 +147,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
             return merged_rows(own, await replicas.fleet_rows())
 
         pages[pages_api.FLEET_ROWS] = fleet_rows
+        pages[HOLDERS] = replicas
         pages.cleanup_ctx.append(lambda app: polled(replicas))  # after the pages' own: the state file is in
         own.prometheus.register(PeersCollector(replicas))
     try:

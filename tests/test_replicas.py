@@ -162,7 +162,8 @@ def replicas(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[Re
     for r in started:
         if request.param:
             r.extra = [a for p in started for a in ("--peer", p.url)] + [
-                "--state-file", str(tmp_path / f"state-{r.index}.json")]
+                "--state-file", str(tmp_path / f"state-{r.index}.json"),
+                "--admin-socket", str(tmp_path / f"admin-{r.index}.sock")]
         r.start()
     yield started
     for r in started:
@@ -396,3 +397,38 @@ async def test_a_node_told_arrived_at_a_peer_is_let_go_if_silent_here(aiohttp_cl
     assert (await r.json()) == {"let_go": 1} and gone == ["n1"] and registry.get("n2") is not None
     assert (await client.post("/v1/peer/arrived", json=told)).status == 401
     assert (await client.post("/v1/peer/arrived", json=[], headers=peer)).status == 400
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
+def test_a_webhook_to_any_replica_captures_each_node_where_it_is_held(replicas: list[Replica],
+                                                                       tmp_path: Path) -> None:  # fmt: skip
+    """Alertmanager's webhook sent to a replica that does not hold the node:
+    the incident is started at the replica that does (its samples are in
+    that node's answers there), and the answer says where."""
+    from tests.test_up import UnixConnection, request
+
+    by_url = {r.url: r for r in replicas}
+    holder, other, _ = (by_url[u] for u in ranked("n1", list(by_url)))
+    agent = start_agent(replicas, tmp_path, interval=0.5)
+    try:
+        wait_until(lambda: holder.holds_fresh("n1"), 60, "the node at its first choice")
+        # The other replica learns who holds it at its next poll.
+        wait_until(lambda: 'nodesampler_peer_nodes{peer="' + holder.url + '"} 1.0' in other.metrics(), 30,
+                   "the other replica knows the holder")  # fmt: skip
+        alert = {"version": "4", "alerts": [{"status": "firing", "labels": {"alertname": "NodeCPUSaturated",
+                                                                           "node": "n1"},
+                                             "fingerprint": "f1"}]}  # fmt: skip
+        status, body = request(UnixConnection(tmp_path / f"admin-{other.index}.sock"), "POST", "/api/alertmanager",
+                               alert)  # fmt: skip
+        assert status == 200, body
+        answer = json.loads(body)
+        assert answer["started"] is None and answer["forwarded"][holder.url]["nodes"] == ["n1"], answer
+        started = answer["forwarded"][holder.url]["started"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{holder.pages_port}/api/incidents", timeout=10) as r:
+            assert [i["id"] for i in json.loads(r.read())["incidents"]] == [started]
+        with urllib.request.urlopen(f"http://127.0.0.1:{other.pages_port}/api/incidents", timeout=10) as r:
+            assert json.loads(r.read())["incidents"] == []
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
