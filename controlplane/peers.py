@@ -65,6 +65,7 @@ class Peer:
     url: str
     instance: str | None = None  # its id, once it answered (ours: it is this replica)
     holds: dict[str, float] = field(default_factory=dict)  # node -> seconds since it last spoke there
+    answered_at: float = 0.0  # when `holds` came (this replica's clock): its ages are older by now
     error: str | None = None  # why the last poll failed; None: it answered
     rows_error: str | None = None  # why its rows did not come for the last fleet view
 
@@ -147,13 +148,13 @@ class Peers:
     def holder(self, node: str) -> str | None:
         """The peer that holds `node` (heard from it last, at the last poll),
         or None when this replica does or nobody does."""
+        now = self.registry.clock()
         state = self.registry.get(node)
-        ours = math.inf if state is None or state.received_at is None else self.registry.clock() - state.received_at
-        best, age = None, ours
+        best, age = None, math.inf if state is None or state.received_at is None else now - state.received_at
         for peer in self.peers:
             theirs = peer.holds.get(node)
-            if theirs is not None and not peer.is_us and theirs < age:
-                best, age = peer.url, theirs
+            if theirs is not None and not peer.is_us and theirs + (now - peer.answered_at) < age:
+                best, age = peer.url, theirs + (now - peer.answered_at)
         return best
 
     async def forward_alerts(self, peer: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -219,6 +220,7 @@ class Peers:
         try:
             body = await self._get(session, f"{peer.url}/v1/peer/held", MAX_ANSWER_BYTES, TIMEOUT_S)
             peer.instance, peer.holds, bad = parse_held(body)
+            peer.answered_at = self.registry.clock()
             if bad:
                 error = f"{bad} entries of its answer left out"
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
