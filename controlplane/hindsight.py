@@ -349,7 +349,7 @@ class HindsightFetches:
         self._ids = itertools.count(1)
         self.held_bytes = 0  # what every span holds
         self.viewer_bytes = 0  # ... of it, viewers' spans
-        # Counted for /metrics (controlplane/export/own_metrics.py), fixed label sets.
+        # Counted for /metrics (controlplane/export/surface_metrics.py), fixed label sets.
         self.asks = {"incident": 0, "viewer": 0}
         self.asks_refused = {"incident": 0, "viewer": 0}
         self.given_up = {"incident": 0, "viewer": 0}
@@ -466,7 +466,7 @@ class HindsightFetches:
 
     def refused_piece(self, why: str) -> None:
         """A piece the heartbeat's checks left out whole: `not_asked` (no span
-        is asked of the node) or `bad` (not the span asked, or not one)."""
+        is asked of the node, or it is of another span) or `bad` (not a piece)."""
         self.pieces_refused[why] += 1
 
     def get(self, fetch_id: str) -> Fetch | None:
@@ -488,9 +488,6 @@ class HindsightFetches:
     def forget(self, node: str) -> None:
         for fetch in self._queues.pop(node, ()):
             fetch.finish(self.wall())
-
-    def waiting(self) -> int:
-        return sum(1 for spans in self._queues.values() for _ in spans)
 
 
 HINDSIGHT = web.AppKey("hindsight", HindsightFetches)

@@ -130,7 +130,7 @@ class Incidents:
         self._alerts_seen: dict[str, float] = {}  # fingerprint -> when
         self._starved_at: dict[str, float] = {}  # node -> when its engines last started one
         self._exports = asyncio.Semaphore(MAX_EXPORTS)
-        # Counted for /metrics (controlplane/export/own_metrics.py), fixed label sets.
+        # Counted for /metrics (controlplane/export/surface_metrics.py), fixed label sets.
         self.started = dict.fromkeys(START_BUDGETS, 0)
         self.refused = dict.fromkeys(START_BUDGETS, 0)
 

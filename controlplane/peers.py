@@ -110,7 +110,6 @@ class Peers:
         self.peers = [Peer(url.rstrip("/")) for url in dict.fromkeys(urls)]
         self.token = tokens.peer_token(secret)
         self.registry, self.let_go, self.ssl_context = registry, let_go, ssl_context
-        self.polls = 0
         self.let_go_count = 0
         self.session: aiohttp.ClientSession | None = None  # while the control plane runs (`polled`)
         self._rows: tuple[float, list[tuple[Peer, list[dict[str, Any]]]]] | None = None
@@ -191,7 +190,6 @@ class Peers:
     async def poll(self, session: aiohttp.ClientSession) -> None:
         """Every peer at once; then the nodes a peer heard from more recently, let go."""
         await asyncio.gather(*(self._ask(session, p) for p in self.peers))
-        self.polls += 1
         now = self.registry.clock()
         for state in self.registry.nodes():
             ours = math.inf if state.received_at is None else now - state.received_at

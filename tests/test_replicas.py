@@ -82,7 +82,7 @@ def test_a_node_moves_down_its_order_and_tries_its_way_back() -> None:
     clock.now += 30
     assert choice.worth_trying_back()
     choice.back_to_first()
-    choice.taken(returned=True)  # back
+    choice.taken()  # back
     # It goes again soon after: the node waits twice as long before trying it next time, and so on.
     waits = []
     for _ in range(6):
@@ -94,11 +94,11 @@ def test_a_node_moves_down_its_order_and_tries_its_way_back() -> None:
             waited += 5
         waits.append(waited)
         choice.back_to_first()
-        choice.taken(returned=True)
+        choice.taken()
     assert waits == [60, 120, 240, 480, 600, 600] and MAX_RETURN_S == 600
     # It stays: after a while it is trusted again, and the wait is back to 30 s.
     clock.now += SETTLED_S
-    choice.taken(returned=False)
+    choice.taken()
     clock.now += 1
     assert choice.failed()
     clock.now += 30

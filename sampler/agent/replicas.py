@@ -51,6 +51,7 @@ class ReplicaChoice:
         self._tried_back_at = clock()
         self._wait_s = return_every_s  # before the next try of a better replica
         self._returned_at: float | None = None  # when the node last came back up the order
+        self.trying_back = False  # heartbeats go to the first choice again, none taken there yet
 
     @property
     def url(self) -> str:
@@ -63,6 +64,7 @@ class ReplicaChoice:
         if self._returned_at is not None and now - self._returned_at < SETTLED_S:
             self._wait_s = min(MAX_RETURN_S, self._wait_s * 2)  # it went again soon after we came back
         self._returned_at = None
+        self.trying_back = False
         if self.current + 1 < len(self.order):
             self.current += 1
             self._tried_back_at = now
@@ -81,13 +83,15 @@ class ReplicaChoice:
     def back_to_first(self) -> int:
         """Heartbeats go to the first choice again; the index they came from."""
         came_from, self.current = self.current, 0
+        self.trying_back = True
         return came_from
 
-    def taken(self, returned: bool) -> None:
-        """A heartbeat was taken by the current replica (`returned`: having come back up the order)."""
+    def taken(self) -> None:
+        """A heartbeat was taken by the current replica."""
         now = self.clock()
-        if returned:
+        if self.trying_back:  # back up the order
             self._returned_at = now
+            self.trying_back = False
         elif self._returned_at is not None and now - self._returned_at >= SETTLED_S:
             self._returned_at = None
             self._wait_s = self.return_every_s  # it stayed: trusted again

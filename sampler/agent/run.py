@@ -166,7 +166,6 @@ class Agent:
     async def _deliver(self, clients: dict[str, HeartbeatClient]) -> None:
         choice = ReplicaChoice(self.node, list(clients), return_every_s(self.interval))
         backoff = Backoff()
-        returned = False  # the current replica is the first choice, tried again after the node left it
         registered = False
         down_since_reason: str | None = None
         unknown_again = False  # a 404 right after registering: not a restart, something else is wrong
@@ -180,7 +179,7 @@ class Agent:
             if choice.worth_trying_back():
                 left = choice.order[choice.back_to_first()]
                 log.info("trying %s again, this node's first choice (held by %s meanwhile)", choice.url, left)
-                registered, returned = False, True
+                registered = False
             client = clients[choice.url]
             try:
                 if not registered:
@@ -189,8 +188,7 @@ class Agent:
                     registered, registered_gpus = True, gpus
                     log.info("registered with %s as %s", choice.url, self.node)
                 answer = await client.heartbeat(summary)
-                choice.taken(returned)
-                returned = False
+                choice.taken()
                 self.sent += 1
                 if answer.raw != self.sampler.raw_wanted:
                     log.info("raw samples %s: %s", "on" if answer.raw else "off",
@@ -211,8 +209,7 @@ class Agent:
                 await self.sleep(backoff.next_delay())  # 404 again at once: back off like any retry
                 continue
             except DeliveryError as e:
-                came_back = returned
-                returned = False
+                came_back = choice.trying_back
                 # Unreachable, timed out or 5xx: the next replica in the node's order, at once. A
                 # refusal (4xx) would be the same at any replica: it is not a reason to move.
                 failed = choice.url
