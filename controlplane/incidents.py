@@ -432,10 +432,15 @@ def to_csv(parts: Iterable[tuple[str, bytes]]) -> bytes:
 INCIDENTS = web.AppKey("incidents", Incidents)
 
 
+# A body read already (controlplane/forward.py splits an incident's nodes by the replica
+# that holds each, and this replica's share is what it starts).
+BODY_READ = web.RequestKey("body_read", bytes)
+
+
 async def _json_body(request: web.Request) -> Any:
     if request.content_type != "application/json":
         raise web.HTTPUnsupportedMediaType(text="a JSON body, please\n")
-    data = await request.content.read(MAX_BODY + 1)
+    data = request[BODY_READ] if BODY_READ in request else await request.content.read(MAX_BODY + 1)
     if len(data) > MAX_BODY:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=len(data))
     try:
@@ -552,6 +557,8 @@ async def read_incident(request: web.Request) -> web.StreamResponse:
     form = request.query.get("format", "json")
     if form not in ("json", "csv"):
         raise web.HTTPBadRequest(text="format: json or csv\n")
+    if request.method == "HEAD":  # whether it is here (a peer asks, controlplane/forward.py): no export
+        return web.Response(content_type="text/csv" if form == "csv" else "application/json")
     if incidents._exports.locked():
         raise web.HTTPTooManyRequests(text=f"{MAX_EXPORTS} incidents are being read already; try again\n",
                                       headers={"Retry-After": "5"})  # fmt: skip

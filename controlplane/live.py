@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from controlplane.keys import REGISTRY
-from controlplane.listen.page_access import USER
+from controlplane.listen.page_access import USER, VIEWER
 from wire.schema import Heartbeat, Stats
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ async def live_stream(request: web.Request) -> web.StreamResponse:
         raise web.HTTPNotFound(text="no such node\n")
     live = request.app[LIVE]
     user = request.get(USER)
-    viewer = f"user {user}" if user is not None else request.remote
+    viewer = f"user {user}" if user is not None else request.get(VIEWER, request.remote)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
                                            "X-Accel-Buffering": "no"})  # fmt: skip
     await response.prepare(request)

@@ -31,6 +31,7 @@ import logging
 import math
 import secrets
 import ssl
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -60,13 +61,14 @@ MAX_ROWS_BYTES = 64 * 2**20  # 10,000 GPU nodes' rows, with room
 ROWS_SHARED_S = 1.0  # one fetch of the peers' rows serves every page view for this long
 
 
-@dataclass
+@dataclass(eq=False)  # one a replica: each is itself (and a key)
 class Peer:
     url: str
     instance: str | None = None  # its id, once it answered (ours: it is this replica)
     holds: dict[str, float] = field(default_factory=dict)  # node -> seconds since it last spoke there
     answered_at: float = 0.0  # when `holds` came (this replica's clock): its ages are older by now
     error: str | None = None  # why the last poll failed; None: it answered
+    pages: str | None = None  # its pages listener (controlplane/forward.py), once it said where
     rows_error: str | None = None  # why its rows did not come for the last fleet view
 
     @property
@@ -77,18 +79,41 @@ class Peer:
 _INSTANCE = secrets.token_hex(8)  # this process's id among its peers
 
 
-def held_answer(registry: NodeRegistry) -> dict[str, object]:
-    """The nodes this replica holds fresh, each with its age here."""
+def held_answer(registry: NodeRegistry, pages: tuple[str, int] | None = None) -> dict[str, object]:
+    """The nodes this replica holds fresh, each with its age here; and the
+    scheme and port of its pages listener, for a peer to forward a node's
+    pages to (on the host the peer reaches this replica by)."""
     now = registry.clock()
     held = [[s.node, round(now - s.received_at, 3)] for s in registry.nodes()
             if s.received_at is not None and s.fresh(now, registry.stale_after)]  # fmt: skip
-    return {"replica": _INSTANCE, "nodes": held}
+    answer: dict[str, object] = {"replica": _INSTANCE, "nodes": held}
+    if pages is not None:
+        answer["pages"] = {"scheme": pages[0], "port": pages[1]}
+    return answer
+
+
+def pages_url(peer_url: str, pages: Any) -> str | None:
+    """Where a peer's pages are: its URL's host, with the scheme and port its
+    answer names; None when the answer names none, or not those."""
+    if not isinstance(pages, dict) or pages.get("scheme") not in ("http", "https"):
+        return None
+    port = pages.get("port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return None
+    host = urllib.parse.urlsplit(peer_url).hostname
+    if not host:
+        return None
+    return f"{pages['scheme']}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def parse_held(body: bytes) -> tuple[str, dict[str, float], int]:
     """A peer's answer: its id, the nodes it holds with their ages, and how
     many entries were left out (not a node name, or not a finite age)."""
     value = json.loads(body)
+    return _parse_held(value)
+
+
+def _parse_held(value: Any) -> tuple[str, dict[str, float], int]:
     if not isinstance(value, dict) or not isinstance(value.get("replica"), str) or not isinstance(
             value.get("nodes"), list):  # fmt: skip
         raise ValueError("not a peer's answer")
@@ -111,6 +136,7 @@ class Peers:
         self.token = tokens.peer_token(secret)
         self.registry, self.let_go, self.ssl_context = registry, let_go, ssl_context
         self.let_go_count = 0
+        self.pages: tuple[str, int] | None = None  # this replica's pages listener (scheme, port), told to peers
         self.session: aiohttp.ClientSession | None = None  # while the control plane runs (`polled`)
         self._rows: tuple[float, list[tuple[Peer, list[dict[str, Any]]]]] | None = None
         self._rows_lock = asyncio.Lock()
@@ -145,15 +171,19 @@ class Peers:
             pass  # it is down, or slow: the polls settle it
 
     def holder(self, node: str) -> str | None:
-        """The peer that holds `node` (heard from it last, at the last poll),
-        or None when this replica does or nobody does."""
+        """The URL of the peer that holds `node` (heard from it last, at the
+        last poll), or None when this replica does or nobody does."""
+        peer = self.holding_peer(node)
+        return None if peer is None else peer.url
+
+    def holding_peer(self, node: str) -> Peer | None:
         now = self.registry.clock()
         state = self.registry.get(node)
         best, age = None, math.inf if state is None or state.received_at is None else now - state.received_at
         for peer in self.peers:
             theirs = peer.holds.get(node)
             if theirs is not None and not peer.is_us and theirs + (now - peer.answered_at) < age:
-                best, age = peer.url, theirs + (now - peer.answered_at)
+                best, age = peer, theirs + (now - peer.answered_at)
         return best
 
     async def forward_alerts(self, peer: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -216,8 +246,9 @@ class Peers:
     async def _ask(self, session: aiohttp.ClientSession, peer: Peer) -> None:
         error = None
         try:
-            body = await self._get(session, f"{peer.url}/v1/peer/held", MAX_ANSWER_BYTES, TIMEOUT_S)
-            peer.instance, peer.holds, bad = parse_held(body)
+            value = json.loads(await self._get(session, f"{peer.url}/v1/peer/held", MAX_ANSWER_BYTES, TIMEOUT_S))
+            peer.instance, peer.holds, bad = _parse_held(value)
+            peer.pages = pages_url(peer.url, value.get("pages"))
             peer.answered_at = self.registry.clock()
             if bad:
                 error = f"{bad} entries of its answer left out"
@@ -304,7 +335,7 @@ async def held(request: web.Request) -> web.Response:
     """GET /v1/peer/held, for a peer (its token, from the cluster secret)."""
     if (refused := _refused(request)) is not None:
         return refused
-    return web.json_response(held_answer(request.app[PEER_REGISTRY]))
+    return web.json_response(held_answer(request.app[PEER_REGISTRY], request.app[PEERS].pages))
 
 
 async def arrived(request: web.Request) -> web.Response:
@@ -342,6 +373,8 @@ async def alerts(request: web.Request) -> web.Response:
 
 PEER_SECRET = web.AppKey("peer_secret", bytes)
 PEER_REGISTRY = web.AppKey("peer_registry", NodeRegistry)
+
+
 class OwnRows(Protocol):
     def __call__(self) -> str: ...
 

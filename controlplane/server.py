@@ -23,6 +23,7 @@ from controlplane import pages_api
 from controlplane.export.own_metrics import ControlPlaneMetrics
 from controlplane.export.peer_metrics import PeersCollector
 from controlplane.export.surface_metrics import SurfacesCollector
+from controlplane.forward import FORWARDER, Forwarder, to_holder
 from controlplane.hindsight import HindsightFetches
 from controlplane.history import EmbeddedHistory
 from controlplane.incidents import AFTER_S, BEFORE_S, HOLDERS, Incidents
@@ -148,6 +149,11 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
 
         pages[pages_api.FLEET_ROWS] = fleet_rows
         pages[HOLDERS] = replicas
+        # A node's pages, live view, spans and incidents from the replica that holds it (controlplane/forward.py).
+        replicas.pages = ("https" if pages_tls else "http", split_address(pages_listen)[1])
+        access.peer_secret = auth.secret
+        pages[FORWARDER] = Forwarder(replicas)
+        pages.middlewares.append(to_holder)
         pages.cleanup_ctx.append(lambda app: polled(replicas))  # after the pages' own: the state file is in
         own.prometheus.register(PeersCollector(replicas))
     try:

@@ -178,13 +178,14 @@ def wait_until(check: Any, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def start_agent(replicas: list[Replica], tmp_path: Path, interval: float) -> subprocess.Popen[bytes]:
+def start_agent(replicas: list[Replica], tmp_path: Path, interval: float,
+                hindsight: str = "0") -> subprocess.Popen[bytes]:  # fmt: skip
     token = tmp_path / "token"
     token.write_bytes(subprocess.run([sys.executable, "-m", "nodesampler", "token", "n1", "--secret-file",
                                       str(tmp_path / "secret")], capture_output=True, check=True).stdout)  # fmt: skip
     log = open(tmp_path / "agent.log", "ab")  # noqa: SIM115 (the child's)
     agent = subprocess.Popen([sys.executable, "-m", "nodesampler", "agent", "--token-file", str(token), "--node", "n1",
-                              "--interval", str(interval), "--backend", "proc", "--hindsight", "0",
+                              "--interval", str(interval), "--backend", "proc", "--hindsight", hindsight,
                               *[a for r in replicas for a in ("--control-plane", r.url)]],
                              stderr=log)  # fmt: skip
     log.close()
@@ -432,3 +433,132 @@ def test_a_webhook_to_any_replica_captures_each_node_where_it_is_held(replicas: 
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=30)
+
+
+def live_windows(replica: Replica, node: str, count: int) -> list[dict[str, Any]]:
+    """The first `count` window events of the node's live view on `replica`'s pages."""
+    events = []
+    with urllib.request.urlopen(f"http://127.0.0.1:{replica.pages_port}/node/{node}/live", timeout=30) as r:
+        assert r.headers["Content-Type"] == "text/event-stream"
+        kind = None
+        for line in r:
+            text = line.decode().rstrip("\n")
+            if text.startswith("event: "):
+                kind = text[7:]
+                assert kind == "window", text
+            elif text.startswith("data: ") and kind == "window":
+                events.append(json.loads(text[6:]))
+                if len(events) == count:
+                    return events
+    raise AssertionError(f"the stream ended after {len(events)} windows")
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
+def test_a_node_held_elsewhere_is_read_through_any_replica(replicas: list[Replica], tmp_path: Path) -> None:
+    """A node held by one replica, read through another's pages: its page,
+    its live view (every window, every sample of it), a span of its
+    hindsight and its incidents are the holder's, sent on as they come."""
+    import urllib.error
+
+    from tests.test_up import UnixConnection, request
+
+    by_url = {r.url: r for r in replicas}
+    holder, other, _ = (by_url[u] for u in ranked("n1", list(by_url)))
+    agent = start_agent(replicas, tmp_path, interval=0.5, hindsight="1")
+    try:
+        wait_until(lambda: holder.holds_fresh("n1"), 60, "the node at its first choice")
+        wait_until(lambda: 'nodesampler_peer_nodes{peer="' + holder.url + '"} 1.0' in other.metrics(), 30,
+                   "the other replica knows the holder")  # fmt: skip
+        assert "n1" not in other.nodes()  # the other replica knows nothing of it itself
+        pages = f"http://127.0.0.1:{other.pages_port}"
+        with urllib.request.urlopen(f"{pages}/node/n1", timeout=10) as r:
+            page = r.read().decode()
+        assert r.status == 200 and "n1" in page and "/node/n1/live" in page
+        # Live: consecutive windows, each with every sample its window counted.
+        windows = live_windows(other, "n1", 6)
+        seqs = [w["seq"] for w in windows]
+        assert seqs == list(range(seqs[0], seqs[0] + 6)), seqs
+        for w in windows:
+            [machine] = [s for s in w["series"] if s["key"] == "machine"]
+            assert w["samples"] > 0 and len(machine["v"]) == len(machine["us"]) == w["samples"]
+        # A span of its hindsight, asked for and read through the other replica; fetched at the holder.
+        status, body = request(UnixConnection(tmp_path / f"admin-{other.index}.sock"), "POST",
+                               "/api/nodes/n1/hindsight", {"at": time.time() - 2})  # fmt: skip
+        assert status == 202, body
+        span = json.loads(body)
+        with urllib.request.urlopen(f"{pages}{span['url']}", timeout=10) as r:
+            assert json.loads(r.read())["id"] == span["id"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{holder.pages_port}{span['url']}", timeout=10) as r:
+            assert r.status == 200  # it is the holder's
+        # An operator's incident started through the other replica is the holder's, and read through any.
+        status, body = request(UnixConnection(tmp_path / f"admin-{other.index}.sock"), "POST", "/api/incidents",
+                               {"nodes": ["n1"], "reason": "a test"})  # fmt: skip
+        assert status == 202, body
+        incident = json.loads(body)["id"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{holder.pages_port}/api/incidents", timeout=10) as r:
+            assert [i["id"] for i in json.loads(r.read())["incidents"]] == [incident]
+        with urllib.request.urlopen(f"{pages}/api/incidents?node=n1", timeout=10) as r:
+            assert [i["id"] for i in json.loads(r.read())["incidents"]] == [incident]
+        with urllib.request.urlopen(f"{pages}/api/incidents/{incident}", timeout=10) as r:
+            assert json.loads(r.read())["id"] == incident
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"{pages}/api/incidents/no-such-one", timeout=10)
+        assert missing.value.code == 404
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+
+
+async def test_a_forwarded_request_is_checked_and_never_sent_on(aiohttp_client: Any, unused_tcp_port: int) -> None:
+    """The pages take a peer's token (only given peers): a wrong one is 401,
+    a right one is served whatever its Host, with the rights of the user it
+    names; a request about a node a peer holds is sent there, and a peer
+    that does not answer is a 502 that names it; a request a peer forwarded
+    is served here, never sent on."""
+    import aiohttp
+    import msgspec
+
+    from controlplane import forward, pages_api, peers
+    from controlplane.ingest import tokens
+    from controlplane.listen.page_access import PageAccess
+    from controlplane.state.registry import NodeRegistry
+    from tests.test_controlplane_api import heartbeat, registration
+    from web.pages import add_pages
+    from wire.schema import Heartbeat, Registration
+
+    secret = b"s3cret-s3cret-s3cret-s3cret"
+    registry = NodeRegistry(stale_after=60)
+    for node in ("n1", "n2"):
+        registry.register(msgspec.convert(registration(node), Registration))
+        registry.heartbeat(msgspec.convert(heartbeat(node), Heartbeat))
+    replicas = peers.Peers([f"http://127.0.0.1:{unused_tcp_port}"], secret, registry, lambda node: None)
+    [peer] = replicas.peers
+    peer.instance, peer.holds, peer.answered_at = "another", {"n1": 0.0}, registry.clock() + 5  # fresher than ours
+    peer.pages = f"http://127.0.0.1:{unused_tcp_port}"  # nobody listens there
+    access = PageAccess(hosts=["pages.example"])
+    access.peer_secret = secret
+    app = pages_api.create_app(registry, access=access)
+    add_pages(app, None)
+    app[forward.FORWARDER] = forward.Forwarder(replicas)
+    app.middlewares.append(forward.to_holder)
+    client = await aiohttp_client(app)
+    async with aiohttp.ClientSession() as session:
+        replicas.session = session
+        assert (await client.get("/api/nodes", headers={"Host": "evil.example"})).status == 421
+        wrong = {"Authorization": f"Bearer {tokens.node_token(secret, 'n1')}", "Host": "evil.example"}
+        assert (await client.get("/api/nodes", headers=wrong)).status == 401
+        right = {"Authorization": f"Bearer {tokens.peer_token(secret)}", "Host": "replica-2.example"}
+        assert (await client.get("/api/nodes", headers=right)).status == 200
+        # A peer's request is served here: n1 is forgotten here, though the peer holds it.
+        named = {**right, "X-Nodesampler-User": "alice"}
+        assert (await client.delete("/api/nodes/n2", headers=right)).status == 403  # no user named: no rights
+        assert (await client.delete("/api/nodes/n2", headers=named)).status == 200
+        # A client's request about n1 goes to its holder, which does not answer.
+        r = await client.get("/api/nodes", headers={"Host": "pages.example"})
+        assert r.status == 200
+        r = await client.get("/node/n1", headers={"Host": "pages.example"})
+        assert r.status == 502 and peer.url in await r.text()
+        r = await client.get("/node/n1", headers=right)  # from a peer: served here
+        assert r.status == 200 and "n1" in await r.text()
+        replicas.session = None

@@ -15,6 +15,14 @@
   that serves the same routes to the control plane's own user (and root)
   without a password: `nodesampler forget NODE` on the control plane's
   machine (`kubectl exec`, which RBAC grants apart from port-forward).
+- **Peers** (`--peer`, controlplane/forward.py): a replica that forwards a
+  node's request to the replica holding it shows the peer token (made from
+  the cluster secret) in place of a password. It checked its user already and
+  names them (`X-Nodesampler-User`), and the client's address
+  (`X-Nodesampler-Viewer`): the holder counts their rights and live views as
+  its own. Such a request is not held to `--pages-host` (the forwarder names
+  the peer's own host), and is served here, never forwarded again. Only a
+  replica given peers takes the token at all.
 - **Forgetting a node** (`DELETE /api/nodes/NODE`) needs an authenticated
   user or the admin socket; without either it is refused (403). A loopback
   peer is no operator: every service-mesh sidecar and anyone allowed
@@ -59,6 +67,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from controlplane.ingest import tokens
 from controlplane.listen.connection_limits import end_turn
 from controlplane.listen.web_config import ReloadingWebConfig
 from controlplane.rate_limited_log import RateLimitedLog
@@ -74,6 +83,10 @@ BCRYPT_READS = 72  # bytes of a password bcrypt reads
 REMEMBERED = 256  # good passwords remembered (digests): far more than a fleet's scrapers and operators
 REALM = 'Basic realm="nodesampler", charset="UTF-8"'
 USER = web.RequestKey("user", str)  # the request's authenticated user (absent: none)
+FROM_PEER = web.RequestKey("from_peer", bool)  # forwarded by a peer replica (controlplane/forward.py)
+VIEWER = web.RequestKey("viewer", str)  # the address a peer forwarded the request for
+FORWARDED_USER = "X-Nodesampler-User"  # the user the forwarding replica checked (absent: none was asked for)
+FORWARDED_FOR = "X-Nodesampler-Viewer"  # the client's address, for the holder's live views a client
 
 
 def admin_peer(request: web.Request) -> bool | None:
@@ -272,6 +285,7 @@ class PageAccess:
         self.web_config = web_config
         self.hosts = frozenset(host_name(h) for h in hosts)
         self.checker = PasswordChecker()
+        self.peer_secret: bytes | None = None  # with peers: their token is taken (the cluster secret)
 
     def users(self) -> dict[str, bytes]:
         return self.web_config.maybe_reload().users if self.web_config is not None else {}
@@ -298,6 +312,15 @@ async def page_access(request: web.Request, handler: Handler) -> web.StreamRespo
     if admin is False:
         return web.Response(status=403, text="the admin socket serves the control plane's own user and root\n")
     if access is None or admin:
+        return await handler(request)
+    if access.peer_secret is not None and request.headers.get("Authorization", "").startswith("Bearer "):
+        if not tokens.is_peer_token(access.peer_secret, request.headers["Authorization"][7:].strip()):
+            return _unauthorized("not a peer's token\n")
+        request[FROM_PEER] = True
+        request[VIEWER] = request.headers.get(FORWARDED_FOR, request.remote or "unknown")[:64]
+        user = request.headers.get(FORWARDED_USER)
+        if user is not None and 0 < len(user) <= 256 and user.isprintable():
+            request[USER] = user
         return await handler(request)
     if access.hosts:
         name = host_name(request.headers.get("Host", ""))

@@ -1,0 +1,258 @@
+"""A node's pages from any replica: the requests about one node go to the
+replica that holds it (controlplane/peers.py), and its answer comes back as
+it leaves there, the live stream included.
+
+What is forwarded: the node's page (`/node/NODE`), its live view
+(`/node/NODE/live`), a span of its hindsight asked for
+(`POST /api/nodes/NODE/hindsight`) and read (`/api/hindsight/ID`), its
+incidents (`/api/incidents?node=NODE`, `/api/incidents/ID`) and an
+operator's incident started for it (`POST /api/incidents`, each node's at
+its holder). A replica forwards only what a peer holds fresher than it does
+(`Peers.holding_peer`); a request a peer forwarded is served where it
+lands, never forwarded again, so two replicas that disagree for a poll do
+not send a request round in circles.
+
+The request goes to the peer's pages listener (its URL's host, the scheme
+and port its held answer names) with the peer token in place of the user's
+password: this replica checked the user already, and names them
+(`FORWARDED_USER`) so the peer counts their live views and rights as its
+own would. An answer is passed on a piece at a time as it comes (nothing
+is held whole here); a peer that does not answer is a 502 that names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from controlplane.hindsight import HINDSIGHT
+from controlplane.incidents import BODY_READ, INCIDENTS
+from controlplane.listen.page_access import (
+    FORWARDED_FOR,
+    FORWARDED_USER,
+    FROM_PEER,
+    USER,
+    Handler,
+    from_admin_socket,
+    may_change_fleet,
+)
+from controlplane.peers import TIMEOUT_S, Peer, Peers
+
+log = logging.getLogger(__name__)
+
+ANSWER_TIMEOUT_S = 30.0  # a page or a span's samples from a peer; a live stream has none (its keepalives)
+STREAM_READ_TIMEOUT_S = 40.0  # a live stream is a keepalive every 15 s: silent this long, the peer is gone
+WRITE_TIMEOUT_S = 10.0  # as controlplane/live.py's: a reader that reads nothing is let go
+ADMIN_SOCKET_USER = "(admin socket)"  # who forwarded requests from the admin socket are, at the holder
+MAX_BODY = 2**20  # a forwarded request's body: a span asked for, an incident started
+MAX_ANSWER = 64 * 1024  # a peer's answer to an incident's share: its id and nodes
+REMEMBERED_SPANS = 4096  # span ids asked for through this replica, with the peer that fetches each
+PASSED_ON = ("Content-Type", "Cache-Control", "Content-Disposition", "Retry-After", "X-Accel-Buffering")
+
+# Routes whose `{node}` names the node the request is about.
+NODE_ROUTES = frozenset({"/node/{node}", "/node/{node}/live", "/api/nodes/{node}/hindsight"})
+
+
+class Forwarder:
+    """This replica's peers, as the pages listener forwards to them."""
+
+    def __init__(self, peers: Peers) -> None:
+        self.peers = peers
+        self.spans: collections.OrderedDict[str, Peer] = collections.OrderedDict()  # span id -> its fetcher
+        self.forwarded = 0  # requests sent on to a peer
+        self.failed = 0  # of them, those the peer did not answer (502)
+
+    def remember_span(self, span_id: str, peer: Peer) -> None:
+        self.spans[span_id] = peer
+        self.spans.move_to_end(span_id)
+        while len(self.spans) > REMEMBERED_SPANS:
+            self.spans.popitem(last=False)
+
+    async def send(self, request: web.Request, peer: Peer, body: bytes | None = None,
+                   remember_span: bool = False) -> web.StreamResponse:  # fmt: skip
+        """The request, served by `peer`: its answer as it comes. `body`: in
+        place of the request's own (an incident's nodes, split by holder)."""
+        session = self.peers.session
+        if session is None or peer.pages is None:
+            why = "the control plane is starting" if session is None else "it has not said where its pages are"
+            return self._failed(request, peer, why)
+        if body is None and request.body_exists:
+            body = await request.content.read(MAX_BODY + 1)
+            if len(body) > MAX_BODY:
+                raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=len(body))
+        headers = self._headers(request)
+        streams = getattr(request.match_info.handler, "streams", False)
+        timeout = aiohttp.ClientTimeout(total=None if streams else ANSWER_TIMEOUT_S, sock_connect=TIMEOUT_S,
+                                        sock_read=STREAM_READ_TIMEOUT_S if streams else None)  # fmt: skip
+        self.forwarded += 1
+        response: web.StreamResponse | None = None
+        try:
+            async with session.request(request.method, peer.pages + str(request.rel_url), data=body,
+                                       headers=headers, timeout=timeout, allow_redirects=False,
+                                       ssl=self.peers.ssl_context or True) as answer:  # fmt: skip
+                if remember_span and answer.status == 202:
+                    return await self._span_asked(answer, peer)
+                response = web.StreamResponse(
+                    status=answer.status,
+                    reason=answer.reason,
+                    headers={k: answer.headers[k] for k in PASSED_ON if k in answer.headers},
+                )
+                await response.prepare(request)
+                async for chunk in answer.content.iter_any():
+                    async with asyncio.timeout(WRITE_TIMEOUT_S):
+                        await response.write(chunk)
+                await response.write_eof()
+                return response
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            if response is not None:  # part of the answer left: the reader sees it end short
+                if not isinstance(e, (ConnectionError, TimeoutError)):
+                    log.info("forwarding %s to %s ended: %s", request.path, peer.url, e)
+                return response
+            return self._failed(request, peer, f"{type(e).__name__}: {e}"[:300])
+
+    async def ask(self, request: web.Request, peer: Peer, body: bytes) -> dict[str, Any]:
+        """The request with `body`, answered by `peer`: its JSON answer (at
+        most `MAX_ANSWER` bytes), or why there is none."""
+        session = self.peers.session
+        if session is None or peer.pages is None:
+            return {"error": "not sent: " + ("the control plane is starting" if session is None
+                                             else "it has not said where its pages are")}  # fmt: skip
+        self.forwarded += 1
+        try:
+            async with session.request(request.method, peer.pages + str(request.rel_url), data=body,
+                                       headers=self._headers(request), allow_redirects=False,
+                                       timeout=aiohttp.ClientTimeout(total=ANSWER_TIMEOUT_S),
+                                       ssl=self.peers.ssl_context or True) as answer:  # fmt: skip
+                text = (await answer.content.read(MAX_ANSWER)).decode(errors="replace")
+                if answer.status >= 400:
+                    return {"status": answer.status, "error": text[:300]}
+                value = json.loads(text)
+                return value if isinstance(value, dict) else {"error": "not an answer"}
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+            self.failed += 1
+            return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+    def _headers(self, request: web.Request) -> dict[str, str]:
+        headers = {"Authorization": f"Bearer {self.peers.token}", FORWARDED_FOR: request.remote or "unknown"}
+        # The operator through the admin socket has no name: the holder gives them the rights they have here.
+        user = request.get(USER, ADMIN_SOCKET_USER if from_admin_socket(request) else None)
+        if user is not None:
+            headers[FORWARDED_USER] = user
+        for name in ("Content-Type", "Accept"):
+            if name in request.headers:
+                headers[name] = request.headers[name]
+        return headers
+
+    async def _span_asked(self, answer: aiohttp.ClientResponse, peer: Peer) -> web.Response:
+        """The peer's 202 for a span: its id remembered, so the reads of it go there too."""
+        text = await answer.content.read(64 * 1024)
+        try:
+            span_id = json.loads(text)["id"]
+            if isinstance(span_id, str):
+                self.remember_span(span_id, peer)
+        except (ValueError, KeyError, TypeError):
+            pass  # passed on as it is: the reader sees what the peer said
+        return web.Response(status=202, body=text, content_type="application/json")
+
+    def _failed(self, request: web.Request, peer: Peer, why: str) -> web.Response:
+        self.failed += 1
+        log.info("forwarding %s to %s failed: %s", request.path, peer.url, why)
+        return web.Response(status=502, text=f"this node is held by the replica {peer.url}, whose pages did not "
+                                              f"answer: {why}\n")  # fmt: skip
+
+    async def find(self, request: web.Request, path: str) -> web.StreamResponse | None:
+        """`/api/incidents/ID` this replica does not keep: asked of each peer in
+        turn (few, and a 404 is quick), the first that has it answering."""
+        for peer in self.peers.peers:
+            if peer.is_us or peer.pages is None or self.peers.session is None:
+                continue
+            try:
+                async with self.peers.session.head(peer.pages + path, ssl=self.peers.ssl_context or True,
+                                                   headers={"Authorization": f"Bearer {self.peers.token}"},
+                                                   timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as r:  # fmt: skip
+                    if r.status == 404:
+                        continue
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                continue
+            return await self.send(request, peer)
+        return None
+
+
+FORWARDER = web.AppKey("forwarder", Forwarder)
+
+
+@web.middleware
+async def to_holder(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The pages' middleware (after page_access: the user is checked here first)."""
+    forwarder = request.app.get(FORWARDER)
+    if forwarder is None or request.get(FROM_PEER):
+        return await handler(request)
+    info = request.match_info
+    route = info.route.resource.canonical if info.route.resource is not None else ""
+    holders = forwarder.peers
+    if route in NODE_ROUTES:
+        if (peer := holders.holding_peer(info["node"])) is not None:
+            return await forwarder.send(request, peer, remember_span=route.endswith("/hindsight"))
+    elif route == "/api/hindsight/{id}":
+        fetches = request.app.get(HINDSIGHT)
+        if (fetches is None or fetches.get(info["id"]) is None) and (peer := forwarder.spans.get(info["id"])):
+            return await forwarder.send(request, peer)
+    elif route == "/api/incidents/{id}" and request.method in ("GET", "HEAD"):
+        incidents = request.app.get(INCIDENTS)
+        if incidents is None or incidents.get(info["id"]) is None:
+            found = await forwarder.find(request, request.path)
+            if found is not None:
+                return found
+    elif route == "/api/incidents" and request.method == "GET":
+        node = request.query.get("node")
+        if node is not None and (peer := holders.holding_peer(node)) is not None:
+            return await forwarder.send(request, peer)
+    elif route == "/api/incidents" and request.method == "POST" and may_change_fleet(request):
+        return await _start_where_held(request, handler, forwarder)
+    return await handler(request)
+
+
+async def _start_where_held(request: web.Request, handler: Handler, forwarder: Forwarder) -> web.StreamResponse:
+    """An operator's incident: each node's at the replica that holds it. All of
+    them at one peer: the request is that peer's; split: each peer's share
+    sent on, this replica's started here, the peers' answers under
+    `forwarded` (as the Alertmanager webhook's)."""
+    raw = await request.content.read(MAX_BODY + 1)
+    if len(raw) > MAX_BODY:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=len(raw))
+    request[BODY_READ] = raw
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    nodes = body.get("nodes") if isinstance(body, dict) else None
+    if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
+        return await handler(request)  # its own 400 says what is wrong
+    groups: dict[Peer | None, list[str]] = {}
+    for node in nodes:
+        groups.setdefault(forwarder.peers.holding_peer(node), []).append(node)
+    if list(groups) == [None]:
+        return await handler(request)
+    if len(groups) == 1:
+        [peer] = groups
+        assert peer is not None
+        return await forwarder.send(request, peer, raw)
+    assert isinstance(body, dict)
+    shares = [(peer, json.dumps({**body, "nodes": share}).encode()) for peer, share in groups.items() if peer]
+    answers = await asyncio.gather(*(forwarder.ask(request, peer, share) for peer, share in shares))
+    forwarded = {peer.url: answer for (peer, _), answer in zip(shares, answers, strict=True)}
+    if None not in groups:
+        return web.json_response({"forwarded": forwarded}, status=202)
+    request[BODY_READ] = json.dumps({**body, "nodes": groups[None]}).encode()
+    try:
+        local = await handler(request)
+    except web.HTTPException as e:  # refused here: the peers' shares may still have started
+        return web.json_response({"error": e.text, "forwarded": forwarded}, status=e.status)
+    assert isinstance(local, web.Response) and isinstance(local.body, bytes)
+    return web.json_response({**json.loads(local.body), "forwarded": forwarded}, status=local.status)
