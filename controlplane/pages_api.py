@@ -56,9 +56,10 @@ async def health(request: web.Request) -> web.Response:
 
 
 # The fleet beyond this replica (controlplane/peers.py), when it has peers: given this
-# replica's rows, the whole fleet's, with the peers whose rows did not come named.
+# replica's rows, the whole fleet's, with the peers whose rows did not come named
+# (`view`: "nodes", rows as /api/nodes lists them; "cluster", as the cluster page does).
 class FleetRows(Protocol):
-    def __call__(self, own: list[dict[str, Any]]) -> Awaitable[dict[str, Any]]: ...
+    def __call__(self, own: list[dict[str, Any]], view: str = "nodes") -> Awaitable[dict[str, Any]]: ...
 
 
 FLEET_ROWS = web.AppKey("fleet_rows", FleetRows)

@@ -26,6 +26,7 @@ so the same `--peer` list serves every replica, itself included.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from controlplane.cluster_view import cluster_json
 from controlplane.hindsight import Refused as IncidentsRefused
 from controlplane.incidents import INCIDENTS
 from controlplane.ingest import tokens
@@ -138,7 +140,7 @@ class Peers:
         self.let_go_count = 0
         self.pages: tuple[str, int] | None = None  # this replica's pages listener (scheme, port), told to peers
         self.session: aiohttp.ClientSession | None = None  # while the control plane runs (`polled`)
-        self._rows: tuple[float, list[tuple[Peer, list[dict[str, Any]]]]] | None = None
+        self._rows: dict[str, tuple[float, list[tuple[Peer, list[dict[str, Any]]]]]] = {}  # a view's, and when
         self._rows_lock = asyncio.Lock()
         self._arrivals: dict[str, None] = {}  # nodes that registered here, not yet told
         self._telling: asyncio.Task[None] | None = None
@@ -262,26 +264,29 @@ class Peers:
                 log.warning("peer %s: %s", peer.url, error)
         peer.error = error
 
-    async def fleet_rows(self) -> list[tuple[Peer, list[dict[str, Any]]]]:
-        """Every other peer's `/api/nodes` rows (its own nodes), fetched at
-        once and bounded in time and size; a peer whose rows did not come has
-        none, and its `rows_error` says why. Shared for `ROWS_SHARED_S`: a
-        flood of page views asks the peers once a second."""
+    async def fleet_rows(self, view: str = "nodes") -> list[tuple[Peer, list[dict[str, Any]]]]:
+        """Every other peer's rows of its own nodes (`view`: "nodes", as
+        `/api/nodes` lists them; "cluster", as the cluster page does), fetched
+        at once and bounded in time and size; a peer whose rows did not come
+        has none, and its `rows_error` says why. Shared for `ROWS_SHARED_S`:
+        a flood of page views asks the peers once a second."""
         async with self._rows_lock:
             now = self.registry.clock()
-            if self._rows is not None and now - self._rows[0] < ROWS_SHARED_S:
-                return self._rows[1]
+            shared = self._rows.get(view)
+            if shared is not None and now - shared[0] < ROWS_SHARED_S:
+                return shared[1]
             peers = [p for p in self.peers if not p.is_us]
-            got = await asyncio.gather(*(self._fetch_rows(p) for p in peers))
-            self._rows = (self.registry.clock(), list(zip(peers, got, strict=True)))
-            return self._rows[1]
+            got = await asyncio.gather(*(self._fetch_rows(p, view) for p in peers))
+            rows = self._rows[view] = (self.registry.clock(), list(zip(peers, got, strict=True)))
+            return rows[1]
 
-    async def _fetch_rows(self, peer: Peer) -> list[dict[str, Any]]:
+    async def _fetch_rows(self, peer: Peer, view: str) -> list[dict[str, Any]]:
         if self.session is None:
             peer.rows_error = "not asked: the control plane is starting"
             return []
         try:
-            body = await self._get(self.session, f"{peer.url}/v1/peer/nodes", MAX_ROWS_BYTES, ROWS_TIMEOUT_S)
+            url = f"{peer.url}/v1/peer/nodes" + ("?view=cluster" if view == "cluster" else "")
+            body = await self._get(self.session, url, MAX_ROWS_BYTES, ROWS_TIMEOUT_S)
             rows = await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
             if not isinstance(rows, dict) or not isinstance(rows.get("nodes"), list):
                 raise ValueError("not a list of nodes")
@@ -316,10 +321,12 @@ def merged_rows(own: list[dict[str, Any]], theirs: list[tuple[Peer, list[dict[st
 
 
 async def peer_nodes(request: web.Request) -> web.Response:
-    """GET /v1/peer/nodes, for a peer: this replica's own nodes, as `/api/nodes` lists them."""
+    """GET /v1/peer/nodes, for a peer: this replica's own nodes, as `/api/nodes`
+    lists them (`?view=cluster`: as the cluster page does)."""
     if (refused := _refused(request)) is not None:
         return refused
-    body = await asyncio.get_running_loop().run_in_executor(None, request.app[PEER_ROWS])
+    rows = request.app[PEER_CLUSTER_ROWS] if request.query.get("view") == "cluster" else request.app[PEER_ROWS]
+    body = await asyncio.get_running_loop().run_in_executor(None, rows)
     return web.Response(text=body, content_type="application/json")
 
 
@@ -380,16 +387,19 @@ class OwnRows(Protocol):
 
 
 PEER_ROWS = web.AppKey("peer_rows", OwnRows)
+PEER_CLUSTER_ROWS = web.AppKey("peer_cluster_rows", OwnRows)
 PEERS = web.AppKey("peers", Peers)
 
 
 def add_routes(agents: web.Application, peers: Peers, secret: bytes, own_rows: OwnRows) -> None:
     """The peers' routes on the agent listener; `own_rows`: this replica's
-    nodes as `/api/nodes` writes them (made on a thread)."""
+    nodes as `/api/nodes` writes them (made on a thread, as the cluster
+    page's rows are)."""
     agents[PEERS] = peers
     agents[PEER_SECRET] = secret
     agents[PEER_REGISTRY] = peers.registry
     agents[PEER_ROWS] = own_rows
+    agents[PEER_CLUSTER_ROWS] = functools.partial(cluster_json, peers.registry)
     agents[ON_REGISTERED] = peers.arrived
     agents.router.add_get("/v1/peer/held", held)
     agents.router.add_get("/v1/peer/nodes", peer_nodes)

@@ -144,8 +144,8 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
         replicas = Peers(peer_urls, auth.secret, registry, let_go, peer_ssl)
         add_peer_routes(agents, replicas, auth.secret, functools.partial(pages_api.nodes_json, registry))
 
-        async def fleet_rows(own: list[dict[str, Any]]) -> dict[str, Any]:
-            return merged_rows(own, await replicas.fleet_rows())
+        async def fleet_rows(own: list[dict[str, Any]], view: str = "nodes") -> dict[str, Any]:
+            return merged_rows(own, await replicas.fleet_rows(view))
 
         pages[pages_api.FLEET_ROWS] = fleet_rows
         pages[HOLDERS] = replicas

@@ -253,6 +253,11 @@ def test_a_moved_node_is_one_series_at_the_replica_that_holds_it(replicas: list[
         assert [p["nodes_not_shown"] for p in fleet["peers"] if p["peer"] == first.url] == [0]  # unknown: not counted
         assert "replica" not in [n for n in fleet_view(second)["nodes"] if n["node"] == "n1"][0]  # its own
         assert fleet_view(third, here=True)["nodes"] == []  # ?here=1: this replica's own alone
+        # So is its cluster page: the node's row, and the replica that did not answer named.
+        with urllib.request.urlopen(f"http://127.0.0.1:{third.pages_port}/", timeout=10) as r:
+            page = r.read().decode()
+        assert 'href="/node/n1"' in page and f"The replica {first.url} did not answer" in page
+        assert re.search(r'id="nodes">1<', page), "the fleet is one node"
         first.start()
         # Whichever holds it then (the agent comes back to its first choice), it is one node, fresh, at one replica.
         wait_until(lambda: len(listing(replicas, "n1")) == 1 and listing(replicas, "n1")[0][1] == "fresh", 30,

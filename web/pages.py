@@ -20,12 +20,14 @@ import jinja2
 from aiohttp import web
 
 import wire
+from controlplane.cluster_view import cluster_rows, fleet_summary
 from controlplane.hindsight import HINDSIGHT
 from controlplane.history import ChartSpec, EmbeddedHistory, HistoryError, PrometheusHistory, Series
 from controlplane.incidents import INCIDENTS
 from controlplane.keys import HISTORY, REGISTRY
 from controlplane.live import LIVE
 from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
+from controlplane.pages_api import FLEET_ROWS
 from controlplane.state.registry import NodeRegistry, NodeState
 from controlplane.state.starvation import Verdict
 from web.charts import columns, format_value, svg_chart
@@ -220,21 +222,10 @@ async def _render(request: web.Request, template: str, **context: Any) -> web.Re
     return web.Response(text=body, content_type="text/html", headers={"Cache-Control": "no-store"})
 
 
-def _fleet_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
-    """What the top of the cluster page says of the whole fleet, whatever the filter."""
-    fresh = [v for v in views if v["state"] == "fresh"]
-    engines = [e for v in fresh for e in v["engines"]]
-    busiest = max((v for v in fresh if v["cpu"] is not None), key=lambda v: v["cpu"], default=None)
-    return {"nodes": len(views), "fresh": len(fresh), "stale": len(views) - len(fresh),
-            "gpus": sum(v["gpu_count"] for v in fresh), "engines": len(engines),
-            "cpu_starved": sum(1 for e in engines if e["verdict"] and e["verdict"]["kind"] == "CPU-starved"),
-            "host_bound": sum(1 for e in engines if e["verdict"] and e["verdict"]["kind"] == "host-bound"),
-            "busiest": busiest}  # fmt: skip
-
-
 def _attention_first(v: dict[str, Any]) -> tuple[int, float, str]:
     """Stale nodes first (they need someone), then the busiest."""
-    return (0 if v["state"] == "stale" else 1, -(v["cpu"] if v["cpu"] is not None else -1.0), v["node"])
+    cpu = v.get("cpu")
+    return (0 if v["state"] == "stale" else 1, -(cpu if isinstance(cpu, (int, float)) else -1.0), v["node"])
 
 
 @shared("q", "state", "page", "fragment")
@@ -251,7 +242,13 @@ async def cluster_page(request: web.Request) -> web.Response:
         page = 0
     if page < 1:
         raise web.HTTPBadRequest(text="page: a whole number from 1")
-    summary, shown = await request.app[PAGE_WORKER].run(_cluster_rows, request.app[REGISTRY], text, state)
+    worker = request.app[PAGE_WORKER]
+    rows = await worker.run(cluster_rows, request.app[REGISTRY])
+    peers: list[dict[str, Any]] = []
+    if (fleet := request.app.get(FLEET_ROWS)) is not None:  # with peers: theirs too, and those that did not answer
+        merged = await fleet(rows, "cluster")
+        rows, peers = merged["nodes"], merged["peers"]
+    summary, shown = await worker.run(_cluster_rows, rows, text, state)
     pages = max(1, -(-len(shown) // PAGE_ROWS))
     page = min(page, pages)
     rows = shown[(page - 1) * PAGE_ROWS : page * PAGE_ROWS]
@@ -264,19 +261,17 @@ async def cluster_page(request: web.Request) -> web.Response:
     return await _render(request, "cluster.html", nodes=rows, matched=len(shown), summary=summary, q=text,
                          state=state, page=page, pages=pages, prev_link=link(page - 1) if page > 1 else None,
                          next_link=link(page + 1) if page < pages else None, charts=charts,
-                         history_errors=errors)  # fmt: skip
+                         history_errors=errors, silent_peers=[p for p in peers if not p["answered"]])  # fmt: skip
 
 
-def _cluster_rows(registry: NodeRegistry, text: str, state: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _cluster_rows(rows: list[dict[str, Any]], text: str, state: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """On the page thread: the fleet's summary, and the rows the filter keeps, in order."""
-    now = registry.clock()
-    views = [_node_view(s, now, registry.stale_after) for s in registry.nodes()]
     needle = text.strip().casefold()
-    shown = sorted((v for v in views if (not state or v["state"] == state)
-                    and (not needle or needle in v["node"].casefold()
-                         or needle in (v["registration"].hostname or "").casefold())),
+    shown = sorted((r for r in rows if (not state or r["state"] == state)
+                    and (not needle or needle in r["node"].casefold()
+                         or needle in (r.get("hostname") or "").casefold())),
                    key=_attention_first)  # fmt: skip
-    return _fleet_summary(views), shown
+    return fleet_summary(rows), shown
 
 
 @shared("shard", "fragment")
