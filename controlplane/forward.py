@@ -7,8 +7,10 @@ What is forwarded: the node's page (`/node/NODE`), its live view
 (`POST /api/nodes/NODE/hindsight`) and read (`/api/hindsight/ID`), its
 incidents (`/api/incidents?node=NODE`, `/api/incidents/ID`) and an
 operator's incident started for it (`POST /api/incidents`, each node's at
-its holder). A replica forwards only what a peer holds fresher than it does
-(`Peers.holding_peer`); a request a peer forwarded is served where it
+its holder). An operator's forgetting a node (`DELETE /api/nodes/NODE`)
+goes to every replica: a node down for good is known where it was held
+last. Otherwise a replica forwards only what a peer holds fresher than it
+does (`Peers.holding_peer`); a request a peer forwarded is served where it
 lands, never forwarded again, so two replicas that disagree for a poll do
 not send a request round in circles.
 
@@ -215,7 +217,28 @@ async def to_holder(request: web.Request, handler: Handler) -> web.StreamRespons
             return await forwarder.send(request, peer)
     elif route == "/api/incidents" and request.method == "POST" and may_change_fleet(request):
         return await _start_where_held(request, handler, forwarder)
+    elif route == "/api/nodes/{node}" and request.method == "DELETE" and may_change_fleet(request):
+        return await _forget_everywhere(request, handler, forwarder)
     return await handler(request)
+
+
+async def _forget_everywhere(request: web.Request, handler: Handler, forwarder: Forwarder) -> web.StreamResponse:
+    """An operator forgets a node at every replica that knows it: a node down
+    for good is known (stale) where it was last held, which no peer's held
+    list names. 404 only when no replica knew it."""
+    peers = [p for p in forwarder.peers.peers if not p.is_us]
+    answers = await asyncio.gather(*(forwarder.ask(request, peer, b"") for peer in peers))
+    forgotten_at = [peer.url for peer, answer in zip(peers, answers, strict=True) if "forgotten" in answer]
+    errors = {peer.url: answer["error"] for peer, answer in zip(peers, answers, strict=True)
+              if "error" in answer and answer.get("status") != 404}  # fmt: skip
+    try:
+        await handler(request)
+        forgotten_at.insert(0, "here")
+    except web.HTTPNotFound:
+        if not forgotten_at:
+            raise
+    return web.json_response({"forgotten": request.match_info["node"], "replicas": forgotten_at,
+                              **({"errors": errors} if errors else {})})  # fmt: skip
 
 
 async def _start_where_held(request: web.Request, handler: Handler, forwarder: Forwarder) -> web.StreamResponse:

@@ -97,7 +97,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                 admin_socket: Path | None = None, incidents_dir: Path | None = None,
                 incidents_bytes: int = MAX_INCIDENT_BYTES,
                 incident_span: tuple[float, float] = (BEFORE_S, AFTER_S), peers: Iterable[str] = (),
-                peer_ssl: ssl.SSLContext | None = None) -> None:  # fmt: skip
+                peer_ssl: ssl.SSLContext | None = None, peer_secret: bytes | None = None) -> None:  # fmt: skip
     """`tls` is the agent listener's (--tls-cert, or the web config's); the
     pages listener takes the web config's TLS and users (controlplane/listen/page_access.py)."""
     if tls is None and not is_loopback(split_address(agent_listen)[0]):
@@ -132,8 +132,9 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     agents = agent_api.create_app(registry, auth, own, history, live, heartbeat_rate, fetches, incidents)
     peer_urls = list(peers)
     if peer_urls:  # replicas sharing the fleet (controlplane/peers.py): only then is the route there
-        if auth.secret is None:
-            raise ValueError("--peer: peers show each other a token made from --secret-file's cluster secret")
+        secret = peer_secret or auth.secret
+        if secret is None:
+            raise ValueError("--peer: peers show each other a token made from --peer-secret-file's secret")
 
         def let_go(node: str) -> None:
             if registry.forget(node):
@@ -141,8 +142,8 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                     history.forget(node)
                 fetches.forget(node)
 
-        replicas = Peers(peer_urls, auth.secret, registry, let_go, peer_ssl)
-        add_peer_routes(agents, replicas, auth.secret, functools.partial(pages_api.nodes_json, registry))
+        replicas = Peers(peer_urls, secret, registry, let_go, peer_ssl)
+        add_peer_routes(agents, replicas, secret, functools.partial(pages_api.nodes_json, registry))
 
         async def fleet_rows(own: list[dict[str, Any]], view: str = "nodes") -> dict[str, Any]:
             return merged_rows(own, await replicas.fleet_rows(view))
@@ -151,7 +152,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
         pages[HOLDERS] = replicas
         # A node's pages, live view, spans and incidents from the replica that holds it (controlplane/forward.py).
         replicas.pages = ("https" if pages_tls else "http", split_address(pages_listen)[1])
-        access.peer_secret = auth.secret
+        access.peer_secret = secret
         pages[FORWARDER] = Forwarder(replicas)
         pages.middlewares.append(to_holder)
         pages.cleanup_ctx.append(lambda app: polled(replicas))  # after the pages' own: the state file is in

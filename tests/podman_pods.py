@@ -34,12 +34,14 @@ POD_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 # This host's hard nofile limit is 20,000: a container may not ask for more.
 ULIMITS = ["--ulimit", "nofile=16384:16384", "--ulimit", "nproc=16384:16384"]
 
+# `affinity` is the scheduler's: one test host runs every pod it plays.
 KNOWN_POD = {"serviceAccountName", "automountServiceAccountToken", "hostPID", "priorityClassName",
-             "terminationGracePeriodSeconds", "tolerations", "containers", "volumes", "securityContext"}  # fmt: skip
+             "terminationGracePeriodSeconds", "tolerations", "containers", "volumes", "securityContext",
+             "affinity"}  # fmt: skip
 KNOWN_CONTAINER = {"name", "image", "command", "args", "env", "securityContext", "resources", "volumeMounts",
                    "ports", "readinessProbe", "livenessProbe", "startupProbe"}  # fmt: skip
 KNOWN_SECURITY = {"privileged", "runAsUser", "runAsGroup", "runAsNonRoot", "readOnlyRootFilesystem",
-                  "allowPrivilegeEscalation", "capabilities", "seccompProfile"}  # fmt: skip
+                  "allowPrivilegeEscalation", "capabilities", "seccompProfile", "fsGroup"}  # fmt: skip
 SECCOMP = Path(__file__).resolve().parent.parent / "deploy" / "seccomp"
 # containerd's RuntimeDefault, which the shipped manifests are written for:
 # containers-common's profile (podman's own default) with the two rules
@@ -152,6 +154,9 @@ class PlayedPod:
     cluster_ca: bytes = b""
     host_ip: str = "127.0.0.1"  # the node's address (status.hostIP)
     hosts: dict[str, str] = field(default_factory=dict)  # Service DNS name -> address
+    # A StatefulSet's claims (volumeClaimTemplates' names) -> the directory bound to this pod's: it
+    # outlives the pod, as a PersistentVolume does, so a pod played again finds what it left.
+    claims: dict[str, Path] = field(default_factory=dict)
     volumes: dict[str, KubeletFiles] = field(default_factory=dict)  # filled by podman_run
 
     def file_volume(self, spec: dict[str, Any], where: Path) -> KubeletFiles | None:
@@ -256,11 +261,17 @@ def podman_run(pod: dict[str, Any], played: PlayedPod, name: str, work: Path, im
         argv += ["--env", f"{k}={v}"]
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     for m in c.get("volumeMounts", []):
-        spec = volumes[m["name"]]
+        spec = volumes.get(m["name"]) or {"claim": played.claims[m["name"]]}
         options = ["ro"] if m.get("readOnly") else ["rw"]
         if m.get("mountPropagation") == "HostToContainer":
             options.append("rslave")
-        if "hostPath" in spec:
+        if "claim" in spec:
+            # A fresh volume, as a provisioner makes it, given to the pod's fsGroup as the kubelet does.
+            source = spec["claim"]
+            source.mkdir(parents=True, exist_ok=True)
+            os.chown(source, 0, pod_sc.get("fsGroup", 0))
+            source.chmod(0o2775 if "fsGroup" in pod_sc else 0o755)
+        elif "hostPath" in spec:
             source = Path(spec["hostPath"]["path"])
             assert spec["hostPath"].get("type", "Directory") == "Directory" and source.is_dir(), spec
         elif "emptyDir" in spec:

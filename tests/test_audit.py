@@ -30,9 +30,9 @@ ACCEPTED = {
     ("CKV_K8S_11", "DaemonSet.nodesampler.nodesampler-agent"),  # no CPU limit on a sampler
     ("CKV_K8S_43", "DaemonSet.nodesampler.nodesampler-agent"),  # image digest: set at release
     ("CKV_K8S_15", "DaemonSet.nodesampler.nodesampler-agent"),  # pull policy: set at release
-    ("CKV_K8S_43", "Deployment.nodesampler.nodesampler-controlplane"),
-    ("CKV_K8S_15", "Deployment.nodesampler.nodesampler-controlplane"),
-    ("CKV_K8S_38", "Deployment.nodesampler.nodesampler-controlplane"),  # its own token, for the issuer's keys
+    ("CKV_K8S_43", "StatefulSet.nodesampler.nodesampler-controlplane"),
+    ("CKV_K8S_15", "StatefulSet.nodesampler.nodesampler-controlplane"),
+    ("CKV_K8S_38", "StatefulSet.nodesampler.nodesampler-controlplane"),  # its own token, for the issuer's keys
 }
 
 

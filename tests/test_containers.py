@@ -45,7 +45,12 @@ pytestmark = pytest.mark.container
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = os.environ.get("NODESAMPLER_REQUIRE_CONTAINERS") == "1"
-CP_HOST = "nodesampler-controlplane.nodesampler.svc"
+# The StatefulSet's replicas by name: this host plays the first; the others are
+# named where nothing answers (IPv6 loopback: the replica listens on IPv4), so
+# agents whose order puts one of them first move on to it, as when one is down.
+REPLICA_SERVICE = "nodesampler-controlplane.nodesampler.svc"
+CP_HOST = f"nodesampler-controlplane-0.{REPLICA_SERVICE}"
+ABSENT_REPLICAS = [f"nodesampler-controlplane-{i}.{REPLICA_SERVICE}" for i in (1, 2)]
 API_HOST = "kubernetes.default.svc"
 ENGINE_TAG = "nodesampler-test-engine"
 WAIT_S = 120.0
@@ -151,7 +156,7 @@ class Cluster:
         self.cluster_ca = TestCA("test cluster CA")
         self.tls_ca = TestCA("nodesampler CA")
         cert, key = work / "tls.crt", work / "tls.key"
-        self.tls_ca.issue(cert, key, [CP_HOST, PAGES_HOST, "127.0.0.1"])
+        self.tls_ca.issue(cert, key, [f"*.{REPLICA_SERVICE}", PAGES_HOST, "127.0.0.1"])
         self.tls = {"tls.crt": cert.read_bytes(), "tls.key": key.read_bytes(),
                     "ca.crt": self.tls_ca.cert.public_bytes(_pem())}  # fmt: skip
         # The example web config Secret, with a real hash for its operator.
@@ -159,6 +164,7 @@ class Cluster:
         hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()
         web_config = re.sub(r"\$2y\$10\$\S+", lambda m: hashed, example["stringData"]["web-config.yml"])
         self.web = {"web-config.yml": web_config.encode()}
+        self.peers = {"secret": os.urandom(32).hex().encode()}  # `kubectl create secret`, as docs/deployment.md says
         self.context = ssl.create_default_context(cadata=self.tls["ca.crt"].decode())
         self.cp_token = self.issuer.token(None, account="nodesampler-controlplane")
         self.api = IssuerServer(self.issuer, self.cluster_ca, work, self.cp_token)
@@ -177,15 +183,19 @@ class Cluster:
         return json.loads(self.get_text(path, user))
 
     def hosts(self) -> dict[str, str]:
-        return {CP_HOST: "127.0.0.1", API_HOST: "127.0.0.1"}
+        return {CP_HOST: "127.0.0.1", API_HOST: "127.0.0.1", **{name: "::1" for name in ABSENT_REPLICAS}}
 
     def start_controlplane(self) -> None:
-        deployment = pods.find("Deployment", "nodesampler-controlplane")
+        """The StatefulSet's first replica, on its claim (kept by the test: played again, it finds its state)."""
+        sts = pods.find("StatefulSet", "nodesampler-controlplane")
+        [claim] = sts["spec"]["volumeClaimTemplates"]
         played = pods.PlayedPod(node="node-cp", secrets={"nodesampler-controlplane-tls": self.tls,
-                                                         "nodesampler-controlplane-web": self.web},
+                                                         "nodesampler-controlplane-web": self.web,
+                                                         "nodesampler-controlplane-peers": self.peers},
                                 sa_tokens={"": self.cp_token}, hosts=self.hosts(),
-                                cluster_ca=self.cluster_ca.cert.public_bytes(_pem()))  # fmt: skip
-        self._run(deployment["spec"]["template"]["spec"], played, "nodesampler-test-cp")
+                                cluster_ca=self.cluster_ca.cert.public_bytes(_pem()),
+                                claims={claim["metadata"]["name"]: self.work / "claim-state-0"})  # fmt: skip
+        self._run(sts["spec"]["template"]["spec"], played, "nodesampler-test-cp")
         until("the control plane's /health", self._healthy)
 
     def _healthy(self) -> bool:
@@ -358,8 +368,8 @@ def test_two_nodes_each_speaking_for_itself(cluster: Cluster, engine: subprocess
                              cluster.get_text("/metrics"))  # fmt: skip
         assert all(float(n) == 0 for _, n in refused), refused
 
-        # The control plane keeps the known nodes on the pod's state volume (written every 30 s).
-        state = cluster.work / "nodesampler-test-cp" / "state" / "registry.json"
+        # The control plane keeps the known nodes on its replica's claim (written every 30 s).
+        state = cluster.work / "claim-state-0" / "registry.json"
         until("the control plane's state file to hold both nodes", lambda: state.exists() and {"node-a", "node-b"}
               <= {n["registration"]["node"] for n in json.loads(state.read_text())["nodes"]}, timeout=90)  # fmt: skip
     finally:
@@ -508,3 +518,21 @@ def test_the_pages_need_a_user_and_the_pods_operator_forgets_through_the_socket(
     r = subprocess.run(["podman", "exec", "nodesampler-test-cp", "nodesampler", "forget", "no-such-node"],
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 1 and "404" in r.stderr, r.stderr
+
+
+def test_a_replica_rolled_finds_its_nodes_on_its_claim_and_they_come_back(cluster: Cluster) -> None:
+    """The StatefulSet rolled: the replica's pod made again on its claim knows
+    every node it held (its state file is there, not on the pod), and each
+    is fresh again once its agent's next heartbeat comes."""
+    before = {n["node"] for n in cluster.get_json("/api/nodes?here=1")["nodes"] if n["state"] == "fresh"}
+    assert before, "the earlier tests' agents heartbeat here"
+    argv = (cluster.work / "nodesampler-test-cp.argv").read_text().split(" ")
+    subprocess.run(["podman", "stop", "-t", "30", "nodesampler-test-cp"], capture_output=True, check=True)
+    pods.start(argv)  # a new pod: its emptyDirs as they were left here, its claim the same
+    until("the control plane's /health", cluster._healthy)
+    known = {n["node"] for n in cluster.get_json("/api/nodes?here=1")["nodes"]}
+    assert before <= known, "known from the claim's state file, before any agent spoke again"
+    until("every node fresh again", lambda: before <= {n["node"] for n in cluster.get_json("/api/nodes?here=1")["nodes"]
+                                                         if n["state"] == "fresh"})  # fmt: skip
+    [known_before] = re.findall(r"registry state \S+: (\d+) nodes known from before", pods.logs("nodesampler-test-cp"))
+    assert int(known_before) >= len(before)

@@ -28,7 +28,8 @@ def test_kustomization_applies_every_manifest_once() -> None:
     assert kinds >= {("Namespace", "nodesampler"), ("ServiceAccount", "nodesampler-agent"),
                      ("DaemonSet", "nodesampler-agent"), ("ServiceAccount", "nodesampler-controlplane"),
                      ("ClusterRoleBinding", "nodesampler-controlplane-issuer-discovery"),
-                     ("Deployment", "nodesampler-controlplane"), ("Service", "nodesampler-controlplane"),
+                     ("StatefulSet", "nodesampler-controlplane"), ("Service", "nodesampler-controlplane"),
+                     ("PodDisruptionBudget", "nodesampler-controlplane"),
                      ("Service", "nodesampler-pages"), ("NetworkPolicy", "nodesampler-controlplane"),
                      ("NetworkPolicy", "nodesampler-agent"),
                      ("ServiceMonitor", "nodesampler")}  # fmt: skip
@@ -50,7 +51,8 @@ def test_daemonset() -> None:
     assert volumes[mounts["/host"]["name"]]["hostPath"]["path"] == "/" and mounts["/host"]["readOnly"] is True
     args = dict(a.removeprefix("--").split("=", 1) for a in agent["args"])
     assert args["host-root"] == "/host" and args["node"] == "$(NODE_NAME)"
-    assert args["control-plane"].startswith("https://nodesampler-controlplane.nodesampler.svc:")
+    # Every replica of the control plane, each by its own name (the StatefulSet's, through its headless Service).
+    assert _each("control-plane", agent["args"]) == replica_urls()
     env = {e["name"]: e for e in agent["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     # The token is the pod's own, projected for our audience: no per-node Secret.
@@ -149,8 +151,52 @@ def test_the_agent_may_read_its_kubelets_pods_and_nothing_else() -> None:
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "nodesampler-agent", "namespace": "nodesampler"}]
 
 
+def _each(flag: str, args: list[str]) -> list[str]:
+    return [a.split("=", 1)[1] for a in args if a.startswith(f"--{flag}=")]
+
+
+def replica_urls() -> list[str]:
+    """The agent listener of each replica, as the StatefulSet names its pods and its headless Service their DNS."""
+    sts = find("StatefulSet", "nodesampler-controlplane")
+    name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
+    [cp] = sts["spec"]["template"]["spec"]["containers"]
+    port = dict(a.removeprefix("--").split("=", 1) for a in cp["args"])["listen"].rsplit(":", 1)[1]
+    return [f"https://{name}-{i}.{service}.nodesampler.svc:{port}" for i in range(sts["spec"]["replicas"])]
+
+
+def test_the_control_plane_is_replicas_that_survive_each_other() -> None:
+    """Three replicas, each its own state on its own claim, one a machine, one
+    down at a time; each peers with every replica (itself included) with a
+    Secret of their own, and the headless Service names each."""
+    sts = find("StatefulSet", "nodesampler-controlplane")["spec"]
+    pod = sts["template"]["spec"]
+    [cp] = pod["containers"]
+    args = dict(a.removeprefix("--").split("=", 1) for a in cp["args"])
+    assert sts["replicas"] == 3 and sts["podManagementPolicy"] == "Parallel"
+    assert _each("peer", cp["args"]) == replica_urls()
+    mounts = {m["mountPath"]: m for m in cp["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts[args["peer-secret-file"].rsplit("/", 1)[0]]["name"]]["secret"]["secretName"] == (
+        "nodesampler-controlplane-peers")  # fmt: skip
+    assert args["peer-ca-file"].startswith("/etc/nodesampler/tls/")  # the CA the agents trust names every replica
+    [claim] = sts["volumeClaimTemplates"]
+    [state] = [m for m in cp["volumeMounts"] if args["state-file"].startswith(m["mountPath"] + "/")]
+    assert state["name"] == claim["metadata"]["name"] and state["name"] not in volumes
+    [spread] = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["labelSelector"]["matchLabels"] == sts["selector"]["matchLabels"]
+    pdb = find("PodDisruptionBudget", "nodesampler-controlplane")["spec"]
+    assert pdb["maxUnavailable"] == 1 and pdb["selector"] == sts["selector"]
+    service = find("Service", sts["serviceName"])["spec"]
+    assert service["clusterIP"] == "None" and service["selector"] == sts["selector"]["matchLabels"]
+    # The other replicas reach the agent port too (which nodes each holds).
+    policy = find("NetworkPolicy", "nodesampler-controlplane")["spec"]
+    [rule] = [r for r in policy["ingress"] if r["ports"][0]["port"] == 8081]
+    assert {"podSelector": {"matchLabels": sts["selector"]["matchLabels"]}} in rule["from"]
+
+
 def test_controlplane_verifies_the_agents_account() -> None:
-    pod = find("Deployment", "nodesampler-controlplane")["spec"]["template"]["spec"]
+    pod = find("StatefulSet", "nodesampler-controlplane")["spec"]["template"]["spec"]
     [cp] = pod["containers"]
     args = dict(a.removeprefix("--").split("=", 1) for a in cp["args"])
     namespace, name = args["k8s-service-account"].split("/")
@@ -159,7 +205,7 @@ def test_controlplane_verifies_the_agents_account() -> None:
     assert args["k8s-audience"] == "nodesampler" and "web-config-file" in args and "secret-file" not in args
     # The known nodes are kept on a volume the pod's user can write (the root file system is read-only).
     [state] = [m for m in cp["volumeMounts"] if args["state-file"].startswith(m["mountPath"] + "/")]
-    assert not state.get("readOnly") and "emptyDir" in {v["name"]: v for v in pod["volumes"]}[state["name"]]
+    assert not state.get("readOnly")
     binding = find("ClusterRoleBinding", "nodesampler-controlplane-issuer-discovery")
     assert binding["roleRef"]["name"] == "system:service-account-issuer-discovery"
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
@@ -167,7 +213,8 @@ def test_controlplane_verifies_the_agents_account() -> None:
     policy = find("NetworkPolicy", "nodesampler-controlplane")["spec"]
     agent_port = int(args["listen"].rsplit(":", 1)[1])
     [agents_rule] = [r for r in policy["ingress"] if r["ports"][0]["port"] == agent_port]
-    assert agents_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nodesampler-agent"}}}]
+    assert agents_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": name}}}
+                                   for name in ("nodesampler-agent", "nodesampler-controlplane")]  # fmt: skip
     # The agent's own: nothing in; out to the control plane's agent port, kubelets, DNS and engines' metrics.
     agent = find("NetworkPolicy", "nodesampler-agent")["spec"]
     assert agent["policyTypes"] == ["Ingress", "Egress"] and agent["ingress"] == []
@@ -179,12 +226,12 @@ def test_controlplane_verifies_the_agents_account() -> None:
 
 def test_the_pages_are_served_over_tls_to_users_and_scraped_so() -> None:
     """The example web config is one our parser takes, naming the TLS Secret's
-    files where the Deployment mounts them; the probes speak HTTPS; the
+    files where the StatefulSet mounts them; the probes speak HTTPS; the
     ServiceMonitor scrapes with TLS and a user; the admin socket is on a
     volume of the pod's own."""
     from controlplane.listen.web_config import parse
 
-    pod = find("Deployment", "nodesampler-controlplane")["spec"]["template"]["spec"]
+    pod = find("StatefulSet", "nodesampler-controlplane")["spec"]["template"]["spec"]
     [cp] = pod["containers"]
     args = [a.removeprefix("--").split("=", 1) for a in cp["args"]]
     flags = dict(args)

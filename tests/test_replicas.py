@@ -510,6 +510,11 @@ def test_a_node_held_elsewhere_is_read_through_any_replica(replicas: list[Replic
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(f"{pages}/api/incidents/no-such-one", timeout=10)
         assert missing.value.code == 404
+        # An operator forgets a node at every replica that knows it.
+        status, body = request(UnixConnection(tmp_path / f"admin-{other.index}.sock"), "DELETE", "/api/nodes/n1")
+        assert status == 200 and json.loads(body)["replicas"] == [holder.url], body
+        status, body = request(UnixConnection(tmp_path / f"admin-{other.index}.sock"), "DELETE", "/api/nodes/n9")
+        assert status == 404, body
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=30)

@@ -99,8 +99,17 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     for url in args.peer:
         if not url.startswith(("http://", "https://")):
             fail(EXIT_USAGE, f"--peer {url!r}: expected an http:// or https:// URL (a replica's agent listener)")
-    if args.peer and args.secret_file is None:
-        fail(EXIT_USAGE, "--peer needs --secret-file: replicas show each other a token made from the cluster secret")
+    if args.peer and args.secret_file is None and args.peer_secret_file is None:
+        fail(EXIT_USAGE, "--peer needs --peer-secret-file (or --secret-file): replicas show each other a token made "
+                         "from a secret they share")  # fmt: skip
+    peer_secret = None
+    if args.peer_secret_file is not None:
+        from controlplane.ingest.tokens import TokenError, read_secret
+
+        try:
+            peer_secret = read_secret(args.peer_secret_file)
+        except TokenError as e:
+            fail(EXIT_USAGE, f"--peer-secret-file: {e}")
     peer_ssl = None
     if args.peer_ca_file is not None:
         try:
@@ -127,7 +136,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
                           pages_hosts=args.pages_host, admin_socket=args.admin_socket,
                           incidents_dir=incidents_dir, incidents_bytes=args.incidents_mib << 20,
                           incident_span=(args.incident_before, args.incident_after), peers=args.peer,
-                          peer_ssl=peer_ssl))
+                          peer_ssl=peer_ssl, peer_secret=peer_secret))
     except OSError as e:  # the address is taken or not ours
         fail(EXIT_USAGE, f"cannot listen: {e}")
     return 0

@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--peer", action="append", default=[], metavar="URL",
                    help="another replica's agent listener (repeatable; this replica's own may be in the list): "
                         "replicas tell each other which nodes they hold, and let go of a node that moved")
+    c.add_argument("--peer-secret-file", type=Path, default=None, metavar="PATH",
+                   help="the secret replicas show each other a token of (default: --secret-file's); on Kubernetes, "
+                        "where agents show service-account tokens and no node token is made, a Secret of its own")
     c.add_argument("--peer-ca-file", type=Path, default=None, metavar="PATH",
                    help="CA bundle (PEM) an https peer's certificate must chain to (default: the system's)")
     c.add_argument("--forget-after", type=_positive(365 * 86400), default=7 * 86400.0, metavar="S",
