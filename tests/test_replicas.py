@@ -572,3 +572,69 @@ async def test_a_forwarded_request_is_checked_and_never_sent_on(aiohttp_client: 
         r = await client.get("/node/n1", headers=right)  # from a peer: served here
         assert r.status == 200 and "n1" in await r.text()
         replicas.session = None
+
+
+def held_here(replicas: list[Replica]) -> dict[int, set[str]]:
+    """The nodes each live replica holds fresh (its own, `?here=1`)."""
+    out = {}
+    for r in replicas:
+        if r.process is not None and r.process.poll() is None:
+            out[r.index] = {n for n, row in r.nodes().items() if row["state"] == "fresh"}
+    return out
+
+
+def up_series(replica: Replica) -> list[str]:
+    return re.findall(r'^llmgw_node_up\{node="([^"]+)"\} 1$', replica.metrics(), re.M)
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
+def test_a_fleet_over_three_replicas_survives_one_killed_and_its_return(replicas: list[Replica]) -> None:
+    """300 nodes over three replicas: each held by exactly one, its first
+    choice; one replica `kill -9`: its nodes' next windows go to their next
+    choices (no window lost), each node once in every survivor's fleet view;
+    it comes back: its third of the fleet returns to it, and no node is
+    counted twice, in any replica's /metrics."""
+    from tests.simulated_fleet import SimulatedFleet
+
+    urls = [r.url for r in replicas]
+    fleet = SimulatedFleet(urls, b"s3cret-s3cret-s3cret-s3cret", nodes=300, interval=1.0)
+    first = {node: ranked(node, urls)[0] for node in fleet.nodes}
+
+    def at_first_choices() -> bool:
+        held = held_here(replicas)
+        return all(held.get(r.index, set()) == {n for n, u in first.items() if u == r.url} for r in replicas)
+
+    fleet.start()
+    try:
+        wait_until(at_first_choices, 60, "every node at its first choice")
+        assert all(0.25 < sum(u == r.url for u in first.values()) / 300 < 0.42 for r in replicas)
+        victim = replicas[1]
+        victims = {n for n, u in first.items() if u == victim.url}
+        victim.kill()  # SIGKILL: no goodbye, its state file as it was last written
+        survivors = [r for r in replicas if r is not victim]
+        wait_until(lambda: set().union(*held_here(survivors).values()) == set(fleet.nodes), 30,
+                   "every node fresh at a survivor")  # fmt: skip
+        moved = {n for n, u in fleet.held_by.items() if u != first[n]}
+        assert moved == victims and all(fleet.held_by[n] == ranked(n, urls)[1] for n in moved)
+        assert sum(fleet.lost.values()) == 0 and not fleet.refused, (fleet.lost, fleet.refused)
+        for r in survivors:  # the whole fleet on each, once; the one down named
+            view = fleet_view(r)
+            assert sorted(n["node"] for n in view["nodes"]) == sorted(fleet.nodes)
+            assert [p["peer"] for p in view["peers"] if not p["answered"]] == [victim.url]
+        victim.start()  # back on the same address, from its state file
+        wait_until(at_first_choices, 60, "its third of the fleet back at the replica that came back")
+        # Let go where they were within a poll: one `llmgw_node_up 1` a node, all replicas together.
+        def counted() -> collections.Counter[str]:
+            return collections.Counter(n for r in replicas for n in up_series(r))
+
+        try:
+            wait_until(lambda: counted() == collections.Counter(fleet.nodes), 15, "each node up at one replica")
+        except AssertionError:
+            now = counted()
+            raise AssertionError(f"twice: {sorted(n for n, k in now.items() if k > 1)[:10]}, "
+                                 f"nowhere: {sorted(set(fleet.nodes) - set(now))[:10]}") from None
+        assert not any(re.search(r"^llmgw_node_up\{[^}]*\} 0", r.metrics(), re.M) for r in replicas)
+        assert sum(fleet.lost.values()) == 0 and not fleet.refused, (fleet.lost, fleet.refused)
+    finally:
+        fleet.stop()
