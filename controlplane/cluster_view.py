@@ -10,9 +10,22 @@ fetch and parse, not a few hundred.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
+import numpy as np
+
+from controlplane.history import ChartSpec, EmbeddedHistory, GridPart, step_grid
 from controlplane.state.registry import NodeRegistry, NodeState
+
+# The cluster page's charts of the whole fleet (web/pages.py titles them): with
+# peers, each replica's totals for its own nodes, added together (`chart_parts`).
+FLEET_CHARTS = (
+    ChartSpec("llmgw_gpu_utilization_percent", (), ("gpu_model",), "avg"),
+    ChartSpec("llmgw_gpu_memory_used_bytes", (), ("gpu_model",), "sum"),
+)
+MAX_CHART_STEPS = 2000  # a chart's columns are a few hundred; a peer's ask is bounded all the same
+MAX_CHART_SPAN_S = 2 * 3600.0
 
 
 def cluster_row(state: NodeState, now: float, stale_after: float) -> dict[str, Any]:
@@ -66,3 +79,47 @@ def fleet_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"nodes": len(rows), "fresh": len(fresh), "stale": len(rows) - len(fresh), "gpus": total("gpu_count"),
             "engines": total("engines"), "cpu_starved": total("cpu_starved"), "host_bound": total("host_bound"),
             "busiest": busiest}  # fmt: skip
+
+
+def chart_parts(history: EmbeddedHistory, end: float, span: float, step: float) -> list[dict[str, GridPart]]:
+    """This replica's part of each fleet chart, on the grid `(end - span, end]` every `step`."""
+    grid = step_grid(end - span, end, step)
+    return [history.grid_parts(spec, grid) for spec in FLEET_CHARTS]
+
+
+def chart_grid(end: float, span: float, step: float) -> np.ndarray:
+    """The grid a peer is asked for: ValueError when the ask is no chart's."""
+    if not all(math.isfinite(x) for x in (end, span, step)) or not 0 < span <= MAX_CHART_SPAN_S or step <= 0:
+        raise ValueError("end, span and step: finite; span at most two hours")
+    if span / step > MAX_CHART_STEPS:
+        raise ValueError(f"at most {MAX_CHART_STEPS} steps")
+    return step_grid(end - span, end, step)
+
+
+def chart_parts_json(parts: list[dict[str, GridPart]]) -> str:
+    """Each group's sums, counts and maxima as lists (a maximum where nothing was measured is 0: its count says so)."""
+    return json.dumps({"charts": [{key: [s.round(6).tolist(), c.tolist(), np.where(c > 0, m, 0.0).round(6).tolist()]
+                                   for key, (s, c, m) in part.items()} for part in parts]})  # fmt: skip
+
+
+def parse_chart_parts(value: Any, steps: int) -> list[dict[str, GridPart]]:
+    """A peer's parts, checked: ValueError when they are not one part a fleet chart of `steps` instants."""
+    charts = value.get("charts") if isinstance(value, dict) else None
+    if not isinstance(charts, list) or len(charts) != len(FLEET_CHARTS):
+        raise ValueError("not the fleet charts' parts")
+    out: list[dict[str, GridPart]] = []
+    for chart in charts:
+        if not isinstance(chart, dict) or len(chart) > 1000:
+            raise ValueError("not a chart's parts")
+        part: dict[str, GridPart] = {}
+        for key, arrays in chart.items():
+            if not isinstance(arrays, list) or len(arrays) != 3 or any(
+                    not isinstance(a, list) or len(a) != steps for a in arrays):  # fmt: skip
+                raise ValueError("a group's totals are not three lists of the grid's length")
+            s, c, m = (np.array(arrays[0], dtype=np.float64), np.array(arrays[1], dtype=np.int64),
+                       np.array(arrays[2], dtype=np.float64))  # fmt: skip
+            if not (np.isfinite(s).all() and np.isfinite(m).all() and (c >= 0).all()):
+                raise ValueError("a group's totals are not finite counts and values")
+            part[str(key)[:256]] = (s, c, np.where(c > 0, m, -np.inf))
+        out.append(part)
+    return out

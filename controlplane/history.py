@@ -295,25 +295,55 @@ class EmbeddedHistory:
                 if not np.isnan(v).all():  # a series with nothing in the span is not on the chart (nor Prometheus')
                     out.append(Series(" ".join(key), t[keep], v))
                 continue
-            # The nodes' series at the grid's instants, stacked a block at a time
-            # (a few MiB whatever the fleet) and combined into running totals.
             grid = step_grid(start, end, step)
-            sums, counts, maxima = np.zeros(len(grid)), np.zeros(len(grid), dtype=np.int64), np.full(len(grid), -np.inf)
-            block = np.full((MAX_SERIES_PER_NODE, len(grid)), np.nan, dtype=np.float32)  # a node's series fit
-            used = 0
-            for node, cols in [*by_node.items(), ("", [])]:  # the last: the final block is added
-                if used + len(cols) > len(block) or not cols:
-                    s, c, m = _stats(block[:used])
-                    sums, counts, maxima = sums + s, counts + c, np.maximum(maxima, m)
-                    block[:used], used = np.nan, 0
-                with self._lock:  # one node at a time: a heartbeat waits for one node's copy at most
-                    if cols and (ring := self._nodes.get(node)) is not None:
-                        known, slots = ring.last_at(grid, self.stale_after)
-                        block[used : used + len(cols), known] = ring.values[cols][:, slots]
-                used += len(cols)
+            sums, counts, maxima = self._on_grid(by_node, grid)
             if counts.any():
                 out.append(Series(" ".join(key), grid, _combined(spec.agg, sums, counts, maxima)))
         return out
+
+    def _on_grid(self, by_node: dict[str, list[int]], grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The nodes' series at the grid's instants, stacked a block at a time
+        (a few MiB whatever the fleet) and combined into running totals: the
+        sum, how many were measured, and the largest, at each instant."""
+        sums, counts, maxima = np.zeros(len(grid)), np.zeros(len(grid), dtype=np.int64), np.full(len(grid), -np.inf)
+        block = np.full((MAX_SERIES_PER_NODE, len(grid)), np.nan, dtype=np.float32)  # a node's series fit
+        used = 0
+        for node, cols in [*by_node.items(), ("", [])]:  # the last: the final block is added
+            if used + len(cols) > len(block) or not cols:
+                s, c, m = _stats(block[:used])
+                sums, counts, maxima = sums + s, counts + c, np.maximum(maxima, m)
+                block[:used], used = np.nan, 0
+            with self._lock:  # one node at a time: a heartbeat waits for one node's copy at most
+                if cols and (ring := self._nodes.get(node)) is not None:
+                    known, slots = ring.last_at(grid, self.stale_after)
+                    block[used : used + len(cols), known] = ring.values[cols][:, slots]
+            used += len(cols)
+        return sums, counts, maxima
+
+    def grid_parts(self, spec: ChartSpec, grid: np.ndarray) -> dict[str, GridPart]:
+        """Each group's running totals on `grid` (its label values, joined):
+        what a replica adds to a peer's chart of the whole fleet
+        (controlplane/peers.py), combined there as its own are (`combine`)."""
+        with self._lock:
+            groups = self._columns(spec)
+        parts = {" ".join(key): self._on_grid(by_node, grid) for key, by_node in sorted(groups.items())}
+        return {key: part for key, part in parts.items() if part[1].any()}
+
+
+GridPart = tuple[np.ndarray, np.ndarray, np.ndarray]  # sums, counts, maxima at each instant of a grid
+
+
+def combine(spec: ChartSpec, grid: np.ndarray, parts: list[dict[str, GridPart]]) -> list[Series]:
+    """Replicas' parts of a chart as one: each group's totals added, then aggregated."""
+    totals: dict[str, GridPart] = {}
+    for part in parts:
+        for key, (s, c, m) in part.items():
+            if key in totals:
+                ts, tc, tm = totals[key]
+                totals[key] = (ts + s, tc + c, np.maximum(tm, m))
+            else:
+                totals[key] = (s, c, m)
+    return [Series(key, grid, _combined(spec.agg, *totals[key])) for key in sorted(totals)]
 
 
 _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")

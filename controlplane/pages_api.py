@@ -20,7 +20,7 @@ from controlplane import hindsight
 from controlplane.export.exposition import FleetExposition
 from controlplane.export.own_metrics import ControlPlaneMetrics
 from controlplane.hindsight import HINDSIGHT, HindsightFetches
-from controlplane.history import EmbeddedHistory
+from controlplane.history import EmbeddedHistory, GridPart
 from controlplane.incidents import Incidents
 from controlplane.incidents import add_routes as add_incident_routes
 from controlplane.incidents import add_routes_when_off as add_incident_routes_when_off
@@ -63,6 +63,15 @@ class FleetRows(Protocol):
 
 
 FLEET_ROWS = web.AppKey("fleet_rows", FleetRows)
+
+
+# ... and the peers' parts of the fleet charts (controlplane/cluster_view.py), with why any did not come.
+class FleetChartParts(Protocol):
+    def __call__(self, end: float, span: float, step: float
+                 ) -> Awaitable[tuple[list[list[dict[str, GridPart]]], list[str]]]: ...  # fmt: skip
+
+
+FLEET_CHART_PARTS = web.AppKey("fleet_chart_parts", FleetChartParts)
 
 
 @shared("here")

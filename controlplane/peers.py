@@ -40,8 +40,9 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from controlplane.cluster_view import cluster_json
+from controlplane.cluster_view import chart_grid, chart_parts, chart_parts_json, cluster_json, parse_chart_parts
 from controlplane.hindsight import Refused as IncidentsRefused
+from controlplane.history import EmbeddedHistory, GridPart
 from controlplane.incidents import INCIDENTS
 from controlplane.ingest import tokens
 from controlplane.ingest.agent_api import ON_REGISTERED
@@ -61,6 +62,7 @@ MAX_FORWARD_ANSWER = 64 * 1024  # a peer's answer to forwarded alerts: an incide
 ROWS_TIMEOUT_S = 2.0  # a page waits this long for a peer's rows, then names it and shows the rest
 MAX_ROWS_BYTES = 64 * 2**20  # 10,000 GPU nodes' rows, with room
 ROWS_SHARED_S = 1.0  # one fetch of the peers' rows serves every page view for this long
+MAX_CHART_BYTES = 4 * 2**20  # the fleet charts' totals: a few groups of a few hundred instants
 
 
 @dataclass(eq=False)  # one a replica: each is itself (and a key)
@@ -298,6 +300,44 @@ class Peers:
             return []
 
 
+async def fleet_chart_parts(peers: Peers, end: float, span: float, step: float
+                            ) -> tuple[list[list[dict[str, GridPart]]], list[str]]:  # fmt: skip
+    """Every other peer's part of the fleet charts (its own nodes' totals on
+    the grid), fetched at once and bounded like its rows; and, for each peer
+    whose part did not come, why."""
+    steps = len(chart_grid(end, span, step))
+    query = f"end={end!r}&span={span!r}&step={step!r}"
+
+    async def one(peer: Peer) -> list[dict[str, GridPart]] | str:
+        if peers.session is None:
+            return f"{peer.url}: not asked: the control plane is starting"
+        try:
+            body = await peers._get(peers.session, f"{peer.url}/v1/peer/fleet-charts?{query}", MAX_CHART_BYTES,
+                                    ROWS_TIMEOUT_S)  # fmt: skip
+            return parse_chart_parts(json.loads(body), steps)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, TypeError) as e:
+            return f"{peer.url}: {type(e).__name__}: {e}"[:300]
+
+    got = await asyncio.gather(*(one(p) for p in peers.peers if not p.is_us))
+    return [g for g in got if not isinstance(g, str)], [g for g in got if isinstance(g, str)]
+
+
+async def fleet_charts(request: web.Request) -> web.Response:
+    """GET /v1/peer/fleet-charts?end=T&span=S&step=D, for a peer: this
+    replica's own nodes' totals of each fleet chart (controlplane/cluster_view.py)."""
+    if (refused := _refused(request)) is not None:
+        return refused
+    try:
+        end, span, step = (float(request.query[k]) for k in ("end", "span", "step"))
+        chart_grid(end, span, step)
+    except (KeyError, ValueError) as e:
+        return web.json_response({"error": str(e)[:200]}, status=400)
+    history = request.app[PEER_HISTORY]
+    body = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: chart_parts_json(chart_parts(history, end, span, step)))
+    return web.Response(text=body, content_type="application/json")
+
+
 def merged_rows(own: list[dict[str, Any]], theirs: list[tuple[Peer, list[dict[str, Any]]]]) -> dict[str, Any]:
     """The fleet as one list: each node once, from the replica that heard from
     it last (`replica`: the peer's URL; absent: this replica), and each peer
@@ -388,13 +428,16 @@ class OwnRows(Protocol):
 
 PEER_ROWS = web.AppKey("peer_rows", OwnRows)
 PEER_CLUSTER_ROWS = web.AppKey("peer_cluster_rows", OwnRows)
+PEER_HISTORY = web.AppKey("peer_history", EmbeddedHistory)
 PEERS = web.AppKey("peers", Peers)
 
 
-def add_routes(agents: web.Application, peers: Peers, secret: bytes, own_rows: OwnRows) -> None:
+def add_routes(agents: web.Application, peers: Peers, secret: bytes, own_rows: OwnRows,
+               history: EmbeddedHistory | None = None) -> None:  # fmt: skip
     """The peers' routes on the agent listener; `own_rows`: this replica's
     nodes as `/api/nodes` writes them (made on a thread, as the cluster
-    page's rows are)."""
+    page's rows are); `history`: the embedded one, whose part of the fleet
+    charts a peer asks for (none with --prometheus: Prometheus has the fleet)."""
     agents[PEERS] = peers
     agents[PEER_SECRET] = secret
     agents[PEER_REGISTRY] = peers.registry
@@ -405,6 +448,9 @@ def add_routes(agents: web.Application, peers: Peers, secret: bytes, own_rows: O
     agents.router.add_get("/v1/peer/nodes", peer_nodes)
     agents.router.add_post("/v1/peer/arrived", arrived)
     agents.router.add_post("/v1/peer/alerts", alerts)
+    if history is not None:
+        agents[PEER_HISTORY] = history
+        agents.router.add_get("/v1/peer/fleet-charts", fleet_charts)
 
 
 async def polled(peers: Peers) -> AsyncIterator[None]:

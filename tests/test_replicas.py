@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from sampler.agent.replicas import MAX_RETURN_S, SETTLED_S, ReplicaChoice, ranked, weight
@@ -638,3 +639,64 @@ def test_a_fleet_over_three_replicas_survives_one_killed_and_its_return(replicas
         assert sum(fleet.lost.values()) == 0 and not fleet.refused, (fleet.lost, fleet.refused)
     finally:
         fleet.stop()
+
+
+def test_the_fleet_charts_of_three_replicas_added_are_the_whole_fleets() -> None:
+    """Each replica's totals of a fleet chart for its own nodes, sent as a
+    peer sends them and added, draw what one history of every node draws:
+    the mean of the cards (`avg`) and their sum, at every instant."""
+    from controlplane.cluster_view import FLEET_CHARTS, chart_parts, chart_parts_json, parse_chart_parts
+    from controlplane.history import EmbeddedHistory, combine, step_grid
+    from tests.heartbeats import held
+
+    now, span, step = 100_000.0, 600.0, 10.0
+    whole = EmbeddedHistory(interval=5, stale_after=60)
+    replicas = [EmbeddedHistory(interval=5, stale_after=60) for _ in range(3)]
+    for i in range(30):
+        for t in range(0, int(span), 5 + i % 3):  # nodes heartbeat at their own instants
+            gpus = [{"index": g, "name": "H200" if i % 2 else "A100",
+                     "utilization_percent": float((i * 7 + t + g) % 100), "memory_used_bytes": 1000 * i + g}
+                    for g in range(2)]  # fmt: skip
+            hb = held({"node": f"n{i}", "gpus": gpus})
+            whole.record(f"n{i}", hb, at=now - span + t)
+            replicas[i % 3].record(f"n{i}", hb, at=now - span + t)
+    grid = step_grid(now - span, now, step)
+    sent = [parse_chart_parts(json.loads(chart_parts_json(chart_parts(r, now, span, step))), len(grid))
+            for r in replicas]  # fmt: skip
+    for k, spec in enumerate(FLEET_CHARTS):
+        expected = whole.query_now(spec, now - span, now, step)
+        got = combine(spec, grid, [part[k] for part in sent])
+        assert [s.label for s in got] == [s.label for s in expected] == ["A100", "H200"]
+        for g, e in zip(got, expected, strict=True):
+            assert (g.t == e.t).all() and np.allclose(g.v, e.v, equal_nan=True, rtol=1e-6), spec
+    with pytest.raises(ValueError):
+        parse_chart_parts({"charts": [{"H200": [[1.0], [1], [1.0]]}, {}]}, len(grid))  # not the grid's length
+
+
+async def test_a_peers_ask_for_fleet_chart_totals_is_checked(aiohttp_client: Any) -> None:
+    """The totals are a peer's alone (its token), and an ask that is no chart's
+    (not finite, a span over two hours, more steps than a chart has) is 400."""
+    from controlplane import pages_api, peers
+    from controlplane.cluster_view import parse_chart_parts
+    from controlplane.history import EmbeddedHistory
+    from controlplane.ingest import agent_api, tokens
+    from controlplane.state.registry import NodeRegistry
+    from tests.heartbeats import held
+
+    secret = b"s3cret-s3cret-s3cret-s3cret"
+    registry, history = NodeRegistry(stale_after=60), EmbeddedHistory(interval=5)
+    history.record("n1", held({"node": "n1", "gpus": [{"index": 0, "name": "H200", "utilization_percent": 40.0}]}),
+                   at=time.time() - 5)  # fmt: skip
+    app = agent_api.create_app(registry, secret)
+    peers.add_routes(app, peers.Peers([], secret, registry, lambda node: None), secret,
+                     lambda: pages_api.nodes_json(registry), history)  # fmt: skip
+    client = await aiohttp_client(app)
+    auth = {"Authorization": f"Bearer {tokens.peer_token(secret)}"}
+    ask = f"/v1/peer/fleet-charts?end={time.time()}&span=3600&step=7.25"
+    assert (await client.get(ask)).status == 401
+    r = await client.get(ask, headers=auth)
+    [utilisation, memory] = parse_chart_parts(await r.json(), 497)
+    assert r.status == 200 and list(utilisation) == ["H200"] and memory == {}
+    assert utilisation["H200"][1].max() == 1 and utilisation["H200"][0].max() == 40.0
+    for bad in ("end=nan&span=60&step=1", "end=1e9&span=86400&step=60", "end=1e9&span=3600&step=0.1", "end=1e9"):
+        assert (await client.get(f"/v1/peer/fleet-charts?{bad}", headers=auth)).status == 400, bad

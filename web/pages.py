@@ -20,14 +20,22 @@ import jinja2
 from aiohttp import web
 
 import wire
-from controlplane.cluster_view import cluster_rows, fleet_summary
+from controlplane.cluster_view import FLEET_CHARTS, chart_parts, cluster_rows, fleet_summary
 from controlplane.hindsight import HINDSIGHT
-from controlplane.history import ChartSpec, EmbeddedHistory, HistoryError, PrometheusHistory, Series
+from controlplane.history import (
+    ChartSpec,
+    EmbeddedHistory,
+    HistoryError,
+    PrometheusHistory,
+    Series,
+    combine,
+    step_grid,
+)
 from controlplane.incidents import INCIDENTS
 from controlplane.keys import HISTORY, REGISTRY
 from controlplane.live import LIVE
 from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
-from controlplane.pages_api import FLEET_ROWS
+from controlplane.pages_api import FLEET_CHART_PARTS, FLEET_ROWS
 from controlplane.state.registry import NodeRegistry, NodeState
 from controlplane.state.starvation import Verdict
 from web.charts import columns, format_value, svg_chart
@@ -207,11 +215,22 @@ def _node_specs(node: str, view: dict[str, Any]) -> Specs:
 
 
 FLEET_SPECS: Specs = [
-    ("GPU utilisation by GPU model (mean of cards)",
-     [(ChartSpec("llmgw_gpu_utilization_percent", (), ("gpu_model",), "avg"), "")], "percent", 100.0),
-    ("GPU memory used by GPU model (all cards)",
-     [(ChartSpec("llmgw_gpu_memory_used_bytes", (), ("gpu_model",), "sum"), "")], "bytes", None),
+    ("GPU utilisation by GPU model (mean of cards)", [(FLEET_CHARTS[0], "")], "percent", 100.0),
+    ("GPU memory used by GPU model (all cards)", [(FLEET_CHARTS[1], "")], "bytes", None),
 ]  # fmt: skip
+
+
+async def _fleet_charts(app: web.Application, history: EmbeddedHistory, now: float) -> tuple[list[str], list[str]]:
+    """The fleet charts with peers and the embedded history: each replica's
+    totals for its own nodes, added; a peer whose totals did not come named."""
+    step = SPAN_S / columns()
+    grid = step_grid(now - SPAN_S, now, step)
+    own = await app[PAGE_WORKER].run(chart_parts, history, now, SPAN_S, step)
+    theirs, missing = await app[FLEET_CHART_PARTS](now, SPAN_S, step)
+    read = [(title, combine(spec, grid, [own[i], *(t[i] for t in theirs)]), unit, y_max)
+            for i, (title, [(spec, _)], unit, y_max) in enumerate(FLEET_SPECS)]  # fmt: skip
+    errors = [f"the charts leave out the nodes of replica {why}" for why in missing]
+    return await app[PAGE_WORKER].run(_draw, read, now), errors
 
 
 async def _render(request: web.Request, template: str, **context: Any) -> web.Response:
@@ -257,7 +276,11 @@ async def cluster_page(request: web.Request) -> web.Response:
         query = {k: v for k, v in (("q", text), ("state", state)) if v}
         return "?" + urlencode({**query, "page": to})
 
-    charts, errors = await _charts(request.app, FLEET_SPECS, time.time())
+    history = request.app[HISTORY]
+    if isinstance(history, EmbeddedHistory) and FLEET_CHART_PARTS in request.app:
+        charts, errors = await _fleet_charts(request.app, history, time.time())
+    else:
+        charts, errors = await _charts(request.app, FLEET_SPECS, time.time())
     return await _render(request, "cluster.html", nodes=rows, matched=len(shown), summary=summary, q=text,
                          state=state, page=page, pages=pages, prev_link=link(page - 1) if page > 1 else None,
                          next_link=link(page + 1) if page < pages else None, charts=charts,
