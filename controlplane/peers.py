@@ -47,6 +47,7 @@ from controlplane.incidents import INCIDENTS
 from controlplane.ingest import tokens
 from controlplane.ingest.agent_api import ON_REGISTERED
 from controlplane.state.registry import NodeRegistry
+from wire.discovery import REFRESH_S, Replicas
 from wire.limits import NODE_ID
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,8 @@ class Peers:
 
     def __init__(self, urls: list[str], secret: bytes, registry: NodeRegistry,
                  let_go: Callable[[str], None], ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
-        self.peers = [Peer(url.rstrip("/")) for url in dict.fromkeys(urls)]
+        self.replicas = Replicas(urls, clock=registry.clock)  # given, or named by DNS SRV records (wire/discovery.py)
+        self.peers = [Peer(url) for url in self.replicas.urls]
         self.token = tokens.peer_token(secret)
         self.registry, self.let_go, self.ssl_context = registry, let_go, ssl_context
         self.let_go_count = 0
@@ -221,8 +223,18 @@ class Peers:
                 let_go += 1
         return let_go
 
+    async def discover(self) -> None:
+        """The peers a DNS record names now, read again every `REFRESH_S`: a
+        peer still named keeps what it said; one gone is no longer asked."""
+        due = self.replicas.refreshed_at is None or self.registry.clock() - self.replicas.refreshed_at >= REFRESH_S
+        if self.replicas.discovered and due and await self.replicas.refresh():
+            known = {p.url: p for p in self.peers}
+            self.peers = [known.get(url) or Peer(url) for url in self.replicas.urls]
+            log.info("peers now: %s", ", ".join(p.url for p in self.peers) or "none")
+
     async def poll(self, session: aiohttp.ClientSession) -> None:
         """Every peer at once; then the nodes a peer heard from more recently, let go."""
+        await self.discover()
         await asyncio.gather(*(self._ask(session, p) for p in self.peers))
         now = self.registry.clock()
         for state in self.registry.nodes():

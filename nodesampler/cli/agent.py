@@ -21,6 +21,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from sampler.open_sampler import SamplerOptions
     from sampler.sources import host_view
     from sampler.window.hindsight import HindsightRing
+    from wire import discovery
 
     logging.getLogger().setLevel(logging.INFO)
     # First, while this is the only thread: later threads inherit the host's cgroup paths.
@@ -32,8 +33,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except wire.WireError:
         fail(EXIT_USAGE, f"--node {node!r}: letters, digits, '.', '-' or '_' only")
     for url in args.control_plane:
-        if not url.startswith(("http://", "https://")):
-            fail(EXIT_USAGE, f"--control-plane {url!r}: expected an http:// or https:// URL")
+        if (why := discovery.check(url)) is not None:
+            fail(EXIT_USAGE, f"--control-plane {url!r}: {why}")
     if len(set(args.control_plane)) != len(args.control_plane):
         fail(EXIT_USAGE, "--control-plane: a replica given twice")
     try:
@@ -42,7 +43,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         fail(EXIT_USAGE, f"--token-file: {e}")
     context = None
     if args.ca_file is not None:
-        if not all(url.startswith("https://") for url in args.control_plane):
+        if not all(url.removeprefix(discovery.SRV).startswith("https://") for url in args.control_plane):
             fail(EXIT_USAGE, "--ca-file is for an https:// control plane (every --control-plane)")
         try:
             context = ssl.create_default_context(cafile=str(args.ca_file))

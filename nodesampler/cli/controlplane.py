@@ -54,6 +54,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     from controlplane.server import serve, split_address
     from controlplane.state.starvation import StarvationRules
     from web.pages import add_pages
+    from wire import discovery
 
     if args.state_file is not None and not args.state_file.parent.is_dir():
         fail(EXIT_USAGE, f"--state-file {args.state_file}: {args.state_file.parent} is not a directory")
@@ -97,8 +98,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
         if not name or any(c in name for c in "/ @?#"):
             fail(EXIT_USAGE, f"--pages-host {name!r}: a host name (no scheme, port or path)")
     for url in args.peer:
-        if not url.startswith(("http://", "https://")):
-            fail(EXIT_USAGE, f"--peer {url!r}: expected an http:// or https:// URL (a replica's agent listener)")
+        if (why := discovery.check(url)) is not None:
+            fail(EXIT_USAGE, f"--peer {url!r}: {why} (a replica's agent listener)")
     if args.peer and args.secret_file is None and args.peer_secret_file is None:
         fail(EXIT_USAGE, "--peer needs --peer-secret-file (or --secret-file): replicas show each other a token made "
                          "from a secret they share")  # fmt: skip

@@ -44,6 +44,7 @@ class ReplicaChoice:
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         if not replicas:
             raise ValueError("no control-plane replicas")
+        self.node = node
         self.order = ranked(node, replicas)
         self.return_every_s = return_every_s
         self.clock = clock
@@ -56,6 +57,17 @@ class ReplicaChoice:
     @property
     def url(self) -> str:
         return self.order[self.current]
+
+    def replace(self, replicas: Sequence[str]) -> None:
+        """The replicas a DNS record names now (wire/discovery.py): heartbeats
+        stay where they go if it is still named, and a replica added above it
+        is tried as a first choice come back is (`worth_trying_back`)."""
+        if not replicas:
+            raise ValueError("no control-plane replicas")
+        url, self.order = self.url, ranked(self.node, replicas)
+        self.current = self.order.index(url) if url in self.order else 0
+        if self.current:
+            self._tried_back_at = self.clock()
 
     def failed(self) -> bool:
         """The current replica did not answer: the next in order, if any is

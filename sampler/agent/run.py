@@ -31,6 +31,7 @@ from sampler.agent.delivery import Backoff, NewestSummary
 from sampler.agent.replicas import ReplicaChoice
 from sampler.off_thread import Said
 from sampler.window.sampler import WindowSampler
+from wire.discovery import REFRESH_S, Replicas
 from wire.schema import Registration, WindowSummary
 
 
@@ -83,6 +84,9 @@ def registration_body(sampler: WindowSampler, node: str, hostname: str | None = 
     })  # fmt: skip
 
 
+Clients = dict[str, HeartbeatClient]  # a replica's URL -> its client
+
+
 class Agent:
     def __init__(self, sampler: WindowSampler, client_url: str | Sequence[str], token: str | TokenFile, node: str,
                  interval: float,
@@ -99,7 +103,7 @@ class Agent:
         `client_url`: the control plane, or its replicas (the node's is chosen
         by sampler/agent/replicas.py)."""
         self.sampler, self.node = sampler, node
-        self.urls = [client_url] if isinstance(client_url, str) else list(client_url)
+        self.replicas = Replicas([client_url] if isinstance(client_url, str) else client_url)
         self.token = token.value if isinstance(token, TokenFile) else token
         self.interval, self.config, self.ssl_context = interval, config, ssl_context
         self.hostname = hostname  # the host's, read through pid 1 when in a container
@@ -161,9 +165,26 @@ class Agent:
 
     def clients(self, session: aiohttp.ClientSession) -> dict[str, HeartbeatClient]:
         """A client a replica, on the one session."""
-        return {url: HeartbeatClient(session, url, self.token) for url in self.urls}
+        return {url: HeartbeatClient(session, url, self.token) for url in self.replicas.urls}
 
-    async def _deliver(self, clients: dict[str, HeartbeatClient]) -> None:
+    async def _replicas_found(self, clients: Clients, make_client: Callable[[str], HeartbeatClient] | None) -> Clients:
+        """The clients of the replicas a DNS record names now; waits while it names none."""
+        if make_client is None or not self.replicas.discovered:
+            return clients
+        while not (urls := self.replicas.urls):
+            await self.sleep(self.interval)
+        return {url: clients.get(url) or make_client(url) for url in urls}
+
+    async def _refresh_replicas(self) -> None:
+        """The records read again every REFRESH_S (a replica added is found, one gone forgotten)."""
+        while True:
+            await self.replicas.refresh()
+            await asyncio.sleep(REFRESH_S if self.replicas.urls else min(REFRESH_S, 5.0))
+
+    async def _deliver(self, clients: dict[str, HeartbeatClient],
+                       make_client: Callable[[str], HeartbeatClient] | None = None) -> None:  # fmt: skip
+        """`make_client`: a client for a replica a DNS record names later (none: the replicas are given)."""
+        clients = await self._replicas_found(clients, make_client)
         choice = ReplicaChoice(self.node, list(clients), return_every_s(self.interval))
         backoff = Backoff()
         registered = False
@@ -172,6 +193,12 @@ class Agent:
         registered_gpus: list[dict[str, Any]] | None = None
         summary = await self.mailbox.get()
         while True:
+            if make_client is not None and self.replicas.urls and set(self.replicas.urls) != set(clients):
+                clients = await self._replicas_found(clients, make_client)
+                before = choice.url
+                choice.replace(list(clients))
+                log.info("the control plane's replicas now: %s", ", ".join(choice.order))
+                registered = registered and choice.url == before
             gpus = self.sampler.gpus.inventory() if self.sampler.gpus is not None else None
             if registered and gpus != registered_gpus:
                 log.info("the GPUs changed (NVML loaded late, or a card came or went): registering again")
@@ -246,7 +273,9 @@ class Agent:
             if self.sampler.gpus is not None:
                 await loop.run_in_executor(None, self.sampler.gpus.wait_ready, 60.0)
             thread.start()
-            sender = asyncio.create_task(self._deliver(self.clients(session)))
+            refresher = asyncio.create_task(self._refresh_replicas()) if self.replicas.discovered else None
+            sender = asyncio.create_task(self._deliver(self.clients(session),
+                                                       lambda url: HeartbeatClient(session, url, self.token)))
             stopped = asyncio.create_task(stop.wait())
             watched: set[asyncio.Future[Any]] = {sender, stopped, sampler_died}
             await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
@@ -260,7 +289,9 @@ class Agent:
             self.stopping.set()
             sender.cancel()
             stopped.cancel()
-            await asyncio.gather(sender, stopped, return_exceptions=True)
+            if refresher is not None:
+                refresher.cancel()
+            await asyncio.gather(sender, stopped, *([refresher] if refresher else []), return_exceptions=True)
             await loop.run_in_executor(None, thread.join)
             if failure is not None:
                 raise failure

@@ -1,0 +1,176 @@
+"""The control plane's replicas named by a DNS SRV record (wire/discovery.py),
+read from a real DNS exchange with a server the test runs: each record a
+URL, the same in every process; a record that changes is seen at the next
+read; a server's bad minute keeps what the record named; an agent given the
+record heartbeats to its node's first choice among what it names, and
+moves to a replica added above it; the CLIs refuse what is no URL nor record."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from aiohttp.abc import ResolveResult
+from aiohttp.test_utils import TestServer
+
+from sampler.agent.replicas import ranked
+from tests.fake_dns import FakeDns
+from tests.heartbeats import window_summary
+from wire import discovery
+from wire.discovery import Replicas
+
+RECORD = "_agents._tcp.nodesampler-controlplane.nodesampler.svc.cluster.local"
+PODS = "nodesampler-controlplane.nodesampler.svc.cluster.local"
+
+
+def test_a_url_or_a_record_and_nothing_else() -> None:
+    for good in ("https://cp:8081", "http://127.0.0.1:8081/", f"dnssrv+https://{RECORD}", "dnssrv+http://cp.svc"):
+        assert discovery.check(good) is None, good
+    for bad in ("cp:8081", "dnssrv+cp.svc", "dnssrv+https://cp.svc:8081", "dnssrv+https://cp.svc/v1", "ftp://cp",
+                "dnssrv+ftp://cp.svc", "https://"):  # fmt: skip
+        assert discovery.check(bad) is not None, bad
+
+
+async def test_a_record_names_the_replicas_and_is_read_again() -> None:
+    dns_server = FakeDns()
+    resolver = await dns_server.start()
+    try:
+        dns_server.records[RECORD] = [(f"nodesampler-controlplane-{i}.{PODS}", 8081) for i in (2, 0, 1)]
+        replicas = Replicas([f"dnssrv+https://{RECORD}", "https://extra:8081/"], resolver)
+        assert replicas.discovered and replicas.urls == ["https://extra:8081"]  # nothing read yet
+        assert await replicas.refresh()
+        three = [f"https://nodesampler-controlplane-{i}.{PODS}:8081" for i in range(3)]
+        assert replicas.urls == [*three, "https://extra:8081"]  # sorted: every process makes the same list
+        assert not await replicas.refresh()
+        # Scaled to four: seen at the next read.
+        dns_server.records[RECORD].append((f"nodesampler-controlplane-3.{PODS}", 8081))
+        assert await replicas.refresh() and len(replicas.urls) == 5
+        # The server's bad minute, or a record gone: what it named is kept.
+        dns_server.failing.add(RECORD)
+        assert not await replicas.refresh() and len(replicas.urls) == 5
+        dns_server.failing.clear()
+        del dns_server.records[RECORD]
+        assert not await replicas.refresh() and len(replicas.urls) == 5
+        # Never read: none from it yet.
+        fresh = Replicas([f"dnssrv+https://{RECORD}"], resolver)
+        assert not await fresh.refresh() and fresh.urls == []
+    finally:
+        dns_server.close()
+
+
+async def test_an_agent_follows_the_record_to_a_replica_added_above_its_own(tmp_path: Path) -> None:
+    """Two replicas named, then a third that ranks first for the node: the
+    agent's heartbeats go to its first choice of the two, then, once the
+    record names the third and its wait is over, to the third."""
+    from tests.test_agent_failures import make_agent
+
+    taken: dict[str, int] = {}
+    servers = []
+    for name in ("a", "b", "c"):
+        app = web.Application()
+
+        async def register(request: web.Request) -> web.Response:
+            return web.json_response({"node": "n1", "stale_after": 60})
+
+        async def heartbeat(request: web.Request, name: str = name) -> web.Response:
+            taken[name] = taken.get(name, 0) + 1
+            return web.json_response({"seq": 1})
+
+        app.router.add_post("/v1/register", register)
+        app.router.add_post("/v1/heartbeat", heartbeat)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        servers.append(server)
+    ports = {name: int(s.port or 0) for name, s in zip("abc", servers, strict=True)}
+    # Host names (each 127.0.0.1 here) such that the third replica ranks first for n1.
+    host = {"a": "localhost-a.test", "b": "localhost-b.test"}
+    for k in range(100):
+        host["c"] = f"localhost-c{k}.test"
+        url = {n: f"http://{host[n]}:{ports[n]}" for n in "abc"}
+        if ranked("n1", list(url.values()))[0] == url["c"]:
+            break
+    dns_server = FakeDns()
+    resolver = await dns_server.start()
+    dns_server.records[RECORD] = [(host[n], ports[n]) for n in "ab"]
+    agent = make_agent(tmp_path)
+    agent.replicas = Replicas([f"dnssrv+http://{RECORD}"], resolver)
+    await agent.replicas.refresh()
+    resolving = aiohttp.resolver.ThreadedResolver()
+
+    class TestNames(aiohttp.abc.AbstractResolver):  # localhost-X.test is 127.0.0.1
+        async def resolve(self, host: str, port: int = 0,
+                          family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:  # fmt: skip
+            return await resolving.resolve("127.0.0.1", port, family)
+
+        async def close(self) -> None:
+            pass
+
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=TestNames())) as session:
+            from sampler.agent.client import HeartbeatClient
+
+            agent.mailbox.put(window_summary())
+            sender = asyncio.create_task(agent._deliver(agent.clients(session),
+                                                        lambda u: HeartbeatClient(session, u, agent.token)))
+            first_of_two = next(n for n in "abc" if url[n] == ranked("n1", [url["a"], url["b"]])[0])
+            while not taken.get(first_of_two):
+                await asyncio.sleep(0.05)
+            dns_server.records[RECORD].append((host["c"], ports["c"]))
+            assert await agent.replicas.refresh()
+            for seq in range(2, 400):  # windows go on; the node goes up its order when its wait is over (5 s)
+                agent.mailbox.put(window_summary(seq=seq))
+                await asyncio.sleep(0.05)
+                if taken.get("c"):
+                    break
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+    finally:
+        dns_server.close()
+        for server in servers:
+            await server.close()
+    assert taken.get(first_of_two) and taken.get("c"), taken
+
+
+def test_the_clis_take_a_record_and_refuse_what_is_neither(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_text("s3cret-s3cret-s3cret-s3cret\n")
+    for command in (["agent", "--control-plane", "dnssrv+cp.svc", "--token-file", str(tmp_path / "secret")],
+                    ["controlplane", "--listen", "127.0.0.1:0", "--pages-listen", "127.0.0.1:0", "--secret-file",
+                     str(tmp_path / "secret"), "--peer", "dnssrv+https://cp:1"]):
+        r = subprocess.run([sys.executable, "-m", "nodesampler", *command], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "dnssrv+" in r.stderr, r.stderr
+
+
+async def test_a_replicas_peers_follow_the_record() -> None:
+    """`--peer dnssrv+...`: the peers are what the record names, read again
+    at a poll once `REFRESH_S` has passed; a peer still named keeps what it
+    said, one gone is asked no more."""
+    from controlplane.peers import Peers
+    from controlplane.state.registry import NodeRegistry
+    from tests.test_replicas import Clock
+
+    clock = Clock()
+    dns_server = FakeDns()
+    resolver = await dns_server.start()
+    try:
+        dns_server.records[RECORD] = [(f"nodesampler-controlplane-{i}.{PODS}", 8081) for i in range(3)]
+        peers = Peers([f"dnssrv+https://{RECORD}"], b"s3cret-s3cret-s3cret-s3cret",
+                      NodeRegistry(stale_after=60, clock=clock), lambda node: None)  # fmt: skip
+        peers.replicas = Replicas(peers.replicas.given, resolver, clock)
+        assert peers.peers == []
+        await peers.discover()
+        assert [p.url for p in peers.peers] == [f"https://nodesampler-controlplane-{i}.{PODS}:8081" for i in range(3)]
+        kept = peers.peers[0]
+        kept.holds = {"n1": 1.0}
+        del dns_server.records[RECORD][2]
+        await peers.discover()
+        assert len(peers.peers) == 3  # not read again before REFRESH_S
+        clock.now += discovery.REFRESH_S
+        await peers.discover()
+        assert len(peers.peers) == 2 and peers.peers[0] is kept and kept.holds == {"n1": 1.0}
+    finally:
+        dns_server.close()
