@@ -44,10 +44,14 @@ def test_alert_rules_name_only_exported_families() -> None:
     alerts = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
     assert set(alerts) == {"NodeDown", "NodeCPUSaturated", "GPUUncorrectedECCErrors", "GPUTemperatureHigh",
                            "GPUMemoryHeldButIdle", "EngineHostBound", "NodesamplerControlPlaneAbsent",
-                           "KubernetesNodeWithoutSampler"}  # fmt: skip
+                           "NodesamplerReplicaDown", "KubernetesNodeWithoutSampler"}  # fmt: skip
     assert {m for e in alerts.values() for m in METRIC.findall(e)} <= FAMILY_NAMES
     # Beyond the fleet's families: the control plane's own, and kube-state-metrics' node list.
     assert "absent(nodesampler_registered_nodes)" in alerts["NodesamplerControlPlaneAbsent"]
+    assert "nodesampler_peer_up" in alerts["NodesamplerReplicaDown"]
+    # A node is one alert whichever replicas export it (docs/deployment.md, "Replicas").
+    assert all("max by (node)" in e or "max without (instance, job)" in e for name, e in alerts.items()
+               if "llmgw_" in e and name != "KubernetesNodeWithoutSampler")  # fmt: skip
     assert alerts["KubernetesNodeWithoutSampler"].startswith("kube_node_info unless on (node)")
 
 
