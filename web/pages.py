@@ -8,6 +8,7 @@ place: a small script fetches `?fragment=1` every 15 s and swaps the page's
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ import jinja2
 from aiohttp import web
 
 import wire
-from controlplane.cluster_view import FLEET_CHARTS, chart_parts, cluster_rows, fleet_summary
+from controlplane.cluster_view import FLEET_CHARTS, chart_end, chart_parts, cluster_rows, fleet_summary
 from controlplane.hindsight import HINDSIGHT
 from controlplane.history import (
     ChartSpec,
@@ -224,13 +225,14 @@ async def _fleet_charts(app: web.Application, history: EmbeddedHistory, now: flo
     """The fleet charts with peers and the embedded history: each replica's
     totals for its own nodes, added; a peer whose totals did not come named."""
     step = SPAN_S / columns()
-    grid = step_grid(now - SPAN_S, now, step)
-    own = await app[PAGE_WORKER].run(chart_parts, history, now, SPAN_S, step)
-    theirs, missing = await app[FLEET_CHART_PARTS](now, SPAN_S, step)
+    end = chart_end(now, step)
+    grid = step_grid(end - SPAN_S, end, step)
+    own, (theirs, missing) = await asyncio.gather(app[PAGE_WORKER].run(chart_parts, history, end, SPAN_S, step),
+                                                  app[FLEET_CHART_PARTS](end, SPAN_S, step))  # fmt: skip
     read = [(title, combine(spec, grid, [own[i], *(t[i] for t in theirs)]), unit, y_max)
             for i, (title, [(spec, _)], unit, y_max) in enumerate(FLEET_SPECS)]  # fmt: skip
     errors = [f"the charts leave out the nodes of replica {why}" for why in missing]
-    return await app[PAGE_WORKER].run(_draw, read, now), errors
+    return await app[PAGE_WORKER].run(_draw, read, end), errors
 
 
 async def _render(request: web.Request, template: str, **context: Any) -> web.Response:
@@ -262,11 +264,22 @@ async def cluster_page(request: web.Request) -> web.Response:
     if page < 1:
         raise web.HTTPBadRequest(text="page: a whole number from 1")
     worker = request.app[PAGE_WORKER]
-    rows = await worker.run(cluster_rows, request.app[REGISTRY])
-    peers: list[dict[str, Any]] = []
-    if (fleet := request.app.get(FLEET_ROWS)) is not None:  # with peers: theirs too, and those that did not answer
-        merged = await fleet(rows, "cluster")
-        rows, peers = merged["nodes"], merged["peers"]
+    history = request.app[HISTORY]
+
+    async def fleet_rows() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        rows = await worker.run(cluster_rows, request.app[REGISTRY])
+        if (fleet := request.app.get(FLEET_ROWS)) is None:
+            return rows, []
+        merged = await fleet(rows, "cluster")  # with peers: theirs too, and those that did not answer
+        return merged["nodes"], merged["peers"]
+
+    async def charts() -> tuple[list[str], list[str]]:
+        if isinstance(history, EmbeddedHistory) and FLEET_CHART_PARTS in request.app:
+            return await _fleet_charts(request.app, history, time.time())
+        return await _charts(request.app, FLEET_SPECS, time.time())
+
+    # The rows and the charts at once: each asks the peers, which answer on their own threads.
+    (rows, peers), (charts_drawn, errors) = await asyncio.gather(fleet_rows(), charts())
     summary, shown = await worker.run(_cluster_rows, rows, text, state)
     pages = max(1, -(-len(shown) // PAGE_ROWS))
     page = min(page, pages)
@@ -276,14 +289,9 @@ async def cluster_page(request: web.Request) -> web.Response:
         query = {k: v for k, v in (("q", text), ("state", state)) if v}
         return "?" + urlencode({**query, "page": to})
 
-    history = request.app[HISTORY]
-    if isinstance(history, EmbeddedHistory) and FLEET_CHART_PARTS in request.app:
-        charts, errors = await _fleet_charts(request.app, history, time.time())
-    else:
-        charts, errors = await _charts(request.app, FLEET_SPECS, time.time())
     return await _render(request, "cluster.html", nodes=rows, matched=len(shown), summary=summary, q=text,
                          state=state, page=page, pages=pages, prev_link=link(page - 1) if page > 1 else None,
-                         next_link=link(page + 1) if page < pages else None, charts=charts,
+                         next_link=link(page + 1) if page < pages else None, charts=charts_drawn,
                          history_errors=errors, silent_peers=[p for p in peers if not p["answered"]])  # fmt: skip
 
 
