@@ -183,11 +183,12 @@ class Fetch:
             self.series.setdefault(key, []).append(chunk)
         return None
 
-    def finish(self, now: float) -> None:
+    def finish(self, now: float, why: str | None = None) -> None:
+        """Done: what did not come is missing, for `why` (default: it did not come in time)."""
         if self.finished_at is not None:
             return
-        self._missing(self.received_to, self.t_to, f"not received within {GRACE_S:.0f} s of the span's end "
-                                                   "and of the last piece")
+        self._missing(self.received_to, self.t_to, why or f"not received within {GRACE_S:.0f} s of the span's "
+                                                          "end and of the last piece")  # fmt: skip
         self.finished_at = now
 
     # --- what it gives back --------------------------------------------------------
@@ -485,9 +486,10 @@ class HindsightFetches:
                 if not fetch.for_incident:
                     self.viewer_bytes -= fetch.bytes
 
-    def forget(self, node: str) -> None:
+    def forget(self, node: str, why: str = "the node was forgotten") -> None:
+        """The node's spans end: the rest of each is missing, for `why`, never filled."""
         for fetch in self._queues.pop(node, ()):
-            fetch.finish(self.wall())
+            fetch.finish(self.wall(), why)
 
 
 HINDSIGHT = web.AppKey("hindsight", HindsightFetches)

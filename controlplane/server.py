@@ -140,7 +140,8 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
             if registry.forget(node):
                 if history is not None:
                     history.forget(node)
-                fetches.forget(node)
+                # Its spans' pieces go to the replica it moved to, which knows of none.
+                fetches.forget(node, "the node moved to another replica: the rest was not fetched")
 
         replicas = Peers(peer_urls, secret, registry, let_go, peer_ssl)
         add_peer_routes(agents, replicas, secret, functools.partial(pages_api.nodes_json, registry), history)
@@ -155,10 +156,10 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
         # A node's pages, live view, spans and incidents from the replica that holds it (controlplane/forward.py).
         replicas.pages = ("https" if pages_tls else "http", split_address(pages_listen)[1])
         access.peer_secret = secret
-        pages[FORWARDER] = Forwarder(replicas)
+        forwarder = pages[FORWARDER] = Forwarder(replicas)
         pages.middlewares.append(to_holder)
         pages.cleanup_ctx.append(lambda app: polled(replicas))  # after the pages' own: the state file is in
-        own.prometheus.register(PeersCollector(replicas))
+        own.prometheus.register(PeersCollector(replicas, forwarder))
     try:
         for name, app, address, context in (
             ("agents", agents, agent_listen, tls.handshake_context if tls else None),

@@ -511,6 +511,9 @@ def test_a_node_held_elsewhere_is_read_through_any_replica(replicas: list[Replic
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(f"{pages}/api/incidents/no-such-one", timeout=10)
         assert missing.value.code == 404
+        counted = r'^nodesampler_forwarded_requests_total\{result="answered"\} (\S+)$'
+        answered = re.search(counted, other.metrics(), re.M)
+        assert answered is not None and float(answered[1]) >= 8  # page, stream, span x2, incident x3 and more
         # An operator forgets a node at every replica that knows it.
         status, body = request(UnixConnection(tmp_path / f"admin-{other.index}.sock"), "DELETE", "/api/nodes/n1")
         assert status == 200 and json.loads(body)["replicas"] == [holder.url], body
@@ -570,6 +573,7 @@ async def test_a_forwarded_request_is_checked_and_never_sent_on(aiohttp_client: 
         assert r.status == 200
         r = await client.get("/node/n1", headers={"Host": "pages.example"})
         assert r.status == 502 and peer.url in await r.text()
+        assert app[forward.FORWARDER].failed == 1
         r = await client.get("/node/n1", headers=right)  # from a peer: served here
         assert r.status == 200 and "n1" in await r.text()
         replicas.session = None
@@ -700,3 +704,19 @@ async def test_a_peers_ask_for_fleet_chart_totals_is_checked(aiohttp_client: Any
     assert utilisation["H200"][1].max() == 1 and utilisation["H200"][0].max() == 40.0
     for bad in ("end=nan&span=60&step=1", "end=1e9&span=86400&step=60", "end=1e9&span=3600&step=0.1", "end=1e9"):
         assert (await client.get(f"/v1/peer/fleet-charts?{bad}", headers=auth)).status == 400, bad
+
+
+def test_a_span_of_a_node_that_moves_mid_capture_is_named_missing_never_filled() -> None:
+    """A replica lets go of a node that moved while its span is fetched: the
+    rest of the span is missing, saying why; the replica it moved to knows
+    no such span, so nothing fills it."""
+    from controlplane.hindsight import HindsightFetches
+
+    fetches = HindsightFetches()
+    now = fetches.wall()
+    fetch = fetches.ask("n1", now - 60, now - 10, "an incident", held_seconds=900.0)
+    fetches.forget("n1", "the node moved to another replica: the rest was not fetched")
+    assert fetch.finished_at is not None and fetches.get(fetch.id) is fetch
+    assert fetch.missing == [{"from": round(now - 60, 6), "to": round(now - 10, 6),
+                              "why": "the node moved to another replica: the rest was not fetched"}]  # fmt: skip
+    assert fetch.series == {}

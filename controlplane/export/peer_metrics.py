@@ -1,6 +1,7 @@
 """What a replica knows of its peers (controlplane/peers.py), read at scrape
 time: whether each answered its last poll and how many nodes it holds, and
-the nodes this replica let go to them. A peer is labelled by its URL, as
+the nodes this replica let go to them, and the page requests it forwarded to
+the replica holding their node (controlplane/forward.py). A peer is labelled by its URL, as
 `--peer` names it: the operator's list bounds the set. This replica's own
 entry in that list is left out."""
 
@@ -11,12 +12,13 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from controlplane.forward import Forwarder
 from controlplane.peers import Peers
 
 
 class PeersCollector(Collector):
-    def __init__(self, peers: Peers) -> None:
-        self.peers = peers
+    def __init__(self, peers: Peers, forwarder: Forwarder | None = None) -> None:
+        self.peers, self.forwarder = peers, forwarder
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         up = GaugeMetricFamily("nodesampler_peer_up", "Whether the peer answered this replica's last poll",
@@ -33,3 +35,9 @@ class PeersCollector(Collector):
         yield held
         yield CounterMetricFamily("nodesampler_nodes_let_go", "Nodes this replica let go because a peer heard "
                                   "from them more recently (they moved)", value=self.peers.let_go_count)  # fmt: skip
+        if self.forwarder is not None:
+            forwarded = CounterMetricFamily("nodesampler_forwarded_requests", "Page requests about a node sent on "
+                                            "to the replica holding it, by whether it answered", labels=["result"])
+            forwarded.add_metric(["answered"], self.forwarder.forwarded - self.forwarder.failed)
+            forwarded.add_metric(["failed"], self.forwarder.failed)
+            yield forwarded
