@@ -7,6 +7,7 @@ choice, moves to the next when that one is killed, and comes back."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import os
@@ -720,3 +721,43 @@ def test_a_span_of_a_node_that_moves_mid_capture_is_named_missing_never_filled()
     assert fetch.missing == [{"from": round(now - 60, 6), "to": round(now - 10, 6),
                               "why": "the node moved to another replica: the rest was not fetched"}]  # fmt: skip
     assert fetch.series == {}
+
+
+async def test_a_view_draws_the_step_before_while_the_fleets_parts_are_summed() -> None:
+    """The fleet charts' parts are summed once a step in the background: the
+    first view waits for them; a view while the next step's are summed draws
+    the step before's at once; then the new step's."""
+    from aiohttp import web
+
+    from controlplane.history import EmbeddedHistory
+    from controlplane.page_worker import PAGE_WORKER, PageWorker
+    from controlplane.pages_api import FLEET_CHART_PARTS
+    from web.pages import FleetChartsKept
+
+    asked: list[float] = []
+    release, second = asyncio.Event(), asyncio.Event()
+
+    async def peers_parts(end: float, span: float, step: float) -> tuple[list[Any], list[str]]:
+        asked.append(end)
+        if len(asked) > 1:
+            second.set()
+            await release.wait()  # the peers are slow to sum the second step
+        return [], ["http://peer:8081: down"]
+
+    app = web.Application()
+    app[PAGE_WORKER] = PageWorker()
+    app[FLEET_CHART_PARTS] = peers_parts
+    kept, history, step = FleetChartsKept(), EmbeddedHistory(), 7.0
+    end, (parts, missing) = await kept.newest(app, history, 700.0, step)
+    assert end == 700.0 and len(parts) == 1 and missing == ["http://peer:8081: down"]
+    end, _ = await kept.newest(app, history, 707.0, step)
+    assert end == 700.0  # drawn at once from the step before
+    await second.wait()  # ... while the new one is summed
+    end, _ = await kept.newest(app, history, 707.0, step)
+    assert end == 700.0 and asked == [700.0, 707.0]  # not asked twice
+    release.set()
+    assert kept.summing is not None
+    await kept.summing
+    end, _ = await kept.newest(app, history, 707.0, step)
+    assert end == 707.0 and asked == [700.0, 707.0]
+    app[PAGE_WORKER].close()
