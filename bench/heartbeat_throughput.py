@@ -19,6 +19,12 @@ With `--tokens k8s` every node speaks with a projected service-account
 token (RS256 JWT) that the control plane verifies against a JWKS file; a
 verified token is cached until it expires, so the rate should match HMAC's.
 
+With `--scale N` (a machine with 2N cores) the fleet is spread over 1, 2 ...
+N replicas as agents spread it (sampler/agent/replicas.py), each replica on
+a core of its own and driven by a wrk of its own on another: the fleet's
+rate at k replicas against k times one replica's, in the same run (#46's
+target: at least 0.9).
+
 With `--peers N` the measured control plane is one of N+1 replicas
 (controlplane/peers.py): N more, on CPU 1, poll it every 5 s for the nodes
 it holds (all of them) and are polled by it. The cost of peering is this
@@ -26,6 +32,7 @@ run's ratio against one without (#46's target: at most 5% less).
 
     PYTHONPATH=. .venv/bin/python bench/heartbeat_throughput.py [--nodes 200] [--seconds 10] [--runs 3]
                                                                 [--tokens hmac|k8s] [--fresh] [--peers N]
+                                                                [--scale N]
 """
 
 from __future__ import annotations
@@ -139,15 +146,67 @@ class Agents:
         return requests
 
 
-def wrk(port: int, script: Path, seconds: int) -> tuple[float, float, str, str]:
+def wrk(port: int, script: Path, seconds: int, cpu: int = 1) -> tuple[float, float, str, str]:
     """(requests a second, p99 in ms, p50 as wrk printed it, non-2xx count)."""
-    out = subprocess.run(["taskset", "-c", "1", "wrk", "-t1", "-c64", f"-d{seconds}s", "--latency",
+    out = subprocess.run(["taskset", "-c", str(cpu), "wrk", "-t1", "-c64", f"-d{seconds}s", "--latency",
                           "-s", str(script), f"http://127.0.0.1:{port}"],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     lat = dict(re.findall(r"^\s+(50|99)%\s+([\d.]+\w+)", out, re.M))
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     return rate, _ms(lat["99"]), lat["50"], errors.group(1) if errors else "0"
+
+
+def scaling(replicas: int, nodes: int, seconds: int) -> None:
+    """The fleet over 1..`replicas` replicas, each on its core with its wrk on another."""
+    import os
+    import threading
+
+    from sampler.agent.replicas import ranked
+
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2 * replicas:
+        raise SystemExit(f"--scale {replicas}: needs {2 * replicas} cores (a replica and its wrk each), "
+                         f"this machine has {cores}")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "secret").write_bytes(SECRET)
+        one = 0.0
+        for k in range(1, replicas + 1):
+            ports = [(free_port(), free_port()) for _ in range(k)]
+            urls = [f"http://127.0.0.1:{a}" for a, _ in ports]
+            procs = [subprocess.Popen(["taskset", "-c", str(i), sys.executable, "-m", "nodesampler", "controlplane",
+                                       "--listen", f"127.0.0.1:{a}", "--pages-listen", f"127.0.0.1:{b}",
+                                       "--secret-file", str(Path(tmp) / "secret"), "--max-heartbeats-per-second",
+                                       "0", *([x for u in urls for x in ("--peer", u)] if k > 1 else [])],
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                     for i, (a, b) in enumerate(ports)]  # fmt: skip
+            try:
+                for proc in procs:
+                    assert proc.stdout is not None and b"control plane" in proc.stdout.readline()
+                names = [f"node-{i:05d}" for i in range(nodes)]
+                rates: list[float] = [0.0] * k
+                scripts = []
+                for i, (port, _) in enumerate(ports):
+                    mine = [n for n in names if ranked(n, urls)[0] == urls[i]]
+                    script = Path(tmp) / f"heartbeats-{k}-{i}.lua"
+                    script.write_text(lua_heartbeats(port, Agents(port, None).fleet(mine, heard=True), first_seq=2))
+                    scripts.append(script)
+
+                def drive(i: int, port: int, script: Path, cpu: int, rates: list[float] = rates) -> None:
+                    rates[i] = wrk(port, script, seconds, cpu=cpu)[0]
+
+                threads = [threading.Thread(target=drive, args=(i, ports[i][0], scripts[i], k + i)) for i in range(k)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                one = one or rates[0]
+                print(f"{k} replicas: {sum(rates):7.0f} heartbeats/s ({', '.join(f'{r:.0f}' for r in rates)}), "
+                      f"{sum(rates) / (k * one):.2f} of {k} x one replica's", flush=True)
+            finally:
+                for proc in procs:
+                    proc.terminate()
+                    proc.wait()
 
 
 def main() -> None:
@@ -158,7 +217,11 @@ def main() -> None:
     ap.add_argument("--tokens", choices=("hmac", "k8s"), default="hmac")
     ap.add_argument("--fresh", action="store_true", help="runs begin with every node's first heartbeat")
     ap.add_argument("--peers", type=int, default=0, help="other replicas peering with the measured one")
+    ap.add_argument("--scale", type=int, default=0, help="the fleet over 1..N replicas (2N cores)")
     args = ap.parse_args()
+    if args.scale:
+        scaling(args.scale, args.nodes, args.seconds)
+        return
     issuer = TestIssuer() if args.tokens == "k8s" else None
     if shutil.which("wrk") is None:
         raise SystemExit("heartbeat_throughput: needs wrk (apt-get install wrk)")
