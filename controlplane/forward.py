@@ -28,6 +28,7 @@ import asyncio
 import collections
 import json
 import logging
+import re
 from typing import Any
 
 import aiohttp
@@ -57,6 +58,7 @@ MAX_ANSWER = 64 * 1024  # a peer's answer to an incident's share: its id and nod
 REMEMBERED_SPANS = 4096  # span ids asked for through this replica, with the peer that fetches each
 PASSED_ON = ("Content-Type", "Cache-Control", "Content-Disposition", "Retry-After", "X-Accel-Buffering")
 
+ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # an incident's id: only such a one is asked of the peers
 # Routes whose `{node}` names the node the request is about.
 NODE_ROUTES = frozenset({"/node/{node}", "/node/{node}/live", "/api/nodes/{node}/hindsight"})
 
@@ -170,7 +172,8 @@ class Forwarder:
 
     async def find(self, request: web.Request, path: str) -> web.StreamResponse | None:
         """`/api/incidents/ID` this replica does not keep: asked of each peer in
-        turn (few, and a 404 is quick), the first that has it answering."""
+        turn (few, and a 404 is quick), the first that has it answering. `path`
+        as the client sent it (still encoded: what it names is the peer's to read)."""
         for peer in self.peers.peers:
             if peer.is_us or peer.pages is None or self.peers.session is None:
                 continue
@@ -208,7 +211,7 @@ async def to_holder(request: web.Request, handler: Handler) -> web.StreamRespons
     elif route == "/api/incidents/{id}" and request.method in ("GET", "HEAD"):
         incidents = request.app.get(INCIDENTS)
         if incidents is None or incidents.get(info["id"]) is None:
-            found = await forwarder.find(request, request.path)
+            found = await forwarder.find(request, request.raw_path) if ID.fullmatch(info["id"]) else None
             if found is not None:
                 return found
     elif route == "/api/incidents" and request.method == "GET":
