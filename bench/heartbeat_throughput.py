@@ -177,7 +177,8 @@ def scaling(replicas: int, nodes: int, seconds: int) -> None:
             procs = [subprocess.Popen(["taskset", "-c", str(i), sys.executable, "-m", "nodesampler", "controlplane",
                                        "--listen", f"127.0.0.1:{a}", "--pages-listen", f"127.0.0.1:{b}",
                                        "--secret-file", str(Path(tmp) / "secret"), "--max-heartbeats-per-second",
-                                       "0", *([x for u in urls for x in ("--peer", u)] if k > 1 else [])],
+                                       "0", *([x for _, b in ports for x in ("--peer", f"http://127.0.0.1:{b}")]
+                                              if k > 1 else [])],
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
                      for i, (a, b) in enumerate(ports)]  # fmt: skip
             try:
@@ -234,7 +235,7 @@ def main() -> None:
             (Path(tmp) / "jwks.json").write_text(json.dumps(issuer.jwks()))
             identity = ["--k8s-jwks", str(Path(tmp) / "jwks.json"), "--k8s-issuer", ISSUER]
         others = [(free_port(), free_port()) for _ in range(args.peers)]
-        everyone = [a for p in [port, *(o[0] for o in others)] for a in ("--peer", f"http://127.0.0.1:{p}")]
+        everyone = [a for p in [pages, *(o[1] for o in others)] for a in ("--peer", f"http://127.0.0.1:{p}")]
         if args.peers and issuer is not None:
             raise SystemExit("--peers needs the cluster secret: with --tokens hmac")
         cp = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-m", "nodesampler", "controlplane",

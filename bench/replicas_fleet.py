@@ -49,7 +49,8 @@ class Replica:
     def __init__(self, tmp: Path, name: str) -> None:
         self.tmp, self.name = tmp, name
         self.agent_port, self.pages_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.agent_port}"
+        self.url = f"http://127.0.0.1:{self.agent_port}"  # the agents'
+        self.pages_url = f"http://127.0.0.1:{self.pages_port}"  # the peers'
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, peers: list[str]) -> None:
@@ -106,7 +107,7 @@ def pages_and_scrapes(args: argparse.Namespace, tmp: Path) -> None:
     three = [Replica(tmp, f"replica-{i}") for i in range(3)]
     alone = Replica(tmp, "alone")
     for r in three:
-        r.start([p.url for p in three])
+        r.start([p.pages_url for p in three])
     alone.start([])
     by_url = {r.url: r for r in three}
     print(f"filling {args.page_nodes} GPU nodes over three replicas, and into one alone", flush=True)
@@ -142,7 +143,7 @@ def pages_and_scrapes(args: argparse.Namespace, tmp: Path) -> None:
 def failover(args: argparse.Namespace, tmp: Path) -> None:
     three = [Replica(tmp, f"failover-{i}") for i in range(3)]
     for r in three:
-        r.start([p.url for p in three])
+        r.start([p.pages_url for p in three])
     urls = [r.url for r in three]
     fleet = SimulatedFleet(urls, SECRET, nodes=args.fleet, interval=args.interval)
     everyone = set(fleet.nodes)
@@ -166,7 +167,7 @@ def failover(args: argparse.Namespace, tmp: Path) -> None:
         print(f"  every node fresh at a survivor after {moved_s:.1f} s: {moved_s / args.interval:.2f} windows "
               f"(target: at most 2); windows lost: {sum(fleet.lost.values())}")
         back = time.monotonic()
-        victim.start(urls)
+        victim.start([p.pages_url for p in three])
         while not theirs <= victim.held_fresh():
             time.sleep(0.5)
         print(f"  it came back: its {len(theirs)} nodes back at it after {time.monotonic() - back:.1f} s "

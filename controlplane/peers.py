@@ -4,7 +4,7 @@ so that a node is one series, at the replica that holds it.
 A node is held by the replica its agent heartbeats to (sampler/agent/replicas.py);
 when it moves (its replica went away, or came back), the replica it left
 still knows it, stale, and would export it as down. Each replica asks its
-peers (`--peer URL`, their agent listeners) every `POLL_S` which nodes they
+peers (`--peer URL`, their pages listeners) every `POLL_S` which nodes they
 hold fresh and how long ago each last spoke (`GET /v1/peer/held`, an age on
 the answering replica's own clock: no two replicas' clocks are compared),
 and lets go of a node a peer heard from more recently than it did: the node
@@ -45,7 +45,6 @@ from controlplane.hindsight import Refused as IncidentsRefused
 from controlplane.history import EmbeddedHistory, GridPart
 from controlplane.incidents import INCIDENTS
 from controlplane.ingest import tokens
-from controlplane.ingest.agent_api import ON_REGISTERED
 from controlplane.state.registry import NodeRegistry
 from wire.discovery import REFRESH_S, Replicas
 from wire.limits import NODE_ID
@@ -143,6 +142,7 @@ class Peers:
         self.registry, self.let_go, self.ssl_context = registry, let_go, ssl_context
         self.let_go_count = 0
         self.pages: tuple[str, int] | None = None  # this replica's pages listener (scheme, port), told to peers
+        self.listening = asyncio.Event()  # set when this replica's listeners are up: polled at once
         self.session: aiohttp.ClientSession | None = None  # while the control plane runs (`polled`)
         self._rows: dict[str, tuple[float, list[tuple[Peer, list[dict[str, Any]]]]]] = {}  # a view's, and when
         self._rows_lock = asyncio.Lock()
@@ -444,31 +444,34 @@ PEER_HISTORY = web.AppKey("peer_history", EmbeddedHistory)
 PEERS = web.AppKey("peers", Peers)
 
 
-def add_routes(agents: web.Application, peers: Peers, secret: bytes, own_rows: OwnRows,
+def add_routes(app: web.Application, peers: Peers, secret: bytes, own_rows: OwnRows,
                history: EmbeddedHistory | None = None) -> None:  # fmt: skip
-    """The peers' routes on the agent listener; `own_rows`: this replica's
-    nodes as `/api/nodes` writes them (made on a thread, as the cluster
-    page's rows are); `history`: the embedded one, whose part of the fleet
-    charts a peer asks for (none with --prometheus: Prometheus has the fleet)."""
-    agents[PEERS] = peers
-    agents[PEER_SECRET] = secret
-    agents[PEER_REGISTRY] = peers.registry
-    agents[PEER_ROWS] = own_rows
-    agents[PEER_CLUSTER_ROWS] = functools.partial(cluster_json, peers.registry)
-    agents[ON_REGISTERED] = peers.arrived
-    agents.router.add_get("/v1/peer/held", held)
-    agents.router.add_get("/v1/peer/nodes", peer_nodes)
-    agents.router.add_post("/v1/peer/arrived", arrived)
-    agents.router.add_post("/v1/peer/alerts", alerts)
+    """The peers' routes on a listener (the pages listener, which `--peer`
+    names; and the agent listener, for a `--peer` that names that); `own_rows`:
+    this replica's nodes as `/api/nodes` writes them (made on a thread, as
+    the cluster page's rows are); `history`: the embedded one, whose part of
+    the fleet charts a peer asks for (none with --prometheus: Prometheus has
+    the fleet)."""
+    app[PEERS] = peers
+    app[PEER_SECRET] = secret
+    app[PEER_REGISTRY] = peers.registry
+    app[PEER_ROWS] = own_rows
+    app[PEER_CLUSTER_ROWS] = functools.partial(cluster_json, peers.registry)
+    app.router.add_get("/v1/peer/held", held)
+    app.router.add_get("/v1/peer/nodes", peer_nodes)
+    app.router.add_post("/v1/peer/arrived", arrived)
+    app.router.add_post("/v1/peer/alerts", alerts)
     if history is not None:
-        agents[PEER_HISTORY] = history
-        agents.router.add_get("/v1/peer/fleet-charts", fleet_charts)
+        app[PEER_HISTORY] = history
+        app.router.add_get("/v1/peer/fleet-charts", fleet_charts)
 
 
 async def polled(peers: Peers) -> AsyncIterator[None]:
     """The peers asked once before the control plane serves (after its state
     file is loaded: a node that moved while it was down is let go before
-    any scrape sees it twice; `TIMEOUT_S` at most), then every `POLL_S`."""
+    any scrape sees it twice; `TIMEOUT_S` at most), again once it listens
+    (its own entry in the --peer list answers then, and is known as itself),
+    then every `POLL_S`."""
     session = peers.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
 
     async def poll() -> None:
@@ -479,7 +482,11 @@ async def polled(peers: Peers) -> AsyncIterator[None]:
 
     async def forever() -> None:
         while True:
-            await asyncio.sleep(POLL_S)
+            try:  # the next poll in POLL_S, or at once when this replica starts to listen
+                await asyncio.wait_for(peers.listening.wait(), POLL_S)
+                peers.listening.clear()
+            except TimeoutError:
+                pass
             await poll()
 
     await poll()

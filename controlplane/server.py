@@ -56,7 +56,10 @@ SHARE_FOR_S = 1.0
 # behind them (p99 188 ms against 12 ms alone, at 1,000 nodes).
 PAGES_AT_ONCE = 8
 # ... but Prometheus' scrape and the kubelet's probes go at once, whatever waits.
-FIRST_IN_LINE = (b"GET /metrics ", b"GET /metrics?", b"GET /health ", b"GET /health?")
+# So do the peers' polls (a token's HMAC, checked at once): a flood of page views
+# must not make a replica look down to its peers, which would then not let go.
+FIRST_IN_LINE = (b"GET /metrics ", b"GET /metrics?", b"GET /health ", b"GET /health?", b"GET /v1/peer/",
+                 b"POST /v1/peer/")  # fmt: skip
 
 
 def split_address(text: str) -> tuple[str, int]:
@@ -144,7 +147,10 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                 fetches.forget(node, "the node moved to another replica: the rest was not fetched")
 
         replicas = Peers(peer_urls, secret, registry, let_go, peer_ssl)
-        add_peer_routes(agents, replicas, secret, functools.partial(pages_api.nodes_json, registry), history)
+        # On the pages listener, which --peer names (DESIGN), and the agent listener (as peering first did).
+        for app in (pages, agents):
+            add_peer_routes(app, replicas, secret, functools.partial(pages_api.nodes_json, registry), history)
+        agents[agent_api.ON_REGISTERED] = replicas.arrived
 
         async def fleet_rows(own: list[dict[str, Any]], view: str = "nodes") -> dict[str, Any]:
             return merged_rows(own, await replicas.fleet_rows(view))
@@ -180,6 +186,8 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
             host, port = split_address(address)
             assert runner.server is not None  # set up
             servers.append(await loop.create_server(guard.protocol_factory(runner.server), host, port))
+        if peer_urls:
+            replicas.listening.set()
         if admin_socket is not None:  # the pages' routes to the operator (listen/page_access.py)
             admin_server, admin_made = await listen_admin_socket(runners[1], admin_socket)
             servers.append(admin_server)

@@ -155,12 +155,13 @@ def _each(flag: str, args: list[str]) -> list[str]:
     return [a.split("=", 1)[1] for a in args if a.startswith(f"--{flag}=")]
 
 
-def replica_urls() -> list[str]:
-    """The agent listener of each replica, as the StatefulSet names its pods and its headless Service their DNS."""
+def replica_urls(listener: str = "listen") -> list[str]:
+    """A listener of each replica (the agents'; "pages-listen": the pages'), as the
+    StatefulSet names its pods and its headless Service their DNS."""
     sts = find("StatefulSet", "nodesampler-controlplane")
     name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
     [cp] = sts["spec"]["template"]["spec"]["containers"]
-    port = dict(a.removeprefix("--").split("=", 1) for a in cp["args"])["listen"].rsplit(":", 1)[1]
+    port = dict(a.removeprefix("--").split("=", 1) for a in cp["args"])[listener].rsplit(":", 1)[1]
     return [f"https://{name}-{i}.{service}.nodesampler.svc:{port}" for i in range(sts["spec"]["replicas"])]
 
 
@@ -173,7 +174,7 @@ def test_the_control_plane_is_replicas_that_survive_each_other() -> None:
     [cp] = pod["containers"]
     args = dict(a.removeprefix("--").split("=", 1) for a in cp["args"])
     assert sts["replicas"] == 3 and sts["podManagementPolicy"] == "Parallel"
-    assert _each("peer", cp["args"]) == replica_urls()
+    assert _each("peer", cp["args"]) == replica_urls("pages-listen")
     mounts = {m["mountPath"]: m for m in cp["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[mounts[args["peer-secret-file"].rsplit("/", 1)[0]]["name"]]["secret"]["secretName"] == (
@@ -189,10 +190,12 @@ def test_the_control_plane_is_replicas_that_survive_each_other() -> None:
     assert pdb["maxUnavailable"] == 1 and pdb["selector"] == sts["selector"]
     service = find("Service", sts["serviceName"])["spec"]
     assert service["clusterIP"] == "None" and service["selector"] == sts["selector"]["matchLabels"]
-    # The other replicas reach the agent port too (which nodes each holds).
+    # The replicas speak to each other on the pages port, which the policy opens (behind TLS and tokens).
     policy = find("NetworkPolicy", "nodesampler-controlplane")["spec"]
-    [rule] = [r for r in policy["ingress"] if r["ports"][0]["port"] == 8081]
-    assert {"podSelector": {"matchLabels": sts["selector"]["matchLabels"]}} in rule["from"]
+    pages_port = int(args["pages-listen"].rsplit(":", 1)[1])
+    assert {p.rsplit(":", 1)[1] for p in _each("peer", cp["args"])} == {str(pages_port)}
+    assert [r for r in policy["ingress"] if r["ports"][0]["port"] == pages_port] == [
+        {"ports": [{"protocol": "TCP", "port": pages_port}]}]  # fmt: skip
 
 
 def test_controlplane_verifies_the_agents_account() -> None:
@@ -213,8 +216,7 @@ def test_controlplane_verifies_the_agents_account() -> None:
     policy = find("NetworkPolicy", "nodesampler-controlplane")["spec"]
     agent_port = int(args["listen"].rsplit(":", 1)[1])
     [agents_rule] = [r for r in policy["ingress"] if r["ports"][0]["port"] == agent_port]
-    assert agents_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": name}}}
-                                   for name in ("nodesampler-agent", "nodesampler-controlplane")]  # fmt: skip
+    assert agents_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nodesampler-agent"}}}]
     # The agent's own: nothing in; out to the control plane's agent port, kubelets, DNS and engines' metrics.
     agent = find("NetworkPolicy", "nodesampler-agent")["spec"]
     assert agent["policyTypes"] == ["Ingress", "Egress"] and agent["ingress"] == []

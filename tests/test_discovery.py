@@ -29,10 +29,11 @@ PODS = "nodesampler-controlplane.nodesampler.svc.cluster.local"
 
 
 def test_a_url_or_a_record_and_nothing_else() -> None:
-    for good in ("https://cp:8081", "http://127.0.0.1:8081/", f"dnssrv+https://{RECORD}", "dnssrv+http://cp.svc"):
+    for good in ("https://cp:8081", "http://127.0.0.1:8081/", f"dnssrv+https://{RECORD}", "dnssrv+http://cp.svc",
+                 f"dnssrv+{RECORD}"):  # fmt: skip
         assert discovery.check(good) is None, good
-    for bad in ("cp:8081", "dnssrv+cp.svc", "dnssrv+https://cp.svc:8081", "dnssrv+https://cp.svc/v1", "ftp://cp",
-                "dnssrv+ftp://cp.svc", "https://"):  # fmt: skip
+    for bad in ("cp:8081", "dnssrv+cp.svc:8081", "dnssrv+https://cp.svc:8081", "dnssrv+https://cp.svc/v1",
+                "ftp://cp", "dnssrv+ftp://cp.svc", "https://", "dnssrv+"):  # fmt: skip
         assert discovery.check(bad) is not None, bad
 
 
@@ -41,7 +42,7 @@ async def test_a_record_names_the_replicas_and_is_read_again() -> None:
     resolver = await dns_server.start()
     try:
         dns_server.records[RECORD] = [(f"nodesampler-controlplane-{i}.{PODS}", 8081) for i in (2, 0, 1)]
-        replicas = Replicas([f"dnssrv+https://{RECORD}", "https://extra:8081/"], resolver)
+        replicas = Replicas([f"dnssrv+{RECORD}", "https://extra:8081/"], resolver)  # dnssrv+NAME: https
         assert replicas.discovered and replicas.urls == ["https://extra:8081"]  # nothing read yet
         assert await replicas.refresh()
         three = [f"https://nodesampler-controlplane-{i}.{PODS}:8081" for i in range(3)]
@@ -138,10 +139,11 @@ async def test_an_agent_follows_the_record_to_a_replica_added_above_its_own(tmp_
 
 def test_the_clis_take_a_record_and_refuse_what_is_neither(tmp_path: Path) -> None:
     (tmp_path / "secret").write_text("s3cret-s3cret-s3cret-s3cret\n")
-    for command in (["agent", "--control-plane", "dnssrv+cp.svc", "--token-file", str(tmp_path / "secret")],
+    for command in (["agent", "--control-plane", "dnssrv+cp.svc:8081", "--token-file", str(tmp_path / "secret")],
                     ["controlplane", "--listen", "127.0.0.1:0", "--pages-listen", "127.0.0.1:0", "--secret-file",
                      str(tmp_path / "secret"), "--peer", "dnssrv+https://cp:1"]):
-        r = subprocess.run([sys.executable, "-m", "nodesampler", *command], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-m", "nodesampler", *command], capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
         assert r.returncode == 2 and "dnssrv+" in r.stderr, r.stderr
 
 

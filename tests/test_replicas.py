@@ -121,7 +121,8 @@ class Replica:
     def __init__(self, tmp: Path, index: int) -> None:
         self.tmp, self.index = tmp, index
         self.agent_port, self.pages_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.agent_port}"
+        self.url = f"http://127.0.0.1:{self.agent_port}"  # its agent listener: the agents' --control-plane
+        self.pages_url = f"http://127.0.0.1:{self.pages_port}"  # its pages listener: the replicas' --peer
         self.process: subprocess.Popen[bytes] | None = None
         self.extra: list[str] = []
 
@@ -163,7 +164,7 @@ def replicas(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[Re
     started = [Replica(tmp_path, i) for i in range(3)]
     for r in started:
         if request.param:
-            r.extra = [a for p in started for a in ("--peer", p.url)] + [
+            r.extra = [a for p in started for a in ("--peer", p.pages_url)] + [
                 "--state-file", str(tmp_path / f"state-{r.index}.json"),
                 "--admin-socket", str(tmp_path / f"admin-{r.index}.sock")]
         r.start()
@@ -250,15 +251,16 @@ def test_a_moved_node_is_one_series_at_the_replica_that_holds_it(replicas: list[
         # Any replica's /api/nodes is the fleet: the node, from the replica that holds it; the one down, named.
         fleet = fleet_view(third)
         [row] = [n for n in fleet["nodes"] if n["node"] == "n1"]
-        assert row["state"] == "fresh" and row["replica"] == second.url
-        assert {p["peer"]: p["answered"] for p in fleet["peers"]} == {first.url: False, second.url: True}
-        assert [p["nodes_not_shown"] for p in fleet["peers"] if p["peer"] == first.url] == [0]  # unknown: not counted
+        assert row["state"] == "fresh" and row["replica"] == second.pages_url
+        assert {p["peer"]: p["answered"] for p in fleet["peers"]} == {first.pages_url: False, second.pages_url: True}
+        not_shown = [p["nodes_not_shown"] for p in fleet["peers"] if p["peer"] == first.pages_url]
+        assert not_shown == [0]  # unknown: not counted
         assert "replica" not in [n for n in fleet_view(second)["nodes"] if n["node"] == "n1"][0]  # its own
         assert fleet_view(third, here=True)["nodes"] == []  # ?here=1: this replica's own alone
         # So is its cluster page: the node's row, and the replica that did not answer named.
         with urllib.request.urlopen(f"http://127.0.0.1:{third.pages_port}/", timeout=10) as r:
             page = r.read().decode()
-        assert 'href="/node/n1"' in page and f"The replica {first.url} did not answer" in page
+        assert 'href="/node/n1"' in page and f"The replica {first.pages_url} did not answer" in page
         assert re.search(r'id="nodes">1<', page), "the fleet is one node"
         first.start()
         # Whichever holds it then (the agent comes back to its first choice), it is one node, fresh, at one replica.
@@ -272,10 +274,10 @@ def test_a_moved_node_is_one_series_at_the_replica_that_holds_it(replicas: list[
         for r in replicas:
             text = r.metrics()
             peers_up = re.findall(r'^nodesampler_peer_up\{peer="([^"]+)"\} [01]\.0$', text, re.M)
-            assert sorted(peers_up) == sorted(p.url for p in replicas if p is not r)  # itself not a peer
+            assert sorted(peers_up) == sorted(p.pages_url for p in replicas if p is not r)  # itself not a peer
             let_go += float(re.search(r"^nodesampler_nodes_let_go_total (\S+)$", text, re.M)[1])  # type: ignore[index]
         assert let_go >= 1
-        logs = {r.url: (tmp_path / f"replica-{r.index}.log").read_text() for r in replicas}
+        logs = {r.pages_url: (tmp_path / f"replica-{r.index}.log").read_text() for r in replicas}
         assert "node n1 is held by" in "".join(logs.values())
         assert not any(f"held by {url}" in said for url, said in logs.items())  # itself, in its --peer list: no peer
     finally:
@@ -422,7 +424,7 @@ def test_a_webhook_to_any_replica_captures_each_node_where_it_is_held(replicas: 
     try:
         wait_until(lambda: holder.holds_fresh("n1"), 60, "the node at its first choice")
         # The other replica learns who holds it at its next poll.
-        wait_until(lambda: 'nodesampler_peer_nodes{peer="' + holder.url + '"} 1.0' in other.metrics(), 30,
+        wait_until(lambda: 'nodesampler_peer_nodes{peer="' + holder.pages_url + '"} 1.0' in other.metrics(), 30,
                    "the other replica knows the holder")  # fmt: skip
         alert = {"version": "4", "alerts": [{"status": "firing", "labels": {"alertname": "NodeCPUSaturated",
                                                                            "node": "n1"},
@@ -431,8 +433,8 @@ def test_a_webhook_to_any_replica_captures_each_node_where_it_is_held(replicas: 
                                alert)  # fmt: skip
         assert status == 200, body
         answer = json.loads(body)
-        assert answer["started"] is None and answer["forwarded"][holder.url]["nodes"] == ["n1"], answer
-        started = answer["forwarded"][holder.url]["started"]
+        assert answer["started"] is None and answer["forwarded"][holder.pages_url]["nodes"] == ["n1"], answer
+        started = answer["forwarded"][holder.pages_url]["started"]
         with urllib.request.urlopen(f"http://127.0.0.1:{holder.pages_port}/api/incidents", timeout=10) as r:
             assert [i["id"] for i in json.loads(r.read())["incidents"]] == [started]
         with urllib.request.urlopen(f"http://127.0.0.1:{other.pages_port}/api/incidents", timeout=10) as r:
@@ -475,7 +477,7 @@ def test_a_node_held_elsewhere_is_read_through_any_replica(replicas: list[Replic
     agent = start_agent(replicas, tmp_path, interval=0.5, hindsight="1")
     try:
         wait_until(lambda: holder.holds_fresh("n1"), 60, "the node at its first choice")
-        wait_until(lambda: 'nodesampler_peer_nodes{peer="' + holder.url + '"} 1.0' in other.metrics(), 30,
+        wait_until(lambda: 'nodesampler_peer_nodes{peer="' + holder.pages_url + '"} 1.0' in other.metrics(), 30,
                    "the other replica knows the holder")  # fmt: skip
         assert "n1" not in other.nodes()  # the other replica knows nothing of it itself
         pages = f"http://127.0.0.1:{other.pages_port}"
@@ -518,7 +520,7 @@ def test_a_node_held_elsewhere_is_read_through_any_replica(replicas: list[Replic
         assert answered is not None and float(answered[1]) == 7
         # An operator forgets a node at every replica that knows it.
         status, body = request(UnixConnection(tmp_path / f"admin-{other.index}.sock"), "DELETE", "/api/nodes/n1")
-        assert status == 200 and json.loads(body)["replicas"] == [holder.url], body
+        assert status == 200 and json.loads(body)["replicas"] == [holder.pages_url], body
         status, body = request(UnixConnection(tmp_path / f"admin-{other.index}.sock"), "DELETE", "/api/nodes/n9")
         assert status == 404, body
     finally:
@@ -628,7 +630,7 @@ def test_a_fleet_over_three_replicas_survives_one_killed_and_its_return(replicas
         for r in survivors:  # the whole fleet on each, once; the one down named
             view = fleet_view(r)
             assert sorted(n["node"] for n in view["nodes"]) == sorted(fleet.nodes)
-            assert [p["peer"] for p in view["peers"] if not p["answered"]] == [victim.url]
+            assert [p["peer"] for p in view["peers"] if not p["answered"]] == [victim.pages_url]
         victim.start()  # back on the same address, from its state file
         wait_until(at_first_choices, 60, "its third of the fleet back at the replica that came back")
         # Let go where they were within a poll: one `llmgw_node_up 1` a node, all replicas together.

@@ -2,8 +2,9 @@
 record that lists them, re-read while running.
 
 `--control-plane` (the agent's) and `--peer` (a replica's) each take a URL,
-or `dnssrv+SCHEME://NAME`, as Prometheus and Thanos spell SRV discovery:
-NAME's SRV records, each `TARGET:PORT`, become `SCHEME://TARGET:PORT`. A
+or `dnssrv+NAME` (`dnssrv+http://NAME` for a replica without TLS), as
+Prometheus and Thanos spell SRV discovery: NAME's SRV records, each
+`TARGET:PORT`, become `https://TARGET:PORT`. A
 Kubernetes headless Service publishes one a named port and replica
 (`_agents._tcp.nodesampler-controlplane.nodesampler.svc.cluster.local`
 answers `nodesampler-controlplane-N.nodesampler-controlplane.nodesampler.
@@ -37,9 +38,20 @@ LOOKUP_TIMEOUT_S = 5.0
 MAX_RECORDS = 64  # replicas one record may name: more is no fleet's control plane
 
 
-def check(url: str) -> str | None:
-    """Why `url` is neither an http(s) URL nor a `dnssrv+http(s)://NAME`; None when it is one."""
+def _record(url: str) -> str:
+    """`dnssrv+NAME` is `dnssrv+https://NAME`: a replica is reached over TLS unless the record says otherwise."""
     inner = url.removeprefix(SRV)
+    return inner if "://" in inner else f"https://{inner}"
+
+
+def scheme(url: str) -> str:
+    """The scheme the replicas `url` names are reached by."""
+    return urllib.parse.urlsplit(_record(url) if url.startswith(SRV) else url).scheme
+
+
+def check(url: str) -> str | None:
+    """Why `url` is neither an http(s) URL nor a `dnssrv+[http(s)://]NAME`; None when it is one."""
+    inner = _record(url) if url.startswith(SRV) else url
     parts = urllib.parse.urlsplit(inner)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "expected an http:// or https:// URL, or dnssrv+https://NAME (a DNS SRV record)"
@@ -100,7 +112,7 @@ class Replicas:
         return self.urls != before
 
     async def _lookup(self, record: str) -> list[str]:
-        parts = urllib.parse.urlsplit(record.removeprefix(SRV))
+        parts = urllib.parse.urlsplit(_record(record))
         resolver = self._resolver or dns.asyncresolver.get_default_resolver()
         answer = await resolver.resolve(parts.hostname or "", dns.rdatatype.SRV, lifetime=LOOKUP_TIMEOUT_S)
         found = sorted({f"{parts.scheme}://{r.target.to_text(omit_final_dot=True)}:{r.port}"

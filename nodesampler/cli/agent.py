@@ -43,7 +43,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         fail(EXIT_USAGE, f"--token-file: {e}")
     context = None
     if args.ca_file is not None:
-        if not all(url.removeprefix(discovery.SRV).startswith("https://") for url in args.control_plane):
+        if not all(discovery.scheme(url) == "https" for url in args.control_plane):
             fail(EXIT_USAGE, "--ca-file is for an https:// control plane (every --control-plane)")
         try:
             context = ssl.create_default_context(cafile=str(args.ca_file))

@@ -99,7 +99,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
             fail(EXIT_USAGE, f"--pages-host {name!r}: a host name (no scheme, port or path)")
     for url in args.peer:
         if (why := discovery.check(url)) is not None:
-            fail(EXIT_USAGE, f"--peer {url!r}: {why} (a replica's agent listener)")
+            fail(EXIT_USAGE, f"--peer {url!r}: {why} (a replica's pages listener)")
     if args.peer and args.secret_file is None and args.peer_secret_file is None:
         fail(EXIT_USAGE, "--peer needs --peer-secret-file (or --secret-file): replicas show each other a token made "
                          "from a secret they share")  # fmt: skip

@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--incident-after", type=_positive(600), default=60.0, metavar="S",
                    help="... and end this many seconds after it (default 60)")
     c.add_argument("--peer", action="append", default=[], metavar="URL",
-                   help="another replica's agent listener (repeatable; this replica's own may be in the list): "
+                   help="another replica's pages listener (repeatable; this replica's own may be in the list): "
                         "replicas tell each other which nodes they hold, and let go of a node that moved")
     c.add_argument("--peer-secret-file", type=Path, default=None, metavar="PATH",
                    help="the secret replicas show each other a token of (default: --secret-file's); on Kubernetes, "
