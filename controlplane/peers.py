@@ -143,6 +143,7 @@ class Peers:
         self.let_go_count = 0
         self.pages: tuple[str, int] | None = None  # this replica's pages listener (scheme, port), told to peers
         self.listening = asyncio.Event()  # set when this replica's listeners are up: polled at once
+        self.serving = False  # its listeners are up (before: its own entry cannot answer)
         self.session: aiohttp.ClientSession | None = None  # while the control plane runs (`polled`)
         self._rows: dict[str, tuple[float, list[tuple[Peer, list[dict[str, Any]]]]]] = {}  # a view's, and when
         self._rows_lock = asyncio.Lock()
@@ -274,6 +275,9 @@ class Peers:
         if error != peer.error and not peer.is_us:
             if error is None:
                 log.info("peer %s answers", peer.url)
+            elif not self.serving and peer.instance is None:
+                # The poll before this replica listens: its own entry cannot answer yet.
+                log.info("peer %s: %s (asked again once this replica listens)", peer.url, error)
             else:
                 log.warning("peer %s: %s", peer.url, error)
         peer.error = error

@@ -187,6 +187,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
             assert runner.server is not None  # set up
             servers.append(await loop.create_server(guard.protocol_factory(runner.server), host, port))
         if peer_urls:
+            replicas.serving = True
             replicas.listening.set()
         if admin_socket is not None:  # the pages' routes to the operator (listen/page_access.py)
             admin_server, admin_made = await listen_admin_socket(runners[1], admin_socket)
