@@ -25,7 +25,6 @@ CGROUP_SLOTS_MAX = 4096  # cgroup_slot's entries (bpf/sched_groups.bpf.c)
 
 
 PAGE = 4096  # task_slot's bytes a page: 4,096 pids
-MAX_UNSEEN_CHECKED = 1024  # entries the walk did not see, checked a window (the rest at the next)
 
 
 def nonzero_bytes(shared: np.ndarray) -> np.ndarray:
@@ -127,9 +126,6 @@ class TaskSlots:
         slots = self.task_slot
         live = np.zeros(MAX_SLOTS, dtype=bool)
         live[list(set(want.values()))] = True
-        # A zombie has exited (its exit cleared its entry): it is no member, whatever its group.
-        want = {pid: slot for pid, slot in want.items()
-                if (st := table.stats.get(pid)) is None or st.state not in ("Z", "X")}  # fmt: skip
         have = nonzero_bytes(slots)
         # Read once: the kernel may clear one since (an exit), which reads as 0, a slot not live.
         snapshot = slots[have]
@@ -137,20 +133,14 @@ class TaskSlots:
         wanted = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
         stale = have[~live[snapshot] | (np.isin(have, seen) & ~np.isin(have, wanted))]
         slots[stale] = 0
-        self._clear_dead(have[~np.isin(have, seen)])
         pids = np.fromiter(want.keys(), dtype=np.int64, count=len(want))
         values = np.fromiter(want.values(), dtype=np.uint8, count=len(want))
         in_range = pids < len(slots)
         if not in_range.all():
             log.warning("pids above pid_max at load time not counted: %s", pids[~in_range][:5].tolist())
         pids, values = pids[in_range], values[in_range]
-        differs = slots[pids] != values
-        added = pids[differs]
-        # Only the entries that differ are written: one written again as it was
-        # could be an exit's clearing, made since it was read, undone (a dead
-        # pid left with a slot, which no later walk sees to clear: the fork
-        # storm's test caught one now and then).
-        slots[added] = values[differs]
+        added = pids[slots[pids] != values]
+        slots[pids] = values
         # A process that exited between the walk and this write had its exit
         # seen while it had no slot: clear it ourselves, or a new process given
         # that pid would be credited to this shard.
@@ -164,19 +154,6 @@ class TaskSlots:
             if not alive:
                 slots[pid] = 0
         return bool(len(added))
-
-    def _clear_dead(self, unseen: np.ndarray) -> None:
-        """Entries of processes the walk did not see: members forked since,
-        kept; or an entry an exit's clearing lost to a write of ours (a race
-        no walk would see again): cleared when the process is gone or has
-        exited. A few a window (forks during the walk), a stat each."""
-        for pid in unseen[:MAX_UNSEEN_CHECKED].tolist():
-            try:
-                alive = procfs.read_pid_stat(self.proc, pid).state not in ("Z", "X")
-            except (procfs.ProcessGone, procfs.ProcParseError):
-                alive = False
-            if not alive:
-                self.task_slot[pid] = 0
 
     def pids(self) -> set[int]:
         """The processes the kernel now counts for some shard."""
