@@ -398,7 +398,8 @@ async def held(request: web.Request) -> web.Response:
     """GET /v1/peer/held, for a peer (its token, from the cluster secret)."""
     if (refused := _refused(request)) is not None:
         return refused
-    return web.json_response(held_answer(request.app[PEER_REGISTRY], request.app[PEERS].pages))
+    peers = request.app[PEERS]
+    return web.json_response(held_answer(peers.registry, peers.pages))
 
 
 async def arrived(request: web.Request) -> web.Response:
@@ -435,7 +436,6 @@ async def alerts(request: web.Request) -> web.Response:
 
 
 PEER_SECRET = web.AppKey("peer_secret", bytes)
-PEER_REGISTRY = web.AppKey("peer_registry", NodeRegistry)
 
 
 class OwnRows(Protocol):
@@ -458,7 +458,6 @@ def add_routes(app: web.Application, peers: Peers, secret: bytes, own_rows: OwnR
     the fleet)."""
     app[PEERS] = peers
     app[PEER_SECRET] = secret
-    app[PEER_REGISTRY] = peers.registry
     app[PEER_ROWS] = own_rows
     app[PEER_CLUSTER_ROWS] = functools.partial(cluster_json, peers.registry)
     app.router.add_get("/v1/peer/held", held)
