@@ -176,3 +176,11 @@ async def test_a_replicas_peers_follow_the_record() -> None:
         assert len(peers.peers) == 2 and peers.peers[0] is kept and kept.holds == {"n1": 1.0}
     finally:
         dns_server.close()
+
+
+def test_a_process_given_urls_alone_needs_no_dnspython() -> None:
+    """dnspython is loaded where a record is read: the kernel tests' guests,
+    and any agent given URLs, run without it (it is no Debian package there)."""
+    script = ("import sys, nodesampler.cli.sample, sampler.agent.run, controlplane.peers; "
+              "assert not any(m == 'dns' or m.startswith('dns.') for m in sys.modules), 'dns imported'")  # fmt: skip
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)

@@ -25,10 +25,13 @@ import logging
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import dns.asyncresolver
-import dns.exception
-import dns.rdatatype
+if TYPE_CHECKING:
+    import dns.asyncresolver
+
+# dnspython is imported where a record is read: a process given URLs alone (every
+# `nodesampler sample`, an agent in the kernel tests' guests) does not need it.
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +63,8 @@ def check(url: str) -> str | None:
     return None
 
 
-class NoReplicas(dns.exception.DNSException):
+class NoReplicas(LookupError):
     """A record that names no replica (every port 0: a Service without endpoints)."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)  # type: ignore[no-untyped-call]  # dnspython's is untyped
 
 
 class Replicas:
@@ -92,12 +92,13 @@ class Replicas:
 
     async def refresh(self) -> bool:
         """Each record read again; whether the replicas changed."""
+        import dns.exception
         before = self.urls
         for record in self._found:
             try:
                 self._found[record] = await self._lookup(record)
                 error = None
-            except dns.exception.DNSException as e:
+            except (NoReplicas, dns.exception.DNSException) as e:
                 error = f"{type(e).__name__}: {e}"[:300]
             if error != self._errors.get(record):
                 if error is None:
@@ -112,6 +113,9 @@ class Replicas:
         return self.urls != before
 
     async def _lookup(self, record: str) -> list[str]:
+        import dns.asyncresolver
+        import dns.rdatatype
+
         parts = urllib.parse.urlsplit(_record(record))
         resolver = self._resolver or dns.asyncresolver.get_default_resolver()
         answer = await resolver.resolve(parts.hostname or "", dns.rdatatype.SRV, lifetime=LOOKUP_TIMEOUT_S)
