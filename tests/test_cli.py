@@ -214,3 +214,60 @@ def test_web_config_misuse_is_one_line_and_exit_2(tmp_path: Path, argv: list[str
                         "--pages-listen", "127.0.0.1:0", "--secret-file", str(secret), *argv],
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def _line_shapes(text: str) -> list[str]:
+    """Each line as its words with the figures, units and names a machine
+    changes taken out; runs of one shape (disks, cards, engines) as one."""
+    shapes: list[str] = []
+    headers = 0
+    for line in text.splitlines():
+        words = ["N" if re.search(r"\d|—", w) or w in ("B", "KiB", "MiB", "GiB", "TiB") else w
+                 for w in line.split()]  # fmt: skip
+        if not words:
+            shape = ""
+        elif words[0] == "ENGINE":
+            headers += 1
+            shape = line if headers == 1 else "ENGINE ..."  # the second's columns are what some engine has
+        elif words[0] == "engine":
+            shape = "ROW"
+        elif words[0] in ("node", "disk"):
+            shape = " ".join([words[0], "X", *words[2:]])  # the machine's name; a mount
+        else:
+            shape = " ".join(words)
+        if not shapes or shapes[-1] != shape:
+            shapes.append(shape)
+    return shapes
+
+
+def test_the_readme_s_sample_output_is_what_the_command_prints(tmp_path: Path) -> None:
+    """The README's example, run here: one H200 (the fake NVML) and an
+    engine matching `cmdline:vllm serve`; every line in the README's order
+    and words, figures aside."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = re.search(r"\$ \.venv/bin/nodesampler sample ([^\n]*)\n(.*?)\n```", readme, re.S)
+    assert example is not None
+    flags, shown = example.group(1), example.group(2)
+    assert flags == "--group engine=cmdline:'vllm serve'"
+    engine = tmp_path / "vllm"
+    engine.write_text("#!/bin/sh\nwhile :; do sleep 1; done\n")
+    engine.chmod(0o755)
+    p = subprocess.Popen([str(engine), "serve"], start_new_session=True)
+    code = (
+        "import functools, sys\n"
+        "import sampler.open_sampler as o\n"
+        "from tests.fakenvml import h200_node\n"
+        "o.GpuReader = functools.partial(o.GpuReader, h200_node(1))\n"
+        "from nodesampler.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    try:
+        r = subprocess.run([sys.executable, "-c", code, "sample", "--duration", "1", "--group",
+                            "engine=cmdline:vllm serve"], cwd=Path(__file__).resolve().parent.parent,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    finally:
+        p.kill()
+        p.wait()
+    assert r.returncode == 0, r.stderr
+    printed = re.sub(r"^(node \S+  backend )\w+( \(.*\))?", r"\1bpf", r.stdout, flags=re.M)  # auto's choice here
+    assert _line_shapes(printed) == _line_shapes(shown)

@@ -246,3 +246,26 @@ def test_more_sets_of_shards_than_a_sample_holds_are_sampled_by_the_agent(
         for p in sleepers:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("backend", ["bpf", "proc"])
+@pytest.mark.parametrize("selected", [False, True], ids=["busiest-groups", "a-group"])
+def test_the_first_window_holds_its_own_samples_alone(ring: sched.KernelShardSampler,
+                                                      group: list[subprocess.Popen[str]], backend: str,
+                                                      selected: bool) -> None:  # fmt: skip
+    """`nodesampler sample --hz 10 --duration 1` is one window of 10 samples
+    and 1 s, whatever finds its groups: the second spent ranking the busiest
+    (no --group) once leaked into the kernel backend's window (30 samples in
+    a 2 s window)."""
+    from sampler.shards.proc_shards import ProcShardSampler
+
+    specs = [ShardSpec("w", Selector.parse(f"pgid:{busy_group(group)}"))] if selected else None
+    shards = ring if backend == "bpf" else ProcShardSampler(PROC)
+    ws = WindowSampler(PROC, BackendChoice(backend, None), shards, specs, hz=10, node="first")
+    ws.prime(0.5)  # as the command primes: a wait between two walks where no group is named
+    summary = ws.run_window(1.0)
+    assert summary.window.samples == 10
+    assert summary.window.end - summary.window.start == pytest.approx(1.0, abs=0.05)
+    second = ws.run_window(1.0)  # and the next follows it, with its own
+    assert second.window.samples == 10
+    assert second.window.start == pytest.approx(summary.window.end, abs=0.05)

@@ -56,6 +56,12 @@ class KernelSamples:
     shards: dict[str, np.ndarray]  # each shard's cores in each (NaN: not measured)
     lost: int  # samples written over before they were read
 
+    def after(self, t: float) -> KernelSamples:
+        """Those taken after monotonic time `t`."""
+        keep = self.at > t
+        return KernelSamples(self.at[keep], self.seconds[keep], self.machine[keep], self.steal[keep],
+                             {wid: cores[keep] for wid, cores in self.shards.items()}, self.lost)  # fmt: skip
+
 
 @dataclass
 class _KernelShard:

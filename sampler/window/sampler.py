@@ -145,6 +145,11 @@ class WindowSampler:
         if self.kubelet is not None and any(w.selector.kind == "k8s" for w in self.specs or ()):
             self.kubelet.wait_for_poll(0, self.kubelet.deadline_s + 1)  # the first window knows the pods
         self._discover()
+        if self.specs is None and seconds > 0:
+            # Between the two walks that rank the groups. The first readings
+            # are taken after it: the first window's first sample covers from
+            # here, not from before the wait (a 2 s window held 3 s of samples).
+            self._sleep(seconds)
         if self.kernel_samples and self.shard_sampler.samples_in_kernel(self.hz):
             self.shard_sampler.take_kernel_samples()  # taken before this sampler was: none of its windows'
         # Stamped where the machine's counters are read, as in run_window: the
@@ -154,8 +159,6 @@ class WindowSampler:
         self.shard_sampler.sample()
         self._waits()  # a first reading, for the first window to compare with
         self.cfs.read(self._members)  # likewise the cgroups' throttling counters
-        if self.specs is None and seconds > 0:
-            self._sleep(seconds)
 
     def _discover(self) -> None:
         specs = self.specs
@@ -239,7 +242,10 @@ class WindowSampler:
         if end_wall < start_wall:  # the wall clock was stepped back during the window: its length is the monotonic one
             self._say("the wall clock went back during a window: its start is taken as its end less its length")
             start_wall = end_wall - (self._clock() - start)
-        window = Window(start=start_wall, end=end_wall, samples=samples.taken)
+        # The window begins where its first sample's time does: the previous
+        # window's last sample (or the first readings), so that every sample
+        # it holds lies within its start and end and windows follow each other.
+        window = Window(start=start_wall - (start - samples.first_from), end=end_wall, samples=samples.taken)
         gauges = self.gauges.read()
         pressure = PressureReader.share(pressure_start, self.pressure.read(), self._clock() - pressure_at)
         machine = wire.fit_machine({**gauges, "cpu_percent": samples.machine.summary(),
@@ -355,6 +361,10 @@ class WindowSampler:
             if got.lost:
                 self._say("the agent read the kernel's samples too late: some were written over "
                           "(their time is in the next sample read)")  # fmt: skip
+            if len(got.at) and got.at[0] <= last:
+                # Taken between the last window's reading and its stamp: its time is
+                # the window's before this one, counted there from the stamp on.
+                got = got.after(last)
             if len(got.at):
                 covers = np.diff(got.at, prepend=last)
                 samples.machine.extend(got.machine, covers)
