@@ -4,6 +4,7 @@ real control-plane app on loopback (not a patched aiohttp)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from pathlib import Path
@@ -55,6 +56,13 @@ def test_config_parses() -> None:
         (b'[[shard]]\nid = "a\\u0007"\nselect = "pgid:1"\n', "printable"),
         (b'[[shard]]\nid = "a"\nselect = "pgid:1"\n[[shard]]\nid = "a"\nselect = "pgid:2"\n', "unique"),
         (b'shard = "no"\n', "list"),
+        # Unknown tables and keys: refused with the line and the nearest known name.
+        (b'[[shards]]\nid = "a"\nselect = "pgid:1"\n', r"line 1: unknown table or key 'shards' \(did you mean 'shard'\?\)"),
+        (b'[[shard]]\nid = "a"\nselect = "pgid:1"\n\n[[shard]]\nid = "b"\nselect = "pgid:2"\nmodle = "x"\n',
+         r"shard 2: line 8: unknown key 'modle' \(did you mean 'model'\?\)"),
+        (b'[[shard]]\nid = "a"\nselect = "pgid:1"\nmetrics-url = "http://h/m"\n',
+         r"line 4: unknown key 'metrics-url' \(did you mean 'metrics_url'\?\)"),
+        (b'interval = 5\n', r"unknown table or key 'interval' \(known: shard\)"),
     ],
 )
 def test_bad_config_says_why(text: bytes, reason: str) -> None:
@@ -75,6 +83,21 @@ def test_config_change_is_picked_up_and_a_bad_one_is_not(tmp_path: Path) -> None
     os.utime(path, ns=(2, 2))
     assert not cfg.changed()
     assert [w.id for w in cfg.specs] == ["only"]
+
+
+def test_a_reload_naming_an_unknown_key_is_refused_said_once_and_the_last_good_kept(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    path = tmp_path / "agent.toml"
+    path.write_bytes(b'[[shard]]\nid = "only"\nselect = "pid:1"\n')
+    cfg = ConfigFile(path)
+    path.write_bytes(b'[[shard]]\nid = "only"\nselect = "pid:1"\nmodle = "llama"\n')
+    os.utime(path, ns=(3, 3))
+    with caplog.at_level(logging.ERROR):
+        assert not cfg.changed()
+        assert not cfg.changed()  # the same file: not said again
+    assert cfg.specs is not None and [(w.id, w.model) for w in cfg.specs] == [("only", None)]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "keeping 1 shards" in said[0] and "did you mean 'model'" in said[0]
 
 
 async def test_mailbox_keeps_only_the_newest() -> None:

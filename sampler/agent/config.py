@@ -3,7 +3,9 @@ config (which engines are shards) and its bearer token."""
 
 from __future__ import annotations
 
+import difflib
 import logging
+import re
 import tomllib
 from pathlib import Path
 
@@ -27,13 +29,57 @@ class ConfigError(ValueError):
     pass
 
 
+# The schema: what a key not here means is unknown, and a config that names
+# one is refused (a `[[shards]]` for `[[shard]]` once started in silence,
+# reporting no engine).
+TOP_LEVEL = ("shard",)
+SHARD_KEYS = ("id", "model", "replica", "select", "metrics_url", "model_label", "replica_label")
+
+
+def _unknown(name: str, known: tuple[str, ...], what: str, line: int | None) -> ConfigError:
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f" (did you mean '{near[0]}'?)" if near else f" (known: {', '.join(known)})"
+    at = f"line {line}: " if line is not None else ""
+    return ConfigError(f"{at}unknown {what} '{name}'{hint}")
+
+
+def _line_of(text: str, pattern: str, after: int = 0) -> int | None:
+    """The 1-based line, at or after line `after`, where `pattern` first matches."""
+    lines = text.splitlines()
+    for number in range(after, len(lines)):
+        if re.match(pattern, lines[number]):
+            return number + 1
+    return None
+
+
+def _check_schema(doc: dict[str, object], text: str, source: str) -> None:
+    for name in doc:
+        if name not in TOP_LEVEL:
+            line = _line_of(text, rf"\s*(\[\[?\s*)?[\"']?{re.escape(name)}[\"']?\s*[\].=]")
+            raise ConfigError(f"{source}: {_unknown(name, TOP_LEVEL, 'table or key', line)}")
+    shards = doc.get("shard")
+    if not isinstance(shards, list):
+        return
+    header = 0
+    for i, s in enumerate(shards):
+        header = (_line_of(text, r"\s*\[\[\s*shard\s*\]\]", header) or 0)  # this shard's [[shard]], where it has one
+        if not isinstance(s, dict):
+            continue
+        for key in s:
+            if key not in SHARD_KEYS:
+                line = _line_of(text, rf"\s*[\"']?{re.escape(key)}[\"']?\s*=", header)
+                raise ConfigError(f"{source}: shard {i + 1}: {_unknown(key, SHARD_KEYS, 'key', line)}")
+
+
 def parse_config(data: bytes, source: str = "config") -> list[ShardSpec]:
     """The agent's TOML: one [[shard]] table per engine (id, model, replica, select, metrics_url;
     a `k8s:` shard, one per matching pod: model_label, replica_label, and no id)."""
     try:
-        doc = tomllib.loads(data.decode())
+        text = data.decode()
+        doc = tomllib.loads(text)
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"{source}: {e}") from None
+    _check_schema(doc, text, source)
     shards = doc.get("shard", [])
     if not isinstance(shards, list) or len(shards) > wire.MAX_SHARDS:
         raise ConfigError(f"{source}: 'shard' must be a list of at most {wire.MAX_SHARDS} tables")
