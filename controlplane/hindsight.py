@@ -79,7 +79,17 @@ PIECE_REFUSALS = ("not_asked", "bad", "no_advance", "span_budget", "all_budget")
 
 
 class Refused(Exception):
-    """Why a span cannot be asked of a node now (the answer is 429 or 400)."""
+    """Why a span cannot be asked of a node: `status` is the answer its cause
+    deserves. 429 only for "later" (a budget or a rate); a span that can never
+    be fetched is 400; a node that keeps no samples is 503, naming the flag."""
+
+    def __init__(self, why: str, status: int = 429) -> None:
+        super().__init__(why)
+        self.status = status
+
+    def answer(self) -> web.HTTPException:
+        kinds: dict[int, type[web.HTTPException]] = {400: web.HTTPBadRequest, 503: web.HTTPServiceUnavailable}
+        return kinds.get(self.status, web.HTTPTooManyRequests)(text=f"{self}\n")
 
 
 @dataclass
@@ -380,10 +390,10 @@ class HindsightFetches:
         t_to = min(t_to, now + max(ahead_s, AROUND_S))
         t_from, t_to = round(t_from, 6), round(t_to, 6)  # as the wire writes them
         if held_seconds is None:
-            raise Refused(f"{node} keeps no samples to fetch (its agent runs without --hindsight, or has not "
-                          "said yet)")  # fmt: skip
+            raise Refused(f"{node} keeps no samples to fetch (its agent runs with --hindsight 0, or has not "
+                          "said yet)", 503)  # fmt: skip
         if not t_from < t_to or t_to - t_from > MAX_SPAN_S:
-            raise Refused(f"a span is longer than 0 and at most {MAX_SPAN_S:.0f} s, and begins before now")
+            raise Refused(f"a span is longer than 0 and at most {MAX_SPAN_S:.0f} s, and begins before now", 400)
         spans = self._queues.setdefault(node, _NodeSpans())
         if len(spans.of(for_incident)) >= MAX_WAITING_PER_NODE:
             raise Refused(f"{MAX_WAITING_PER_NODE} spans of {node} are being fetched already")
@@ -526,17 +536,25 @@ async def ask_span(request: web.Request) -> web.Response:
             t_from, t_to = float(body["from"]), float(body["to"])
         if not (math.isfinite(t_from) and math.isfinite(t_to)):
             raise ValueError("not finite")
+        # A span all ahead of now is no span; one all before the node's ring
+        # (`{"at": 1}`, 1970) can never be fetched. An incident's, for many
+        # nodes, keeps such a node's part as missing instead.
+        now = fetches.wall()
+        if t_from >= now + AROUND_S:
+            raise ValueError("it begins ahead of now")
         if not t_from < t_to:
             raise ValueError("from is not before to")
-        # A span all before the node's ring is answered at once, all missing; one all ahead of now is no span.
-        if t_from >= fetches.wall() + AROUND_S:
-            raise ValueError("it begins ahead of now")
+        if min(t_to, now + AROUND_S) - t_from > MAX_SPAN_S:
+            raise ValueError(f"a span is at most {MAX_SPAN_S:.0f} s")
+        if held is not None and t_to < now - held:
+            raise ValueError(f"it ends before what {node}'s ring holds: its last {held:.0f} s, from "
+                             f"{now - held:.0f}")  # fmt: skip
     except (ValueError, TypeError, KeyError) as e:
         raise web.HTTPBadRequest(text=f"a span is {SPAN_BODY}, wall times: {e}\n") from None
     try:
         fetch = fetches.ask(node, t_from, t_to, "asked for on the node page", held)
     except Refused as e:
-        raise web.HTTPTooManyRequests(text=f"{e}\n") from None
+        raise e.answer() from None
     return web.json_response({**fetch.describe(), "url": f"/api/hindsight/{fetch.id}"}, status=202)
 
 

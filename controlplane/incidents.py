@@ -321,6 +321,10 @@ class Incidents:
         was done, for the answer."""
         if not isinstance(body, dict) or str(body.get("version")) != "4" or not isinstance(body.get("alerts"), list):
             raise ValueError("not an Alertmanager webhook body of version 4")
+        for i, alert in enumerate(body["alerts"][:1000]):  # checked whole first: a refused body changes nothing
+            if isinstance(alert, dict) and "startsAt" in alert and _rfc3339(alert["startsAt"]) is None:
+                raise ValueError(f"alerts[{i}].startsAt: not an RFC 3339 time (as Alertmanager writes it, "
+                                 f"2026-01-02T15:04:05.999Z): {str(alert['startsAt'])[:40]!r}")  # fmt: skip
         now = self.wall()
         for fingerprint, seen in list(self._alerts_seen.items()):
             if now - seen > self.before_s + self.after_s:
@@ -398,8 +402,9 @@ def _rfc3339(value: Any) -> float | None:
         return None
     text = re.sub(r"(\.\d{6})\d+", r"\1", value.strip()).replace("Z", "+00:00")
     try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
+        when = datetime.fromisoformat(text)
+        return when.timestamp() if when.tzinfo is not None and len(text) <= 40 else None  # a zone, as RFC 3339 says
+    except (ValueError, OverflowError):
         return None
 
 
@@ -496,7 +501,7 @@ async def alertmanager(request: web.Request) -> web.Response:
         raise web.HTTPBadRequest(text=f"{e}\n") from None
     except Refused as e:
         if not forwarded:
-            raise web.HTTPTooManyRequests(text=f"{e}\n") from None
+            raise e.answer() from None
         done = {"started": None, "refused": str(e)}
     return web.json_response({**done, "forwarded": forwarded} if forwarded else done)
 
@@ -536,7 +541,7 @@ async def start_incident(request: web.Request) -> web.Response:
     try:
         incident = incidents.start(reason, "operator", nodes, at)
     except Refused as e:
-        raise web.HTTPTooManyRequests(text=f"{e}\n") from None
+        raise e.answer() from None
     return web.json_response(incident.as_json(), status=202)
 
 

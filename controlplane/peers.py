@@ -432,7 +432,7 @@ async def alerts(request: web.Request) -> web.Response:
     except (ValueError, RecursionError) as e:
         return web.json_response({"error": str(e)[:200]}, status=400)
     except IncidentsRefused as e:
-        return web.json_response({"error": str(e)[:200]}, status=429)
+        return web.json_response({"error": str(e)[:200]}, status=e.status)
 
 
 PEER_SECRET = web.AppKey("peer_secret", bytes)

@@ -57,7 +57,8 @@ def test_config_parses() -> None:
         (b'[[shard]]\nid = "a"\nselect = "pgid:1"\n[[shard]]\nid = "a"\nselect = "pgid:2"\n', "unique"),
         (b'shard = "no"\n', "list"),
         # Unknown tables and keys: refused with the line and the nearest known name.
-        (b'[[shards]]\nid = "a"\nselect = "pgid:1"\n', r"line 1: unknown table or key 'shards' \(did you mean 'shard'\?\)"),
+        (b'[[shards]]\nid = "a"\nselect = "pgid:1"\n',
+         r"line 1: unknown table or key 'shards' \(did you mean 'shard'\?\)"),
         (b'[[shard]]\nid = "a"\nselect = "pgid:1"\n\n[[shard]]\nid = "b"\nselect = "pgid:2"\nmodle = "x"\n',
          r"shard 2: line 8: unknown key 'modle' \(did you mean 'model'\?\)"),
         (b'[[shard]]\nid = "a"\nselect = "pgid:1"\nmetrics-url = "http://h/m"\n',
@@ -166,6 +167,44 @@ async def test_agent_registers_heartbeats_and_registers_again_after_a_restart(tm
         await until(registry, lambda: (s := registry.get("n1")) is not None and s.heartbeats >= 1)
         state = registry.get("n1")
         assert state is not None and state.registration.backend == "proc"
+    finally:
+        stopping.set()
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+        await server.close()
+
+
+async def test_an_interval_shorter_than_the_control_plane_takes_is_lengthened_and_said_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """`--interval 0.2` against a control plane taking 2 heartbeats a second
+    met 429 after 429 (an endless unreachable / reachable-again log): the
+    agent learns the rate at registration and its windows fit it."""
+    proc = FakeProc(tmp_path / "proc")
+    proc.add(100)
+    registry = Watched()
+    server = TestServer(agent_api.create_app(registry, SECRET, heartbeat_rate=2))
+    await server.start_server()
+    stopping = threading.Event()
+
+    def sleep(seconds: float) -> None:
+        stopping.wait(seconds)
+
+    sampler = WindowSampler(proc.root, BackendChoice("proc", None), ProcShardSampler(proc.root), None, hz=10,
+                            node="n1", sleep=sleep)  # fmt: skip
+    agent = Agent(sampler, str(server.make_url("/")), tokens.node_token(SECRET, "n1"), "n1", 0.2, stopping)
+    run = asyncio.create_task(agent.run())
+    try:
+        with caplog.at_level(logging.INFO):
+            await until(registry, lambda: (s := registry.get("n1")) is not None and s.heartbeats >= 4)
+        state = registry.get("n1")
+        assert state is not None and state.received is not None
+        assert agent.interval == 0.5
+        window = state.received.heartbeat.window
+        assert window.end - window.start == pytest.approx(0.5, abs=0.1)  # a window after the first
+        said = [r.getMessage() for r in caplog.records if "heartbeats a second" in r.getMessage()]
+        assert said == ["the control plane takes at most 2 heartbeats a second from a node: windows of 0.5 s, "
+                        "not --interval 0.2 (its --max-heartbeats-per-second)"]
+        assert not [r for r in caplog.records if "refused" in r.getMessage() or "unreachable" in r.getMessage()]
     finally:
         stopping.set()
         run.cancel()

@@ -40,7 +40,7 @@ def make_agent(tmp_path: Path, url: str = "http://127.0.0.1:9/") -> Agent:
 
     sampler = WindowSampler(proc.root, BackendChoice("proc", None), ProcShardSampler(proc.root), None, hz=20,
                             node="n1", sleep=sleep)  # fmt: skip
-    return Agent(sampler, url, tokens.node_token(SECRET, "n1"), "n1", 0.2, stopping)
+    return Agent(sampler, url, tokens.node_token(SECRET, "n1"), "n1", 0.5, stopping)  # the default rate: 2 a second
 
 
 async def test_a_sampler_that_dies_at_its_first_step_ends_the_agent(tmp_path: Path, caplog: Any) -> None:

@@ -89,7 +89,8 @@ async def post(client: Client, path: str, body: Any, headers: dict[str, str] | N
 
 
 async def test_register_then_heartbeat(agents: Client, registry: NodeRegistry) -> None:
-    assert await post(agents, "/v1/register", registration()) == (200, {"node": "gpu-17", "stale_after": 60})
+    assert await post(agents, "/v1/register", registration()) == (200, {"node": "gpu-17", "stale_after": 60,
+                                                                      "max_heartbeats_per_second": 2})
     status, _ = await post(agents, "/v1/heartbeat", heartbeat())
     assert status == 200
     state = registry.get("gpu-17")

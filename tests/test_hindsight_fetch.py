@@ -24,6 +24,7 @@ from controlplane.hindsight import (
     GRACE_S,
     HELD_BYTES_A_PIECE,
     HELD_BYTES_A_WINDOW,
+    HINDSIGHT,
     MAX_WAITING_PER_NODE,
     Fetch,
     HindsightFetches,
@@ -35,7 +36,7 @@ from sampler.window.hindsight import HindsightRing
 from sampler.window.span_sender import SpanSender
 from tests.fakeproc import FakeClock
 from tests.test_controlplane_api import SECRET, Client, heartbeat, post, registration
-from wire.hindsight import MAX_WINDOWS, SpanRequest, parse_piece, parse_request
+from wire.hindsight import MAX_SPAN_S, MAX_WINDOWS, SpanRequest, parse_piece, parse_request
 from wire.raw import window_stats
 
 T0 = 1_764_000_000.0  # a wall time of 2025
@@ -254,16 +255,24 @@ async def test_a_span_asked_on_the_pages_is_fetched_through_the_heartbeats(clust
     assert (await post(agents, "/v1/heartbeat", hb))[0] == 200
     now = hb["window"]["end"]
     r = await pages.post("/api/nodes/gpu-17/hindsight", json={"at": now})
-    assert r.status == 429 and "--hindsight" in await r.text()  # its agent said it keeps nothing
+    assert r.status == 503 and "--hindsight 0" in await r.text()  # its agent said it keeps nothing: turned off
     hb = heartbeat(seq=2) | {"hindsight_held_seconds": 600.0}
     status, answer = await post(agents, "/v1/heartbeat", hb)
     assert status == 200 and "hindsight" not in answer
     r = await pages.post("/api/nodes/gpu-17/hindsight", data=json.dumps({"at": now}))
     assert r.status == 415  # not JSON: a form another site posts is not an ask
     assert (await pages.post("/api/nodes/nobody/hindsight", json={"at": now})).status == 404
-    for bad in ({"at": "soon"}, {"at": "NaN"}, {"from": now, "to": now - 1}, {"at": now + 3600}, [now]):
+    # Each a request that can never succeed: 400, saying what is wrong, and nothing asked of the node.
+    for bad, says in [({"at": "soon"}, "could not convert"), ({"at": "NaN"}, "not finite"),
+                      ({"at": 1e300}, "ahead of now"), ({"from": now, "to": now - 1}, "from is not before to"),
+                      ({"at": now + 3600}, "ahead of now"), ([now], "not a JSON object"),
+                      ({"at": 1}, "ends before what gpu-17's ring holds: its last 600 s"),
+                      ({"from": now - 590 - MAX_SPAN_S, "to": now}, "at most"),
+                      ({"to": now}, "'from'")]:  # fmt: skip
         r = await pages.post("/api/nodes/gpu-17/hindsight", json=bad)
-        assert r.status == 400, bad  # a clear error, and nothing asked of the node
+        text = await r.text()
+        assert r.status == 400 and says in text and '{"at": T} or {"from": T0, "to": T1}' in text, (bad, text)
+    assert pages.app[HINDSIGHT].asked("gpu-17") is None
     r = await pages.post("/api/nodes/gpu-17/hindsight", json={"at": now - 100})
     assert r.status == 202
     asked = await r.json()

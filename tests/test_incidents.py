@@ -245,6 +245,11 @@ async def test_the_pages_routes(aiohttp_client: Any, tmp_path: Path, registry: N
     assert (await pages.post("/api/alertmanager", json=webhook(alert("n1")))).status == 401
     assert (await pages.post("/api/alertmanager", data=b"{}", headers=user)).status == 415
     assert (await pages.post("/api/alertmanager", json={"version": "4"}, headers=user)).status == 400
+    # A start that is no time is refused whole, naming the alert and the field; no incident "now" instead.
+    not_a_time = webhook(alert("n2", fingerprint="f9"), alert("n1") | {"startsAt": "yesterday"})
+    r = await pages.post("/api/alertmanager", json=not_a_time, headers=user)
+    assert r.status == 400 and "alerts[1].startsAt: not an RFC 3339 time" in await r.text()
+    assert incidents.listed() == [] and incidents._alerts_seen == {}
     r = await pages.post("/api/alertmanager", json=webhook(alert("n1")), headers=user)
     assert r.status == 200
     started = (await r.json())["started"]
@@ -269,10 +274,14 @@ async def test_the_pages_routes(aiohttp_client: Any, tmp_path: Path, registry: N
         incidents._exports.release()
     # An operator's `at`: finite, within the nodes' rings' reach; a body that is an object.
     bad: object
-    for bad in ({"nodes": ["n1"], "at": "NaN"}, {"nodes": ["n1"], "at": 1e300}, {"nodes": ["n1"], "at": 1},
-                {"nodes": ["n1"], "at": T0 + 3600}, [], {"nodes": "n1"}):  # fmt: skip
+    for bad, says in [({"nodes": ["n1"], "at": "NaN"}, "at: a wall time within the last"),
+                      ({"nodes": ["n1"], "at": 1e300}, "at: a wall time within the last"),
+                      ({"nodes": ["n1"], "at": 1}, "at: a wall time within the last 950 s"),
+                      ({"nodes": ["n1"], "at": T0 + 3600}, "at: a wall time"),
+                      ([], 'a JSON object: {"nodes": [...], "reason": "...", "at": T}'),
+                      ({"nodes": "n1"}, "nodes: a list of node names"), ({"nodes": ["n9"]}, "no such nodes: n9")]:
         r = await pages.post("/api/incidents", json=bad, headers=user)
-        assert r.status == 400, bad
+        assert r.status == 400 and says in await r.text(), bad
     r = await pages.post("/api/incidents", json={"nodes": ["n1"], "at": T0 + 30}, headers=user)
     assert r.status == 202
     assert "NaN" not in await (await pages.get("/api/incidents", headers=user)).text()

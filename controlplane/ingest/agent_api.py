@@ -199,7 +199,11 @@ async def register(request: web.Request) -> web.Response:
         log.info("node %s registered", node)
     if (told := request.app.get(ON_REGISTERED)) is not None:
         told(node)
-    return _answer(request, node, {"node": node, "stale_after": registry.stale_after}, dropped)
+    # The rate this node's heartbeats are taken at: an agent whose --interval is
+    # shorter lengthens its windows to fit, rather than meet 429s (0: no limit).
+    rate = request.app[HEARTBEAT_RATES].rate
+    return _answer(request, node, {"node": node, "stale_after": registry.stale_after,
+                                   "max_heartbeats_per_second": rate}, dropped)  # fmt: skip
 
 
 def _within_rate(rates: HeartbeatRate) -> Callable[[str], web.Response | None]:

@@ -16,7 +16,7 @@ As in the toolkit, an unknown key is an error (a misspelt `basic_auth_user`
 must not leave the pages open), TLS is on when the certificate and key are
 given, and an empty file is plain HTTP without users. What the toolkit has
 and this does not (`cipher_suites`, `curve_preferences`,
-`client_allowed_sans`, inline `cert`/`key`, `rate_limit`) is refused with a
+`client_allowed_sans`, inline `cert`/`key`, `rate_limit`, `http2: true`) is refused with a
 line saying so, never ignored. The file is parsed here; `ReloadingWebConfig`
 re-reads it, and the files it names, when they change.
 """
@@ -129,6 +129,9 @@ def _headers(doc: Any) -> dict[str, str]:
     http = _mapping(doc, "http_server_config", {"http2", "headers"})
     if "http2" in http and not isinstance(http["http2"], bool):
         raise WebConfigError("http_server_config.http2: expected true or false")
+    if http.get("http2") is True:  # the toolkit's default; what it asks for is not done here, so said, never ignored
+        raise WebConfigError("http_server_config.http2: nodesampler serves HTTP/1.1 alone; "
+                             "drop the key or set it to false")  # fmt: skip
     headers = _mapping(http.get("headers"), "http_server_config.headers", set(HEADERS))
     return {name: _text(value, f"http_server_config.headers.{name}") for name, value in headers.items()}
 

@@ -82,8 +82,14 @@ class HeartbeatClient:
             if self._dropped_said.first(reason):
                 log.warning("the control plane left out %s: %s", str(d.get("field"))[:100], reason)
 
-    async def register(self, registration: Registration) -> None:
-        await self._post("/v1/register", registration)
+    async def register(self, registration: Registration) -> float | None:
+        """Registers the node; the heartbeats a second the control plane takes
+        from it (None: it did not say, or takes any number)."""
+        answer = await self._post("/v1/register", registration)
+        rate = answer.get("max_heartbeats_per_second")
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate < float("inf"):
+            return float(rate)
+        return None
 
     async def heartbeat(self, summary: WindowSummary) -> Answer:
         """Sends a window's summary; the answer says whether the control plane

@@ -211,9 +211,10 @@ class Agent:
             try:
                 if not registered:
                     body = registration_body(self.sampler, self.node, self.hostname)
-                    await client.register(body)
+                    rate = await client.register(body)
                     registered, registered_gpus = True, gpus
                     log.info("registered with %s as %s", choice.url, self.node)
+                    self._fit_rate(rate)
                 answer = await client.heartbeat(summary)
                 choice.taken()
                 self.sent += 1
@@ -258,6 +259,18 @@ class Agent:
                 down_since_reason = None
             backoff.reset()
             summary = await self.mailbox.get()
+
+    def _fit_rate(self, rate: float | None) -> None:
+        """Windows no shorter than the control plane's rate allows: an
+        `--interval 0.2` against its 2 a second met 429 after 429, and the
+        log said unreachable and reachable again without end. The sampling
+        thread reads the interval at each window's start."""
+        if rate is None or self.interval >= 1.0 / rate - 1e-9:
+            return
+        wanted, self.interval = self.interval, 1.0 / rate
+        if self._said.first(f"rate {rate:g}"):
+            log.warning("the control plane takes at most %g heartbeats a second from a node: windows of %g s, "
+                        "not --interval %g (its --max-heartbeats-per-second)", rate, self.interval, wanted)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
