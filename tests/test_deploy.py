@@ -276,6 +276,16 @@ def test_systemd_unit() -> None:
     assert " agent " in service["ExecStart"] and "--token-file=" in service["ExecStart"]
     assert service["Restart"] == "always" and service["KillSignal"] == "SIGTERM"
     assert unit["Install"]["WantedBy"] == "multi-user.target"
+    # Its memory limit fits the start-up peak docs/deployment.md measured (256M once did not), as the pod's does.
+    docs = (DEPLOY.parent / "docs" / "deployment.md").read_text()
+    peak = re.search(r"peaks once, at start, at (\d+) MiB", docs)
+    assert peak is not None
+    assert service["MemoryMax"].endswith("M") and int(service["MemoryMax"][:-1]) >= int(peak.group(1))
+    agent = next(d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "agent.yaml").read_text())
+                 if d and d["kind"] == "DaemonSet")  # fmt: skip
+    [container] = [c for c in agent["spec"]["template"]["spec"]["containers"] if c["name"] == "agent"]
+    limit = container["resources"]["limits"]["memory"]
+    assert limit.endswith("Mi") and int(limit[:-2]) >= int(peak.group(1))
 
 
 def test_the_wheel_carries_the_kernel_programs(tmp_path: Path) -> None:

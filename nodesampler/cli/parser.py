@@ -254,8 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--hz", type=_positive(1000), default=10.0, help="samples a second (default 10)")
     u.add_argument("--interval", type=_positive(3600), default=5.0, help="seconds per heartbeat (default 5)")
     u.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
-                   help="where the nodes known, the incidents and the admin socket are kept (default "
-                        "$XDG_STATE_HOME/nodesampler, else ~/.local/state/nodesampler)")
+                   help="where the nodes known, the incidents, the admin socket, the cluster secret and the "
+                        "node's token are kept (default $XDG_STATE_HOME/nodesampler, else ~/.local/state/nodesampler)")
+    u.add_argument("--state-file", type=Path, default=None, metavar="PATH",
+                   help="the nodes known, kept across restarts (default STATE_DIR/registry.json)")
+    u.add_argument("--incidents-dir", type=Path, default=None, metavar="DIR",
+                   help="where incidents are written (default STATE_DIR/incidents)")
+    u.add_argument("--web-config-file", type=Path, default=None, metavar="PATH",
+                   help="the control plane's web config: TLS for both listeners and the pages' users")
+    u.add_argument("--tls-cert", type=Path, default=None, metavar="PATH", help="TLS certificate of the agent listener")
+    u.add_argument("--tls-key", type=Path, default=None, metavar="PATH", help="its private key")
+    u.add_argument("--ca-file", type=Path, default=None, metavar="PATH",
+                   help="the CA the agent trusts for that certificate (default: the system's CAs)")
     return p
 
 
