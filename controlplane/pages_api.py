@@ -123,8 +123,20 @@ async def forget_node(request: web.Request) -> web.Response:
         raise web.HTTPForbidden(text="forgetting a node needs a user of --web-config-file's basic_auth_users, "
                                      "or `nodesampler forget NODE` on the control plane's machine (--admin-socket)\n")
     node = request.match_info["node"]
-    if not request.app[REGISTRY].forget(node):
+    registry = request.app[REGISTRY]
+    state = registry.get(node)
+    if state is None:
         raise web.HTTPNotFound(text="no such node\n")
+    # A node still heard from is not gone: its agent registers it again at its
+    # next heartbeat, and `forget` said "forgot" while the agent logged that the
+    # control plane had restarted. Refused unless forced.
+    age = state.age(registry.clock())
+    if age is not None and age <= registry.stale_after and request.query.get("force") not in ("1", "true"):
+        raise web.HTTPConflict(text=f"{node} last heartbeat {age:.0f} s ago, within --stale-after "
+                                    f"({registry.stale_after:g} s): its agent still runs and would register it "
+                                    "again; stop the agent first, or force it (?force=1, `nodesampler forget "
+                                    "--force`)\n")  # fmt: skip
+    registry.forget(node)
     if (history := request.app.get(RECORDER)) is not None:
         history.forget(node)
     if (fetches := request.app.get(HINDSIGHT)) is not None:

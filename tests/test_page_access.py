@@ -57,8 +57,9 @@ def ask(fleet: Fleet, method: str, path: str, headers: dict[str, str] | None = N
         conn.close()
 
 
-def forget(fleet: Fleet, node: str, admin: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(fleet.cli("forget", node, "--admin-socket", str(admin)), capture_output=True, text=True)
+def forget(fleet: Fleet, node: str, admin: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(fleet.cli("forget", node, "--admin-socket", str(admin), *flags), capture_output=True,
+                          text=True)  # fmt: skip
 
 
 def test_a_loopback_peer_is_no_operator_and_this_machine_forgets_through_its_socket(fleet: Fleet) -> None:
@@ -73,9 +74,14 @@ def test_a_loopback_peer_is_no_operator_and_this_machine_forgets_through_its_soc
     assert [n["node"] for n in fleet.nodes()] == ["n1"]
     # The operator on this machine: the socket is the control plane's user's alone.
     assert stat.S_IMODE(os.stat(admin).st_mode) == 0o600 and stat.S_ISSOCK(os.stat(admin).st_mode)
+    # Heard from within --stale-after: its agent would register it again at once. Refused, saying when.
+    heard = forget(fleet, "n1", admin)
+    assert heard.returncode == 1 and heard.stderr.count("\n") == 1, heard.stderr
+    assert re.search(r"409 n1 last heartbeat \d+ s ago, within --stale-after", heard.stderr), heard.stderr
+    assert "--force" in heard.stderr and [n["node"] for n in fleet.nodes()] == ["n1"]
     assert fleet.agent is not None
     fleet.agent.kill()
-    done = forget(fleet, "n1", admin)
+    done = forget(fleet, "n1", admin, "--force")
     assert done.returncode == 0 and done.stdout.strip() == "forgot n1", done.stderr
     assert fleet.nodes() == []
     again = forget(fleet, "n1", admin)
@@ -185,7 +191,8 @@ def test_pages_need_a_user_tls_serves_both_listeners_and_only_named_hosts_are_se
     assert ask(fleet, "DELETE", "/api/nodes/n1")[0] == 401
     assert fleet.agent is not None
     fleet.agent.kill()
-    status, _, body = ask(fleet, "DELETE", "/api/nodes/n1", ops)
+    assert ask(fleet, "DELETE", "/api/nodes/n1", ops)[0] == 409  # heard from within --stale-after
+    status, _, body = ask(fleet, "DELETE", "/api/nodes/n1?force=1", ops)
     assert status == 200 and '"forgotten": "n1"' in body
 
 

@@ -142,7 +142,11 @@ async def test_an_operator_forgets_a_node_a_loopback_peer_does_not(aiohttp_clien
     assert (await pages.delete("/api/nodes/gone-1", headers=basic("ops", "guess"))).status == 401
     assert registry.get("gone-1") is not None
 
+    # Heard from within --stale-after: refused, saying when, unless forced.
     r = await pages.delete("/api/nodes/gone-1", headers=ops)
+    assert r.status == 409 and "gone-1 last heartbeat 0 s ago, within --stale-after (60 s)" in await r.text()
+    assert registry.get("gone-1") is not None
+    r = await pages.delete("/api/nodes/gone-1?force=1", headers=ops)
     assert r.status == 200 and await r.json() == {"forgotten": "gone-1"}
     assert (await pages.delete("/api/nodes/gone-1", headers=ops)).status == 404
     text = (await (await pages.get("/metrics", headers=ops)).text())

@@ -519,7 +519,8 @@ def test_a_node_held_elsewhere_is_read_through_any_replica(replicas: list[Replic
         # The page, the stream, the span asked and read, the incident started, listed and read.
         assert answered is not None and float(answered[1]) == 7
         # An operator forgets a node at every replica that knows it.
-        status, body = request(UnixConnection(tmp_path / f"admin-{other.index}.sock"), "DELETE", "/api/nodes/n1")
+        status, body = request(UnixConnection(tmp_path / f"admin-{other.index}.sock"), "DELETE",
+                               "/api/nodes/n1?force=1")  # its agent still sends: forced
         assert status == 200 and json.loads(body)["replicas"] == [holder.pages_url], body
         status, body = request(UnixConnection(tmp_path / f"admin-{other.index}.sock"), "DELETE", "/api/nodes/n9")
         assert status == 404, body
@@ -571,7 +572,7 @@ async def test_a_forwarded_request_is_checked_and_never_sent_on(aiohttp_client: 
         # A peer's request is served here: n1 is forgotten here, though the peer holds it.
         named = {**right, "X-Nodesampler-User": "alice"}
         assert (await client.delete("/api/nodes/n2", headers=right)).status == 403  # no user named: no rights
-        assert (await client.delete("/api/nodes/n2", headers=named)).status == 200
+        assert (await client.delete("/api/nodes/n2?force=1", headers=named)).status == 200
         # A client's request about n1 goes to its holder, which does not answer.
         r = await client.get("/api/nodes", headers={"Host": "pages.example"})
         assert r.status == 200

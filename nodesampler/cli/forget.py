@@ -22,7 +22,8 @@ def cmd_forget(args: argparse.Namespace) -> int:
 
     conn = _UnixConnection("localhost", timeout=30)
     try:
-        conn.request("DELETE", f"/api/nodes/{urllib.parse.quote(args.node, safe='')}")
+        force = "?force=1" if args.force else ""
+        conn.request("DELETE", f"/api/nodes/{urllib.parse.quote(args.node, safe='')}{force}")
         r = conn.getresponse()
         body = r.read(4096).decode(errors="replace").strip()
     except OSError as e:

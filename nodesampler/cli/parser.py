@@ -241,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("forget", help="forget a node gone for good, through the control plane's admin socket")
     f.add_argument("node", metavar="NODE")
+    f.add_argument("--force", action="store_true",
+                   help="forget it though it was heard within --stale-after (its agent registers it again)")
     f.add_argument("--admin-socket", type=Path, default=Path(ADMIN_SOCKET), metavar="PATH",
                    help=f"the control plane's --admin-socket (default {ADMIN_SOCKET})")
 
