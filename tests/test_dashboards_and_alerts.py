@@ -72,3 +72,31 @@ def test_each_alert_fires_and_clears() -> None:
     r = subprocess.run([promtool(), "test", "rules", "alerts_test.yml"], cwd=ROOT / "tests", capture_output=True,
                        text=True)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load((ROOT / "deploy" / "alerts.yml").read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def test_every_alert_has_a_runbook_section() -> None:
+    runbooks = (ROOT / "docs" / "runbooks.md").read_text()
+    sections = {h.lower() for h in re.findall(r"^## (\w+)$", runbooks, re.M)}
+    for rule in _rules():
+        url = rule["annotations"]["runbook_url"]
+        assert url == f"docs/runbooks.md#{rule['alert'].lower()}" and rule["alert"].lower() in sections, rule["alert"]
+    assert sections == {rule["alert"].lower() for rule in _rules()}  # no runbook of an alert that is gone
+
+
+def test_every_summary_states_the_time_its_rule_waits() -> None:
+    """NodeDown's said "over a minute" and fired after three: a node turns
+    stale after --stale-after (60 s by default), then the rule waits."""
+    stale_after_minutes = 1
+    for rule in _rules():
+        if "for" not in rule:
+            continue
+        waits = int(rule["for"].removesuffix("m"))
+        if "llmgw_node_up" in rule["expr"]:  # up is 0 once the node is stale
+            waits += stale_after_minutes if rule["alert"] == "NodeDown" else 0
+        said = re.findall(r"(\d+) minutes", rule["annotations"]["summary"])
+        assert said and int(said[0]) == waits, (rule["alert"], rule["annotations"]["summary"], waits)
