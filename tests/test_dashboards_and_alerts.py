@@ -100,3 +100,28 @@ def test_every_summary_states_the_time_its_rule_waits() -> None:
             waits += stale_after_minutes if rule["alert"] == "NodeDown" else 0
         said = re.findall(r"(\d+) minutes", rule["annotations"]["summary"])
         assert said and int(said[0]) == waits, (rule["alert"], rule["annotations"]["summary"], waits)
+
+
+def test_the_dashboard_charts_the_verdict_s_inputs_one_unit_a_panel() -> None:
+    """What the starvation verdict reads (requests waiting and running, KV
+    cache, run-queue wait, pressure, steal) beside the engine's cores and
+    its GPUs' share; every panel with a unit and one unit per axis (watts
+    and error counts once shared one)."""
+    dashboard = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    for panel in panels:
+        unit = panel["fieldConfig"]["defaults"].get("unit")
+        assert unit and unit not in ("short", "none"), (panel["title"], unit)
+        overridden = [prop["value"] for o in panel["fieldConfig"]["overrides"] for prop in o.get("properties", [])
+                      if prop["id"] == "unit"]  # fmt: skip
+        assert overridden in ([], [unit]), panel["title"]
+    charted = {m for p in panels for t in p["targets"] for m in METRIC.findall(t["expr"])}
+    assert {"llmgw_shard_requests_waiting", "llmgw_shard_requests_running", "llmgw_shard_kv_cache_usage_ratio",
+            "llmgw_shard_runqueue_wait_seconds_total", "llmgw_shard_runqueue_wait_seconds", "llmgw_node_pressure_ratio",
+            "llmgw_node_cpu_steal_percent", "llmgw_shard_cpu_cores", "llmgw_shard_gpu_utilization_ratio"} <= charted
+    engines = next(i for i, p in enumerate(dashboard["panels"]) if p["title"] == "Engines on $node")
+    host = next(i for i, p in enumerate(dashboard["panels"]) if p["title"].startswith("Is the host"))
+    beside = {m for p in dashboard["panels"][engines:host] for t in p.get("targets", [])
+              for m in METRIC.findall(t["expr"])}  # fmt: skip
+    assert {"llmgw_shard_requests_waiting", "llmgw_shard_cpu_cores", "llmgw_shard_gpu_utilization_ratio"} <= beside
+    assert dashboard["graphTooltip"] == 1  # one crosshair across the panels
