@@ -207,8 +207,24 @@ def test_every_sample_around_a_past_burst(fleet: Fleet, group: list[subprocess.P
     with browser_page(1000, 1400) as (page, _):
         page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
         section = page.locator("#hindsight")
-        # A click on a chart of the hour asks for the minute around that moment.
-        page.locator("main svg.chart[data-from]").first.click(position={"x": 300, "y": 60})
+        chart = page.locator("main svg.chart[data-from]").first
+
+        def click_at(t: float) -> None:
+            """A click on the chart of the hour where it draws wall time t."""
+            x = page.evaluate("([svg, t]) => { const d = svg.dataset;"
+                              " const f = (t - Number(d.from)) / (Number(d.to) - Number(d.from));"
+                              " const x = Number(d.x0) + f * (Number(d.x1) - Number(d.x0));"
+                              " return x * svg.getBoundingClientRect().width / svg.viewBox.baseVal.width; }",
+                              [chart.element_handle(), t])  # fmt: skip
+            chart.click(position={"x": x, "y": 60})
+
+        # A moment long before the agent started can never be fetched: the page says why (a 400).
+        click_at(began - 1500)
+        page.wait_for_function("document.getElementById('hindsight-status').textContent.includes('ring holds')",
+                               timeout=10_000)  # fmt: skip
+        assert page.evaluate("document.getElementById('hindsight').dataset.span === undefined")
+        # A click on the burst asks for the minute around that moment.
+        click_at(at)
         page.wait_for_function("document.getElementById('hindsight').dataset.span !== undefined", timeout=10_000)
         clicked = section.get_attribute("data-span")
         page.evaluate("t => { const i = document.getElementById('hindsight-at');"

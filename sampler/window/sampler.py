@@ -64,6 +64,7 @@ class _WindowSamples:
     shards: dict[str, RateSeries]  # each shard's cores
     taken: int
     first_from: float  # where the first sample begins: the previous window's last, if any
+    last_at: float = 0.0  # where the last ends (monotonic, as first_from)
 
 
 class WindowSampler:
@@ -242,10 +243,15 @@ class WindowSampler:
         if end_wall < start_wall:  # the wall clock was stepped back during the window: its length is the monotonic one
             self._say("the wall clock went back during a window: its start is taken as its end less its length")
             start_wall = end_wall - (self._clock() - start)
-        # The window begins where its first sample's time does: the previous
-        # window's last sample (or the first readings), so that every sample
-        # it holds lies within its start and end and windows follow each other.
-        window = Window(start=start_wall - (start - samples.first_from), end=end_wall, samples=samples.taken)
+        # The window is the time its samples cover: from the previous window's
+        # last sample (or the first readings) to its own last, so that every
+        # sample lies within its start and end and one window ends where the
+        # next begins. Its end stamped after the last reading overlapped the
+        # next window's start by the milliseconds between them, and the
+        # hindsight view drew every other window (tests/test_browser.py).
+        offset = start_wall - start  # wall less monotonic, as the samples kept in hindsight are placed
+        last = samples.last_at if samples.taken else self._clock()
+        window = Window(start=offset + samples.first_from, end=offset + last, samples=samples.taken)
         gauges = self.gauges.read()
         pressure = PressureReader.share(pressure_start, self.pressure.read(), self._clock() - pressure_at)
         machine = wire.fit_machine({**gauges, "cpu_percent": samples.machine.summary(),
@@ -321,7 +327,7 @@ class WindowSampler:
                 samples.shards[wid].add(r.cores, now - last if r.seconds is None else r.seconds)
             samples.machine.add(cpu, now - last)
             samples.steal.add(self.cpu.steal, now - last)
-            last = now
+            last = samples.last_at = now
             samples.taken += 1
             if k >= gpu_at and not gpu_asked:
                 if self.gpus is not None:
@@ -373,7 +379,7 @@ class WindowSampler:
                     if (over := np.flatnonzero(cores > self._cpus * 1.01)).size:
                         self._impossible(wid, ShardReading(float(cores[over[0]]), None, float(covers[over[0]])))
                     samples.shards[wid].extend(cores, covers)
-                last = float(got.at[-1])
+                last = samples.last_at = float(got.at[-1])
                 samples.taken += len(got.at)
             if not gpu_asked and self._clock() >= gpu_at:
                 if self.gpus is not None:
