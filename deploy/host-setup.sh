@@ -22,7 +22,8 @@ if [ "$mode" = test ]; then
     # refuses hybrid cgroup hosts).
     # linux-headers-$arch: the kernel backend is also tested compiling against
     # the distribution's headers (--kernel-headers installed).
-    packages="$packages iproute2 nftables prometheus prometheus-alertmanager chromium qemu-system-x86 podman runc debootstrap linux-headers-$arch"
+    # kubectl: its kustomize renders every combination of the shipped manifests' components.
+    packages="$packages iproute2 nftables prometheus prometheus-alertmanager chromium qemu-system-x86 podman runc debootstrap linux-headers-$arch kubectl"
     extra="[test]"
 fi
 if [ "$mode" = bench ]; then

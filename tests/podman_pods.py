@@ -17,10 +17,15 @@ one must grow the mapping too, never be run half-understood.
 
 from __future__ import annotations
 
+import atexit
+import base64
+import functools
+import itertools
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -50,30 +55,113 @@ SECCOMP = Path(__file__).resolve().parent.parent / "deploy" / "seccomp"
 RUNTIME_DEFAULT = SECCOMP / "nodesampler-agent.json"
 
 
-OVERLAYS = KUBERNETES.parent / "overlays"
+COMPONENTS = KUBERNETES.parent / "components"
+COMPONENT_NAMES = sorted(p.name for p in COMPONENTS.iterdir())
+# Every set of components an operator may list together, the empty one included.
+COMBINATIONS = [list(c) for n in range(len(COMPONENT_NAMES) + 1) for c in itertools.combinations(COMPONENT_NAMES, n)]
+# What `nodesampler kube-secrets deploy/kubernetes/secrets` writes (git ignores
+# it): the shipped kustomization's secretGenerator reads it.
+SHIPPED_SECRETS = KUBERNETES / "secrets"
+KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "components", "patches", "generatorOptions",
+                        "secretGenerator"}  # fmt: skip
 
 
-def manifests(directory: Path = KUBERNETES) -> list[dict[str, Any]]:
-    """Every object `kubectl apply -k DIRECTORY` would apply: the kustomize
-    subset the shipped files use (resources, files or directories, and JSON
-    patches by kind and name); tests/test_deploy.py checks it against
-    `kubectl kustomize` where kubectl is installed."""
+@functools.cache
+def sample_secrets() -> Path:
+    """The files `nodesampler kube-secrets` writes, made once a test run: they
+    stand for a checkout's deploy/kubernetes/secrets where it has none."""
+    from nodesampler.cli.kube_secrets import write
+
+    directory = Path(tempfile.mkdtemp(prefix="nodesampler-kube-secrets-"))
+    atexit.register(shutil.rmtree, directory, True)
+    write(directory / "secrets")
+    return directory / "secrets"
+
+
+def manifests(directory: Path = KUBERNETES, components: Iterable[str] = (),
+              secrets: Path | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Every object `kubectl apply -k DIRECTORY` would apply, with the named
+    `components` of deploy/components listed as a kustomization of the
+    operator's would list them: the kustomize subset the shipped files use
+    (resources, files or directories; components; JSON patches by kind and
+    name; secretGenerator with fixed names). The generated Secrets read
+    their files from `secrets` where given, else from beside the
+    kustomization, else (the shipped one, in a checkout that made none)
+    from `sample_secrets()`. tests/test_deploy.py checks it against
+    `kubectl kustomize` of every combination."""
+    docs = _render(directory, secrets)
+    for name in components:
+        _component(COMPONENTS / name, docs, secrets)
+    return docs
+
+
+def _render(directory: Path, secrets: Path | None) -> list[dict[str, Any]]:
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unknown = set(kustomization) - {"apiVersion", "kind", "resources", "patches"}
+    unknown = set(kustomization) - KUSTOMIZATION_FIELDS
     assert not unknown, f"kustomization fields not mapped: {unknown}"
+    assert kustomization["kind"] == "Kustomization"
+    docs = _resources(directory, kustomization, secrets)
+    for path in kustomization.get("components", []):
+        _component((directory / path).resolve(), docs, secrets)
+    _patch(docs, kustomization)
+    return docs
+
+
+def _component(directory: Path, docs: list[dict[str, Any]], secrets: Path | None) -> None:
+    component = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component" and not set(component) - KUSTOMIZATION_FIELDS, directory
+    docs.extend(_resources(directory, component, secrets))
+    _patch(docs, component)
+
+
+def _resources(directory: Path, kustomization: dict[str, Any], secrets: Path | None) -> list[dict[str, Any]]:
     docs: list[dict[str, Any]] = []
-    for name in kustomization["resources"]:
+    for name in kustomization.get("resources", []):
         path = (directory / name).resolve()
         if path.is_dir():
-            docs.extend(manifests(path))
+            docs.extend(_render(path, secrets))
         else:
             docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    if kustomization.get("secretGenerator"):
+        # Hashed names would need every reference rewritten, the ServiceMonitor's too.
+        assert kustomization["generatorOptions"] == {"disableNameSuffixHash": True}
+    for generator in kustomization.get("secretGenerator", []):
+        assert not set(generator) - {"name", "namespace", "type", "files", "literals"}, generator
+        data: dict[str, bytes] = {}
+        for literal in generator.get("literals", []):
+            key, _, value = literal.partition("=")
+            data[key] = value.encode()
+        for entry in generator.get("files", []):
+            key, _, path = entry.rpartition("=")
+            data[key or Path(path).name] = _secret_file(directory, path, secrets)
+        docs.append({"apiVersion": "v1", "kind": "Secret",
+                     "metadata": {"name": generator["name"], "namespace": generator["namespace"]},
+                     "type": generator.get("type", "Opaque"),
+                     "data": {k: base64.b64encode(v).decode() for k, v in data.items()}})  # fmt: skip
+    return docs
+
+
+def _secret_file(directory: Path, path: str, secrets: Path | None) -> bytes:
+    assert path.startswith("secrets/"), f"a generated Secret's file outside secrets/: {path}"
+    if secrets is not None:
+        return (secrets / path.removeprefix("secrets/")).read_bytes()
+    if (directory / path).exists() or directory != KUBERNETES:
+        return (directory / path).read_bytes()
+    return (sample_secrets() / path.removeprefix("secrets/")).read_bytes()
+
+
+def secret_data(docs: list[dict[str, Any]], name: str) -> dict[str, bytes]:
+    """A rendered Secret's keys, as the kubelet writes them into a volume."""
+    [doc] = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == name]
+    return {k: base64.b64decode(v) for k, v in doc["data"].items()}
+
+
+def _patch(docs: list[dict[str, Any]], kustomization: dict[str, Any]) -> None:
     for patch in kustomization.get("patches", []):
         target = patch["target"]
         [doc] = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
         for op in yaml.safe_load(patch["patch"]):
             _json_patch(doc, op)
-    return docs
 
 
 def _json_patch(doc: Any, op: dict[str, Any]) -> None:
@@ -94,7 +182,8 @@ def _json_patch(doc: Any, op: dict[str, Any]) -> None:
 
 
 def find(kind: str, name: str) -> dict[str, Any]:
-    [doc] = [d for d in manifests() if d["kind"] == kind and d["metadata"]["name"] == name]
+    """The shipped object, the ServiceMonitor's component included (it adds that object alone)."""
+    [doc] = [d for d in manifests(components=["servicemonitor"]) if d["kind"] == kind and d["metadata"]["name"] == name]
     return doc
 
 

@@ -28,14 +28,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import bcrypt
 import pytest
-import yaml
 
 from nodesampler import __version__
+from nodesampler.cli.kube_secrets import USERS
+from nodesampler.cli.kube_secrets import write as write_kube_secrets
 from sampler.sources.machine import MachineGaugeReader
 from tests import podman_pods as pods
-from tests.agent_fleet import PASSWORD, basic
+from tests.agent_fleet import basic
 from tests.certs import TestCA, kubelet_serving_name
 from tests.fakekubelet import FakeKubelet, pod_doc
 from tests.issuer import TestIssuer
@@ -154,17 +154,14 @@ class Cluster:
         self.work, self.image = work, image
         self.issuer = TestIssuer(kid="cluster-key-1")
         self.cluster_ca = TestCA("test cluster CA")
-        self.tls_ca = TestCA("nodesampler CA")
-        cert, key = work / "tls.crt", work / "tls.key"
-        self.tls_ca.issue(cert, key, [f"*.{REPLICA_SERVICE}", PAGES_HOST, "127.0.0.1"])
-        self.tls = {"tls.crt": cert.read_bytes(), "tls.key": key.read_bytes(),
-                    "ca.crt": self.tls_ca.cert.public_bytes(_pem())}  # fmt: skip
-        # The example web config Secret, with a real hash for its operator.
-        [example, _] = yaml.safe_load_all((ROOT / "deploy/kubernetes/web-config.example.yaml").read_text())
-        hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()
-        web_config = re.sub(r"\$2y\$10\$\S+", lambda m: hashed, example["stringData"]["web-config.yml"])
-        self.web = {"web-config.yml": web_config.encode()}
-        self.peers = {"secret": os.urandom(32).hex().encode()}  # `kubectl create secret`, as docs/deployment.md says
+        # The Secrets as the shipped kustomization makes them, from what `nodesampler kube-secrets` writes.
+        secrets = work / "secrets"
+        write_kube_secrets(secrets)
+        generated = pods.manifests(secrets=secrets)
+        self.tls = pods.secret_data(generated, "nodesampler-controlplane-tls")
+        self.web = pods.secret_data(generated, "nodesampler-controlplane-web")
+        self.peers = pods.secret_data(generated, "nodesampler-controlplane-peers")
+        self.passwords = {user: (secrets / f"{user}.password").read_text() for user in USERS}
         self.context = ssl.create_default_context(cadata=self.tls["ca.crt"].decode())
         self.cp_token = self.issuer.token(None, account="nodesampler-controlplane")
         self.api = IssuerServer(self.issuer, self.cluster_ca, work, self.cp_token)
@@ -173,8 +170,8 @@ class Cluster:
         self.pages = "https://127.0.0.1:8080"
 
     def get_text(self, path: str, user: str | None = "operator") -> str:
-        """A page, as a user of the web config (its operator: the same password for every user here)."""
-        headers = basic(user, PASSWORD) if user else {}
+        """A page, as a user of the web config (its operator unless another is named)."""
+        headers = basic(user, self.passwords[user]) if user else {}
         request = urllib.request.Request(f"{self.pages}{path}", headers=headers)
         with urllib.request.urlopen(request, timeout=10, context=self.context) as r:
             return str(r.read().decode())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import configparser
 import json
 import re
@@ -12,10 +13,9 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
-from tests.podman_pods import KUBERNETES, OVERLAYS, find, manifests
+from tests.podman_pods import COMBINATIONS, COMPONENT_NAMES, find, manifests, sample_secrets, secret_data
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -23,7 +23,7 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 def test_kustomization_applies_every_manifest_once() -> None:
     k = yaml.safe_load((DEPLOY / "kubernetes" / "kustomization.yaml").read_text())
     files = {p.name for p in (DEPLOY / "kubernetes").glob("*.yaml")} - {"kustomization.yaml"}
-    assert set(k["resources"]) == files - {"tls-secret.example.yaml", "web-config.example.yaml"}  # the operator's keys
+    assert set(k["resources"]) == files
     kinds = {(d["kind"], d["metadata"]["name"]) for d in manifests()}
     assert kinds >= {("Namespace", "nodesampler"), ("ServiceAccount", "nodesampler-agent"),
                      ("DaemonSet", "nodesampler-agent"), ("ServiceAccount", "nodesampler-controlplane"),
@@ -32,10 +32,39 @@ def test_kustomization_applies_every_manifest_once() -> None:
                      ("PodDisruptionBudget", "nodesampler-controlplane"),
                      ("Service", "nodesampler-pages"), ("NetworkPolicy", "nodesampler-controlplane"),
                      ("NetworkPolicy", "nodesampler-agent"),
-                     ("ServiceMonitor", "nodesampler")}  # fmt: skip
+                     # Generated from what `nodesampler kube-secrets` writes: nothing to prepare in the cluster.
+                     ("Secret", "nodesampler-controlplane-tls"), ("Secret", "nodesampler-controlplane-web"),
+                     ("Secret", "nodesampler-controlplane-peers"),
+                     ("Secret", "nodesampler-prometheus-auth")}  # fmt: skip
+    # No object of a CRD: `kubectl apply -k` works on a cluster without the Prometheus Operator.
+    assert {d["apiVersion"].split("/")[0] for d in manifests()} <= {"v1", "apps", "policy", "networking.k8s.io",
+                                                                    "rbac.authorization.k8s.io"}  # fmt: skip
     for d in manifests():
         if d["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
             assert d["metadata"]["namespace"] == "nodesampler", d["metadata"]["name"]
+
+
+def test_every_secret_a_manifest_names_is_generated() -> None:
+    """The Secrets the pods mount and the ServiceMonitor reads, each key they
+    name, are the kustomization's own: none must exist in the cluster first."""
+    docs = manifests(components=["servicemonitor"])
+    secrets = {d["metadata"]["name"]: set(d["data"]) for d in docs if d["kind"] == "Secret"}
+    named: set[tuple[str, str | None]] = set()
+    for kind in ("DaemonSet", "StatefulSet"):
+        [workload] = [d for d in docs if d["kind"] == kind]
+        for volume in workload["spec"]["template"]["spec"]["volumes"]:
+            if "secret" in volume:
+                items = volume["secret"].get("items") or [{"key": None}]
+                named |= {(volume["secret"]["secretName"], item["key"]) for item in items}
+    [monitor] = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    endpoint = monitor["spec"]["endpoints"][0]
+    for ref in (endpoint["tlsConfig"]["ca"]["secret"], *endpoint["basicAuth"].values()):
+        named.add((ref["name"], ref["key"]))
+    assert {name for name, _ in named} == set(secrets)
+    for name, key in named:
+        assert key is None or key in secrets[name], (name, key)
+    assert secrets["nodesampler-controlplane-tls"] == {"tls.crt", "tls.key", "ca.crt"}
+    assert secrets["nodesampler-controlplane-peers"] == {"secret"}  # --peer-secret-file=/etc/nodesampler/peers/secret
 
 
 def test_daemonset() -> None:
@@ -112,14 +141,15 @@ def test_the_shipped_seccomp_profile_gates_bpf_on_its_capabilities() -> None:
     assert not {"init_module", "bpf", "perf_event_open"} & unconditional
 
 
-def test_the_overlays_change_only_what_they_say() -> None:
+def test_the_components_change_only_what_they_say() -> None:
     base = {(d["kind"], d["metadata"]["name"]): d for d in manifests()}
 
-    def changed(overlay: str) -> dict[tuple[str, str], Any]:
-        docs = {(d["kind"], d["metadata"]["name"]): d for d in manifests(OVERLAYS / overlay)}
-        assert docs.keys() == base.keys()
-        return {k: d for k, d in docs.items() if d != base[k]}
+    def changed(component: str) -> dict[tuple[str, str], Any]:
+        docs = {(d["kind"], d["metadata"]["name"]): d for d in manifests(components=[component])}
+        assert docs.keys() >= base.keys()
+        return {k: d for k, d in docs.items() if d != base.get(k)}
 
+    assert COMPONENT_NAMES == ["before-1.36", "privileged", "seccomp-localhost", "servicemonitor"]
     ds = ("DaemonSet", "nodesampler-agent")
     privileged = changed("privileged")
     assert privileged.keys() == {ds}
@@ -133,14 +163,62 @@ def test_the_overlays_change_only_what_they_say() -> None:
     assert localhost.keys() == {ds}
     profile = localhost[ds]["spec"]["template"]["spec"]["securityContext"]["seccompProfile"]
     assert profile["type"] == "Localhost" and (DEPLOY / "seccomp" / profile["localhostProfile"]).is_file()
+    assert changed("servicemonitor").keys() == {("ServiceMonitor", "nodesampler")}
+    # Together, each does what it does alone: a CRI-O cluster before 1.36 takes both of its components.
+    role = ("ClusterRole", "nodesampler-agent")
+    both = {(d["kind"], d["metadata"]["name"]): d for d in manifests(components=["before-1.36", "seccomp-localhost"])}
+    assert both[ds] == localhost[ds] and both[role] == old[role]
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl: the renderer is checked where it is")
-@pytest.mark.parametrize("directory", [KUBERNETES, *sorted(OVERLAYS.iterdir())], ids=lambda d: d.name)
-def test_the_tests_kustomize_renders_as_kubectl_does(directory: Path) -> None:
-    out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, check=True).stdout
-    canonical = sorted(json.dumps(d, sort_keys=True) for d in yaml.safe_load_all(out) if d)
-    assert canonical == sorted(json.dumps(d, sort_keys=True) for d in manifests(directory))
+def _canonical(docs: list[dict[str, Any]]) -> list[str]:
+    """Objects as sorted JSON, a Secret's data decoded (kustomize folds its base64 into lines)."""
+    out = []
+    for d in docs:
+        if d["kind"] == "Secret":
+            d = {**d, "data": {k: base64.b64decode(v).decode() for k, v in d["data"].items()}}
+        out.append(json.dumps(d, sort_keys=True))
+    return sorted(out)
+
+
+def operators_kustomization(tmp_path: Path, components: list[str]) -> Path:
+    """A copy of deploy/ with what `nodesampler kube-secrets` writes, and a
+    kustomization of the operator's that lists the base and `components`."""
+    deploy = tmp_path / "deploy"
+    if not deploy.exists():
+        shutil.copytree(DEPLOY, deploy, ignore=shutil.ignore_patterns("secrets"))
+        shutil.copytree(sample_secrets(), deploy / "kubernetes" / "secrets")
+    mine = tmp_path / ("mine-" + "+".join(components))
+    mine.mkdir()
+    (mine / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": ["../deploy/kubernetes"], "components": [f"../deploy/components/{c}" for c in components]}))
+    return mine
+
+
+def kubectl_kustomize(directory: Path) -> subprocess.CompletedProcess[str]:
+    """`kubectl kustomize` (make setup-test installs kubectl)."""
+    assert shutil.which("kubectl"), "no kubectl: make setup-test installs it (deploy/host-setup.sh)"
+    return subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True)
+
+
+def test_the_tests_kustomize_renders_every_combination_as_kubectl_does(tmp_path: Path) -> None:
+    secrets = tmp_path / "deploy/kubernetes/secrets"
+    for components in COMBINATIONS:
+        mine = operators_kustomization(tmp_path, components)
+        r = kubectl_kustomize(mine)
+        assert r.returncode == 0, (components, r.stderr)
+        rendered = _canonical([d for d in yaml.safe_load_all(r.stdout) if d])
+        assert rendered == _canonical(manifests(mine)) == _canonical(manifests(components=components, secrets=secrets))
+    # The shipped base as it is applied: `kubectl apply -k deploy/kubernetes` once kube-secrets has run.
+    r = kubectl_kustomize(tmp_path / "deploy/kubernetes")
+    assert r.returncode == 0 and _canonical([d for d in yaml.safe_load_all(r.stdout) if d]) == _canonical(
+        manifests(secrets=secrets))  # fmt: skip
+
+
+def test_without_kube_secrets_kubectl_names_the_missing_file(tmp_path: Path) -> None:
+    shutil.copytree(DEPLOY, tmp_path / "deploy", ignore=shutil.ignore_patterns("secrets"))
+    r = kubectl_kustomize(tmp_path / "deploy/kubernetes")
+    assert r.returncode != 0 and "secrets/tls.crt" in r.stderr, r.stderr
 
 
 def test_the_agent_may_read_its_kubelets_pods_and_nothing_else() -> None:
@@ -227,12 +305,13 @@ def test_controlplane_verifies_the_agents_account() -> None:
 
 
 def test_the_pages_are_served_over_tls_to_users_and_scraped_so() -> None:
-    """The example web config is one our parser takes, naming the TLS Secret's
-    files where the StatefulSet mounts them; the probes speak HTTPS; the
-    ServiceMonitor scrapes with TLS and a user; the admin socket is on a
+    """The generated web config is one our parser takes, naming the TLS
+    Secret's files where the StatefulSet mounts them; the probes speak HTTPS;
+    the ServiceMonitor scrapes with TLS and a user; the admin socket is on a
     volume of the pod's own."""
     from controlplane.listen.web_config import parse
 
+    docs = manifests(components=["servicemonitor"])
     pod = find("StatefulSet", "nodesampler-controlplane")["spec"]["template"]["spec"]
     [cp] = pod["containers"]
     args = [a.removeprefix("--").split("=", 1) for a in cp["args"]]
@@ -240,11 +319,8 @@ def test_the_pages_are_served_over_tls_to_users_and_scraped_so() -> None:
     mounts = {m["mountPath"]: m for m in cp["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     config_dir, config_name = flags["web-config-file"].rsplit("/", 1)
-    [example, auth] = yaml.safe_load_all((DEPLOY / "kubernetes" / "web-config.example.yaml").read_text())
-    assert volumes[mounts[config_dir]["name"]]["secret"]["secretName"] == example["metadata"]["name"]
-    text = example["stringData"][config_name]
-    fake = "$2y$10$" + "a" * 53  # the example's placeholders are not hashes: a hash of their shape
-    config = parse(re.sub(r"\$2y\$10\$\S+", lambda m: fake, text).encode(), Path(config_dir))
+    secret = volumes[mounts[config_dir]["name"]]["secret"]["secretName"]
+    config = parse(secret_data(docs, secret)[config_name], Path(config_dir))
     assert config.tls is not None and set(config.users) == {"prometheus", "operator"}
     tls_dir = str(config.tls.cert_file.parent)
     assert volumes[mounts[tls_dir]["name"]]["secret"]["secretName"] == "nodesampler-controlplane-tls"
@@ -255,8 +331,8 @@ def test_the_pages_are_served_over_tls_to_users_and_scraped_so() -> None:
     [endpoint] = find("ServiceMonitor", "nodesampler")["spec"]["endpoints"]
     assert endpoint["scheme"] == "https"
     assert endpoint["tlsConfig"]["serverName"] == "nodesampler-pages.nodesampler.svc"
-    assert endpoint["basicAuth"]["username"]["name"] == auth["metadata"]["name"]
-    assert set(auth["stringData"]) == {"username", "password"} and auth["stringData"]["username"] == "prometheus"
+    auth = secret_data(docs, endpoint["basicAuth"]["username"]["name"])
+    assert set(auth) == {"username", "password"} and auth["username"] == b"prometheus"
 
 
 def test_dockerfile() -> None:

@@ -36,7 +36,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 def readme_rows() -> list[tuple[str, str, str]]:
     """(command, flag, its default cell) for every row of every command's table."""
     rows = []
-    sections = re.split(r"^### `nodesampler (\w+)`", README, flags=re.M)
+    sections = re.split(r"^### `nodesampler ([\w-]+)`", README, flags=re.M)
     for command, body in zip(sections[1::2], sections[2::2], strict=True):
         for names, cell in re.findall(r"^\| (`--[^|]*?) \| ([^|]*?) \| ", body, re.M):
             flags = re.findall(r"`(--[\w-]+)[^`]*`", names)
@@ -72,7 +72,7 @@ def test_every_readme_default_is_the_parser_s() -> None:
 
 
 def test_every_flag_is_in_its_command_s_readme_section() -> None:
-    sections = dict(zip(*[iter(re.split(r"^### `nodesampler (\w+)`", README, flags=re.M)[1:])] * 2, strict=True))
+    sections = dict(zip(*[iter(re.split(r"^### `nodesampler ([\w-]+)`", README, flags=re.M)[1:])] * 2, strict=True))
     for command, parser in subcommands().items():
         body = sections[command]
         for action in parser._actions:

@@ -2,7 +2,7 @@
 
 Every misuse is one line on stderr and exit code 2; a backend that was asked
 for and cannot run is exit code 3 with the reason. One module a command
-(`sample`, `up`, `agent`, `controlplane`, `token`, `forget`), the flags of
+(`sample`, `up`, `agent`, `controlplane`, `token`, `forget`, `kube-secrets`), the flags of
 all in `parser`.
 """
 
@@ -15,6 +15,7 @@ import sys
 from nodesampler.cli.agent import cmd_agent
 from nodesampler.cli.controlplane import cmd_controlplane
 from nodesampler.cli.forget import cmd_forget
+from nodesampler.cli.kube_secrets import cmd_kube_secrets
 from nodesampler.cli.parser import build_parser
 from nodesampler.cli.sample import cmd_sample
 from nodesampler.cli.token import cmd_token
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="nodesampler: %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     commands = {"sample": cmd_sample, "up": cmd_up, "agent": cmd_agent, "controlplane": cmd_controlplane,
-                "token": cmd_token, "forget": cmd_forget}  # fmt: skip
+                "token": cmd_token, "forget": cmd_forget, "kube-secrets": cmd_kube_secrets}  # fmt: skip
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:

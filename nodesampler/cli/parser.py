@@ -246,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--admin-socket", type=Path, default=Path(ADMIN_SOCKET), metavar="PATH",
                    help=f"the control plane's --admin-socket (default {ADMIN_SOCKET})")
 
+    k = sub.add_parser("kube-secrets", help="write the files the Kubernetes manifests' Secrets are generated from")
+    k.add_argument("directory", type=Path, metavar="DIR",
+                   help="where (deploy/kubernetes/secrets for the shipped kustomization); a file there is kept")
+
     t = sub.add_parser("token", help="print a node's token, derived from the cluster secret")
     t.add_argument("node", metavar="NODE")
     t.add_argument("--secret-file", required=True, type=Path, metavar="PATH", help="the cluster secret")
