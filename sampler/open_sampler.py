@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sampler.backend import open_backend
+from sampler.gpu import gpm
 from sampler.gpu.nvml import GpuReader
 from sampler.shards.kubelet import KubeletPods
 from sampler.shards.selectors import Selector, ShardSpec
@@ -60,5 +61,7 @@ def open_sampler(options: SamplerOptions) -> WindowSampler:
             raise OptionError(f"--hz {hz:g}: {why}")
         log.warning("--hz %g capped at %g: %s", hz, finest, why)
         hz = finest
-    return WindowSampler(o.proc, choice, shard_sampler, specs, hz=hz, node=o.node, gpus=GpuReader(),
+    # GPM and the clock events at the sampler's rate, but never faster than GPM's 10 Hz (sampler/gpu/gpm.py).
+    gpus = GpuReader(gpm_every_s=max(gpm.MIN_INTERVAL_S, 1.0 / hz))
+    return WindowSampler(o.proc, choice, shard_sampler, specs, hz=hz, node=o.node, gpus=gpus,
                          gpu_grace=o.gpu_grace, sleep=o.sleep, host_root=o.host_root, kubelet=o.kubelet)  # fmt: skip

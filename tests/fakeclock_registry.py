@@ -55,7 +55,16 @@ def fleet_registry() -> tuple[NodeRegistry, FakeClock]:
     beat(_heartbeat("stale-3", None, [{"id": "s0", "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}}]))
     clock.advance(100)  # stale-3 has been silent for 100 s from here on
     register("gpu-1")
-    cards = [_gpu(0, utilization_percent=97.0), _gpu(1), {"index": 2, "uuid": "GPU-2", "lost": True}]
+    # Card 0 with GPM and its clocks capped a fifth of the window; card 1 says neither: absent, not 0.
+    gpm = {"gpm_interval_seconds": 0.1, "sm_activity_percent": 38.5, "sm_activity_max_percent": 72.0,
+           "sm_occupancy_percent": 21.0, "tensor_activity_percent": 27.5, "tensor_activity_max_percent": 55.0,
+           "tensor_hmma_activity_percent": 25.0, "dram_bandwidth_percent": 41.0,
+           "pcie_tx_bytes_per_second": 1.5e9, "pcie_rx_bytes_per_second": 2.5e8,
+           "nvlink_tx_bytes_per_second": 1.2e11, "nvlink_rx_bytes_per_second": 1.1e11,
+           **{f"clock_event_{r}_ratio": 0.0 for r in ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
+                                                     "power_brake", "sync_boost")},
+           "clock_event_sw_power_cap_ratio": 0.2}  # fmt: skip
+    cards = [_gpu(0, utilization_percent=97.0, **gpm), _gpu(1), {"index": 2, "uuid": "GPU-2", "lost": True}]
     beat(_heartbeat("gpu-1", cards, [
         {"id": "s0", "model": 'llama "70b"\\ {x="y"}', "replica": "r1", "pgid": 1234,
          "cpu_cores": {"mean": 7.5, "p95": 8.0, "max": 8.25}, "memory_bytes": 12 * GiB, "gpu_memory_bytes": 70 * GiB,

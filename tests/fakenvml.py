@@ -5,11 +5,29 @@ compares them with pynvml's own), the same return types (pynvml's ctypes
 structures and friendly objects), and pynvml's own error classes, raised the
 way pynvml raises them (`NVMLError(code)` becomes the matching subclass).
 Everything else (constants, error classes) is pynvml's, looked up on it.
+
+GPM (GPU Performance Monitoring) follows NVML's reference
+(docs.nvidia.com/deploy/nvml-api, "GPM Functions"): sample buffers from
+`nvmlGpmSampleAlloc` (pynvml's `c_nvmlGpmSample_t`, a pointer to an opaque
+struct), filled by `nvmlGpmSampleGet` with the card's counters at that
+moment; `nvmlGpmMetricsGet` computes each asked metric over the interval
+between two samples (a counter's advance over the time between them, so a
+metric is the time-weighted mean of its rate over the interval), each with
+its own `nvmlReturn`, after checking the struct's version
+(`NVML_GPM_METRICS_GET_VERSION`). The reference asks for samples at least
+100 ms apart and does not say what NVML does otherwise: the fake refuses
+such a pair (`NVML_ERROR_INVALID_ARGUMENT`) and counts it. A card's
+support is `nvmlGpmQueryDeviceSupport`'s `isSupportedDevice`; the clock
+events are `nvmlDeviceGetCurrentClocksEventReasons`' bit mask
+(`nvmlClocksEventReason*`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,19 +59,49 @@ class FakeCard:
     back_after_reinit: bool = True
     hang: threading.Event | None = None  # set: calls return; clear: nvmlDeviceGetTemperature blocks
     calls: int = 0
+    gpm: bool = True  # nvmlGpmQueryDeviceSupport's isSupportedDevice (Hopper and later)
+    # GPM metric id -> its rate now (percent, or MiB a second), and its counter (rate x seconds) so far
+    gpm_rates: dict[int, float] = field(default_factory=dict)
+    gpm_counters: dict[int, float] = field(default_factory=dict)
+    gpm_counted_to: float | None = None
+    gpm_refused: dict[int, int] = field(default_factory=dict)  # metric id -> the nvmlReturn it gets
+    clock_events: int = 0  # nvmlDeviceGetCurrentClocksEventReasons' mask now
+
+    def set_gpm_rates(self, now: float, rates: dict[int, float]) -> None:
+        """From `now` on, the metrics advance at `rates` (the counters brought up to now first)."""
+        self.count_gpm(now)
+        self.gpm_rates = dict(rates)
+
+    def count_gpm(self, now: float) -> None:
+        if self.gpm_counted_to is not None:
+            for metric, rate in self.gpm_rates.items():
+                self.gpm_counters[metric] = self.gpm_counters.get(metric, 0.0) + rate * (now - self.gpm_counted_to)
+        self.gpm_counted_to = now
 
     @property
     def uuid(self) -> str:
         return f"GPU-{self.index:08d}-fake-0000-0000-000000000000"
 
 
+@dataclass
+class _GpmSample:
+    card: FakeCard | None = None  # None: allocated, never filled
+    at: float = 0.0
+    counters: dict[int, float] = field(default_factory=dict)
+    freed: bool = False
+
+
 class FakeNvml:
-    def __init__(self, cards: list[FakeCard], library: bool = True, driver: str = "550.54.15") -> None:
+    def __init__(self, cards: list[FakeCard], library: bool = True, driver: str = "550.54.15",
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.cards = cards
         self.library = library
         self.driver = driver
         self.initialised = False
         self.inits = 0
+        self.clock = clock  # GPM samples' time, as the driver stamps them
+        self._gpm_buffers: dict[int, tuple[Any, _GpmSample]] = {}  # address -> (the struct, kept alive; its sample)
+        self.gpm_pairs_too_close = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(pynvml, name)  # constants, error classes, structures
@@ -159,6 +207,66 @@ class FakeNvml:
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
         card = self._card(handle, "nvmlDeviceGetComputeRunningProcesses")
         return [pynvml.nvmlFriendlyObject({"pid": pid, "usedGpuMemory": mem}) for pid, mem in card.processes]
+
+
+    # --- GPM and clock events ------------------------------------------------------------
+
+    def _gpm_sample(self, pointer: Any) -> _GpmSample:
+        address = ctypes.cast(pointer, ctypes.c_void_p).value
+        if address is None or address not in self._gpm_buffers or self._gpm_buffers[address][1].freed:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._gpm_buffers[address][1]
+
+    def nvmlGpmQueryDeviceSupport(self, device: Any) -> Any:
+        card = self._card(device, "nvmlGpmQueryDeviceSupport")
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(card.gpm)
+        return support
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        if not self.initialised:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        struct = pynvml.struct_c_nvmlGpmSample_t()
+        pointer = pynvml.c_nvmlGpmSample_t(struct)
+        self._gpm_buffers[ctypes.addressof(struct)] = (struct, _GpmSample())
+        return pointer
+
+    def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
+        self._gpm_sample(gpmSample).freed = True
+
+    def nvmlGpmSampleGet(self, device: Any, gpmSample: Any) -> Any:
+        card = self._card(device, "nvmlGpmSampleGet")
+        if not card.gpm:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        sample = self._gpm_sample(gpmSample)
+        now = self.clock()
+        card.count_gpm(now)
+        sample.card, sample.at, sample.counters = card, now, dict(card.gpm_counters)
+        return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:
+        if metricsGet.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        first, second = self._gpm_sample(metricsGet.sample1), self._gpm_sample(metricsGet.sample2)
+        if first.card is None or first.card is not second.card or not second.at > first.at:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if second.at - first.at < 0.1 - 1e-6:  # a microsecond for the clocks' float sums
+            self.gpm_pairs_too_close += 1
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        card = first.card
+        seconds = second.at - first.at
+        for i in range(metricsGet.numMetrics):
+            metric = metricsGet.metrics[i]
+            if metric.metricId in card.gpm_refused:
+                metric.nvmlReturn, metric.value = card.gpm_refused[metric.metricId], 0.0
+                continue
+            advanced = second.counters.get(metric.metricId, 0.0) - first.counters.get(metric.metricId, 0.0)
+            metric.nvmlReturn, metric.value = pynvml.NVML_SUCCESS, advanced / seconds
+        return metricsGet
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
+        return self._card(handle, "nvmlDeviceGetCurrentClocksEventReasons").clock_events
 
 
 def h200_node(cards: int = 8) -> FakeNvml:

@@ -255,14 +255,18 @@ def test_the_readme_s_sample_output_is_what_the_command_prints(tmp_path: Path) -
     p = subprocess.Popen([str(engine), "serve"], start_new_session=True)
     code = (
         "import functools, sys\n"
+        "import pynvml\n"
         "import sampler.open_sampler as o\n"
         "from tests.fakenvml import h200_node\n"
-        "o.GpuReader = functools.partial(o.GpuReader, h200_node(1))\n"
+        "node = h200_node(1)\n"
+        "node.cards[0].clock_events = pynvml.nvmlClocksEventReasonSwPowerCap  # the README's card is capped\n"
+        "o.GpuReader = functools.partial(o.GpuReader, node)\n"
         "from nodesampler.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     try:
-        r = subprocess.run([sys.executable, "-c", code, "sample", "--duration", "1", "--group",
+        # Two seconds: GPM's first interval ends 0.2 s after the reader starts, well before the window's reading.
+        r = subprocess.run([sys.executable, "-c", code, "sample", "--duration", "2", "--group",
                             "engine=cmdline:vllm serve"], cwd=Path(__file__).resolve().parent.parent,
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     finally:

@@ -19,6 +19,7 @@ import msgspec.structs
 import pytest
 
 import wire
+from sampler.gpu import gpm
 from tests.test_controlplane_api import heartbeat, registration
 from wire.heartbeat import explained
 from wire.schema import Heartbeat, Registration
@@ -42,6 +43,9 @@ def every_field_heartbeat() -> dict[str, Any]:
         requests_waiting=1, requests_running=2, kv_cache_usage_ratio=0.5)  # fmt: skip
     body["gpus"][0].update(pci_bus_id="0000:01:00.0", driver_version="550.54", lost=False, utilization_p95_percent=99,
                            utilization_max_percent=100, memory_bandwidth_percent=41, sm_clock_hz=1.98e9)  # fmt: skip
+    # GPM and the clock events (sampler/gpu/gpm.py names them).
+    body["gpus"][0].update({f: 50.0 for stem in gpm.METRICS for f in gpm.fields(stem)}, gpm_interval_seconds=0.1)
+    body["gpus"][0].update({gpm.clock_event_field(r): 0.25 for r in gpm.CLOCK_EVENTS})
     return body
 
 

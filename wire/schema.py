@@ -78,6 +78,8 @@ ThrottledSecondsTotal = Annotated[float, _unit("seconds", ge=0, le=1e15)]
 ThreadsPerCore = Annotated[float, _unit("threads", ge=0, le=1e12)]
 Requests = Annotated[float, _unit("requests", ge=0, le=1e9)]
 Hertz = Annotated[float, _unit("hertz", ge=0, le=1e11)]
+BytesPerSecond = Annotated[float, _unit("bytes per second", ge=0, le=1e15)]  # NVLink 5: 1.8e12
+GpmSeconds = Annotated[float, _unit("seconds", ge=0.1, le=1e6)]  # GPM's interval: 100 ms at the shortest
 Celsius = Annotated[float, _unit("celsius", ge=-100, le=500)]
 Watts = Annotated[float, _unit("watts", ge=0, le=1e6)]
 Joules = Annotated[float, _unit("joules", ge=0, le=1e18)]
@@ -232,6 +234,42 @@ class Gpu(_Checked, frozen=True):
     memory_used_bytes: Bytes | None = None
     memory_total_bytes: Bytes | None = None
     ecc_uncorrected: Errors | None = None
+    # What the SMs do (GPM, sampler/gpu/gpm.py): the window's mean, p95 and max over GPM's intervals.
+    gpm_interval_seconds: GpmSeconds | None = None
+    sm_activity_percent: Percent | None = None
+    sm_activity_p95_percent: Percent | None = None
+    sm_activity_max_percent: Percent | None = None
+    sm_occupancy_percent: Percent | None = None
+    sm_occupancy_p95_percent: Percent | None = None
+    sm_occupancy_max_percent: Percent | None = None
+    tensor_activity_percent: Percent | None = None
+    tensor_activity_p95_percent: Percent | None = None
+    tensor_activity_max_percent: Percent | None = None
+    tensor_hmma_activity_percent: Percent | None = None
+    tensor_hmma_activity_p95_percent: Percent | None = None
+    tensor_hmma_activity_max_percent: Percent | None = None
+    dram_bandwidth_percent: Percent | None = None
+    dram_bandwidth_p95_percent: Percent | None = None
+    dram_bandwidth_max_percent: Percent | None = None
+    pcie_tx_bytes_per_second: BytesPerSecond | None = None
+    pcie_tx_p95_bytes_per_second: BytesPerSecond | None = None
+    pcie_tx_max_bytes_per_second: BytesPerSecond | None = None
+    pcie_rx_bytes_per_second: BytesPerSecond | None = None
+    pcie_rx_p95_bytes_per_second: BytesPerSecond | None = None
+    pcie_rx_max_bytes_per_second: BytesPerSecond | None = None
+    nvlink_tx_bytes_per_second: BytesPerSecond | None = None
+    nvlink_tx_p95_bytes_per_second: BytesPerSecond | None = None
+    nvlink_tx_max_bytes_per_second: BytesPerSecond | None = None
+    nvlink_rx_bytes_per_second: BytesPerSecond | None = None
+    nvlink_rx_p95_bytes_per_second: BytesPerSecond | None = None
+    nvlink_rx_max_bytes_per_second: BytesPerSecond | None = None
+    # What held its clocks back: each reason's share of the window.
+    clock_event_sw_power_cap_ratio: Ratio | None = None
+    clock_event_hw_slowdown_ratio: Ratio | None = None
+    clock_event_sw_thermal_slowdown_ratio: Ratio | None = None
+    clock_event_hw_thermal_slowdown_ratio: Ratio | None = None
+    clock_event_power_brake_ratio: Ratio | None = None
+    clock_event_sync_boost_ratio: Ratio | None = None
 
 
 class Window(_Checked, frozen=True):

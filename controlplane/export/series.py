@@ -117,14 +117,28 @@ def _pressure(labels: LabelMaker, r: Received) -> Iterator[Sample]:
                     yield labels.more(labels.base, ("resource", resource), ("kind", kind)), value
 
 
-def _gpus(key: str, scale: float = 1.0) -> Samples:
+def _gpus(key: str, per: float = 1.0) -> Samples:
+    """A card's field, divided by `per` (100: a percent as a ratio, as DCGM's are)."""
+
     def samples(labels: LabelMaker, r: Received) -> Iterator[Sample]:
         for g in r.heartbeat.gpus or ():
             value = getattr(g, key)
             if value is not None:
-                yield labels.gpu(g), value if scale == 1.0 else value * scale
+                yield labels.gpu(g), value if per == 1.0 else value / per
 
     return samples
+
+
+# The reasons' label values -> the heartbeat's fields (sampler/gpu/gpm.py's CLOCK_EVENTS).
+CLOCK_EVENT_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "power_brake",
+                       "sync_boost")  # fmt: skip
+
+
+def _clock_events(labels: LabelMaker, r: Received) -> Iterator[Sample]:
+    for g in r.heartbeat.gpus or ():
+        for reason in CLOCK_EVENT_REASONS:
+            if (value := getattr(g, f"clock_event_{reason}_ratio")) is not None:
+                yield labels.more(labels.gpu(g), ("reason", reason)), value
 
 
 def _left_out(labels: LabelMaker, r: Received) -> Iterator[Sample]:
@@ -233,6 +247,33 @@ FAMILIES: tuple[Family, ...] = (
     Family("llmgw_gpu_power_watts", "gauge", "GPU power draw", _gpus("power_watts"), charted=True),
     Family("llmgw_gpu_energy_joules_total", "counter", "GPU energy since the driver loaded",
            _gpus("energy_joules")),
+    # What the SMs did (GPM, Hopper and later), named after DCGM's profiling fields
+    # (DCGM_FI_PROF_SM_ACTIVE, _SM_OCCUPANCY, _PIPE_TENSOR_ACTIVE, _DRAM_ACTIVE, _PCIE_TX_BYTES, ...), 0-1 as theirs.
+    Family("llmgw_gpu_sm_active_ratio", "gauge", "Share of the GPU's SMs busy, the window's mean (GPM)",
+           _gpus("sm_activity_percent", per=100)),
+    Family("llmgw_gpu_sm_active_max_ratio", "gauge", "Share of the GPU's SMs busy, the window's highest GPM interval",
+           _gpus("sm_activity_max_percent", per=100)),
+    Family("llmgw_gpu_sm_occupancy_ratio", "gauge", "Warps resident on the SMs, of the most possible (GPM)",
+           _gpus("sm_occupancy_percent", per=100)),
+    Family("llmgw_gpu_pipe_tensor_active_ratio", "gauge", "Time any tensor pipe was busy, the window's mean (GPM)",
+           _gpus("tensor_activity_percent", per=100)),
+    Family("llmgw_gpu_pipe_tensor_active_max_ratio", "gauge",
+           "Time any tensor pipe was busy, the window's highest GPM interval",
+           _gpus("tensor_activity_max_percent", per=100)),
+    Family("llmgw_gpu_pipe_tensor_hmma_active_ratio", "gauge", "Time the HMMA tensor pipes were busy (GPM)",
+           _gpus("tensor_hmma_activity_percent", per=100)),
+    Family("llmgw_gpu_dram_active_ratio", "gauge", "DRAM bandwidth used, of the most possible (GPM)",
+           _gpus("dram_bandwidth_percent", per=100)),
+    Family("llmgw_gpu_pcie_tx_bytes_per_second", "gauge", "PCIe bytes a second out of the GPU (GPM)",
+           _gpus("pcie_tx_bytes_per_second")),
+    Family("llmgw_gpu_pcie_rx_bytes_per_second", "gauge", "PCIe bytes a second into the GPU (GPM)",
+           _gpus("pcie_rx_bytes_per_second")),
+    Family("llmgw_gpu_nvlink_tx_bytes_per_second", "gauge", "NVLink bytes a second out of the GPU, all links (GPM)",
+           _gpus("nvlink_tx_bytes_per_second")),
+    Family("llmgw_gpu_nvlink_rx_bytes_per_second", "gauge", "NVLink bytes a second into the GPU, all links (GPM)",
+           _gpus("nvlink_rx_bytes_per_second")),
+    Family("llmgw_gpu_clock_event_ratio", "gauge",
+           "Share of the window a reason held the GPU's clocks below their maximum", _clock_events),
 )  # fmt: skip
 
 FAMILY_NAMES = frozenset(f.name for f in FAMILIES)

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from sampler.gpu import gpm
+from sampler.gpu.gpm import CardMonitor
 from sampler.off_thread import InFlight, Said
 
 log = logging.getLogger(__name__)
@@ -115,9 +117,15 @@ def _text(value: bytes | str) -> str:
 class GpuReader:
     """Owns NVML for the agent's life: initialised once, on its own thread."""
 
-    def __init__(self, nvml: ModuleType | Any | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, nvml: ModuleType | Any | None = None, clock: Callable[[], float] = time.monotonic,
+                 gpm_every_s: float | None = None) -> None:  # fmt: skip
+        """`gpm_every_s`: how often GPM and the clock events are sampled (at
+        least `gpm.MIN_INTERVAL_S`); None: not at all."""
         self._nvml: Any = nvml  # pynvml, or a stand-in with its functions and errors
         self._clock = clock
+        self._monitor: CardMonitor | None = None
+        self._tick: concurrent.futures.Future[None] | None = None
+        self._closed = threading.Event()
         self._pool = _NvmlThread()
         self._cards: list[_Card] = []
         self._driver: str | None = None
@@ -129,8 +137,23 @@ class GpuReader:
         self._reading = InFlight[GpuReading]()
         self._said = Said()
         self._init_future = self._pool.submit(self._init)
+        if gpm_every_s is not None:
+            every = max(gpm.MIN_INTERVAL_S, gpm_every_s)
+            threading.Thread(target=self._ticks, args=(every,), name="nvml-ticks", daemon=True).start()
+
+    def _ticks(self, every: float) -> None:
+        """GPM's own clock: a tick submitted to the NVML thread every `every`
+        seconds, none while the last is still waiting (a call hung in the
+        driver does not pile ticks up behind it)."""
+        while not self._closed.wait(every):
+            if self._tick is None or self._tick.done():
+                self._tick = self._pool.submit(self._monitor_tick)
 
     # --- on the NVML thread -------------------------------------------------------
+
+    def _monitor_tick(self) -> None:
+        if self._loaded and self._monitor is not None:
+            self._monitor.tick()
 
     def _errors(self) -> tuple[type[BaseException], ...]:
         return (self._nvml.NVMLError,) if self._nvml is not None else ()
@@ -167,6 +190,9 @@ class GpuReader:
                 log.warning("GPU %d left out: %s", index, e)
                 continue
             self._cards.append(self._describe(_Card(index, h, uuid, None, None, None)))
+        if self._monitor is None:
+            self._monitor = CardMonitor(nv, self._clock, self._said.first)
+        self._monitor.follow([(c.index, c.handle) for c in self._cards])
         if self._load_error is not None:
             log.warning("NVML loaded (it was not: %s): %d GPUs", self._load_error, len(self._cards))
         self._loaded, self._load_error, self._init_delay = True, None, INIT_RETRY_START_S
@@ -266,6 +292,8 @@ class GpuReader:
             value = self._field(card, key, read)
             if value is not None:
                 out[key] = value
+        if self._monitor is not None:
+            out.update(self._monitor.take(card.index))  # GPM and clock events, at their own rate
         return out
 
     def _processes(self, card: _Card) -> list[tuple[int, int | None]] | None:
@@ -424,4 +452,5 @@ class GpuReader:
 
     def close(self) -> None:
         # A hung NVML call cannot be interrupted: do not wait for it (the thread is a daemon).
+        self._closed.set()
         self._pool.shutdown()

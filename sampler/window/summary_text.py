@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from wire.schema import Pressure, Shard, Stall, Stats, WindowSummary
+from wire.schema import Gpu, Pressure, Shard, Stall, Stats, WindowSummary
 
 DASH = "—"
 
@@ -54,6 +54,33 @@ def _gpu_lines(summary: WindowSummary) -> list[str]:
             f"  {_num(g.temperature_celsius, '.0f', ' C')}  {_num(g.power_watts, '.0f', ' W')}"
             f"  ecc {_num(g.ecc_uncorrected, 'd')}"
         )
+        lines += _sm_lines(g)
+    return lines
+
+
+# The clock events as a line names them (sampler/gpu/gpm.py's CLOCK_EVENTS).
+HELD_BY = (("clock_event_sw_power_cap_ratio", "power cap"), ("clock_event_power_brake_ratio", "power brake"),
+           ("clock_event_hw_slowdown_ratio", "hw slowdown"), ("clock_event_sw_thermal_slowdown_ratio", "thermal"),
+           ("clock_event_hw_thermal_slowdown_ratio", "hw thermal"), ("clock_event_sync_boost_ratio", "sync boost"))
+
+
+def _sm_lines(g: Gpu) -> list[str]:
+    """What the card's SMs did (GPM) and what held its clocks back: only
+    where the card says (a card without GPM has no such line)."""
+    lines = []
+    if g.gpm_interval_seconds is not None:
+        lines.append(
+            f"  SMs    active {_num(g.sm_activity_percent, '.0f', '%')}"
+            f" (p95 {_num(g.sm_activity_p95_percent, '.0f')}, max {_num(g.sm_activity_max_percent, '.0f')})"
+            f"  occupancy {_num(g.sm_occupancy_percent, '.0f', '%')}"
+            f"  tensor {_num(g.tensor_activity_percent, '.0f', '%')}"
+            f"  dram {_num(g.dram_bandwidth_percent, '.0f', '%')}"
+            f"  (GPM every {g.gpm_interval_seconds:.1f} s)"
+        )
+    shares = [(name, getattr(g, key)) for key, name in HELD_BY if getattr(g, key) is not None]
+    if shares:
+        held = [f"{name} {share * 100:.0f}%" for name, share in shares if share > 0]
+        lines.append("  clocks held back by " + (", ".join(held) if held else "nothing"))
     return lines
 
 

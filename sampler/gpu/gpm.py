@@ -1,0 +1,232 @@
+"""What a card's SMs do, and what holds its clocks back, at GPM's own rate.
+
+NVML's utilisation is the share of time at least one kernel ran: a card
+decoding one small batch reads 100% while most of its SMs idle. GPU
+Performance Monitoring (GPM, Hopper and later) says what the SMs do: the
+share of SMs busy, warps resident against the maximum, tensor pipes
+active, DRAM bandwidth, PCIe and NVLink bytes. Each figure is computed by
+NVML from two samples (`nvmlGpmSampleGet`, then `nvmlGpmMetricsGet` over
+the pair), which must lie at least 100 ms apart (NVML's reference, the
+note of `nvmlGpmMetricsGet`; NVIDIA calls faster than 10 Hz unsupported):
+so GPM keeps its own clock, `MIN_INTERVAL_S` at the finest, whatever the
+sampler's `--hz`, and a window's figures are the mean (weighted by each
+interval's length), p95 and max of the intervals that ended in it, with
+their mean length beside them.
+
+The clock-event reasons (`nvmlDeviceGetCurrentClocksEventReasons`, a bit
+mask of why the clocks are below their maximum now) are read at the same
+ticks on every card, GPM or not: each reason's share of the window is the
+time it was set (each tick's mask standing for the interval it ends).
+
+Everything here runs on the NVML thread (sampler/gpu/nvml.py): the ticks
+and the window's reading alike, so nothing is shared with another thread.
+A card, driver or metric without support is absent, said once with the
+reason, never 0; a read that fails costs that figure that interval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MIN_INTERVAL_S = 0.1  # two GPM samples at least 100 ms apart (NVML's nvmlGpmMetricsGet)
+MiB = 1 << 20
+
+# The wire's name (its stem) -> NVML's metric, and its unit on the wire.
+# NVML gives percents, and bytes as MiB a second.
+METRICS: dict[str, tuple[str, str]] = {
+    "sm_activity": ("NVML_GPM_METRIC_SM_UTIL", "percent"),  # SMs busy, of all
+    "sm_occupancy": ("NVML_GPM_METRIC_SM_OCCUPANCY", "percent"),  # warps resident, of the most possible
+    "tensor_activity": ("NVML_GPM_METRIC_ANY_TENSOR_UTIL", "percent"),  # any tensor pipe
+    "tensor_hmma_activity": ("NVML_GPM_METRIC_HMMA_TENSOR_UTIL", "percent"),  # half-precision matrix pipes
+    "dram_bandwidth": ("NVML_GPM_METRIC_DRAM_BW_UTIL", "percent"),  # of the theoretical maximum
+    "pcie_tx": ("NVML_GPM_METRIC_PCIE_TX_PER_SEC", "bytes_per_second"),
+    "pcie_rx": ("NVML_GPM_METRIC_PCIE_RX_PER_SEC", "bytes_per_second"),
+    "nvlink_tx": ("NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC", "bytes_per_second"),
+    "nvlink_rx": ("NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC", "bytes_per_second"),
+}
+
+# The wire's name -> NVML's bit: what holds a card's clocks back.
+CLOCK_EVENTS: dict[str, str] = {
+    "sw_power_cap": "nvmlClocksEventReasonSwPowerCap",
+    "hw_slowdown": "nvmlClocksEventReasonHwSlowdown",
+    "sw_thermal_slowdown": "nvmlClocksEventReasonSwThermalSlowdown",
+    "hw_thermal_slowdown": "nvmlClocksEventReasonHwThermalSlowdown",
+    "power_brake": "nvmlClocksEventReasonHwPowerBrakeSlowdown",
+    "sync_boost": "nvmlClocksEventReasonSyncBoost",
+}
+
+
+def fields(stem: str) -> tuple[str, str, str]:
+    """The wire's mean, p95 and max fields of a GPM metric."""
+    unit = METRICS[stem][1]
+    return f"{stem}_{unit}", f"{stem}_p95_{unit}", f"{stem}_max_{unit}"
+
+
+def clock_event_field(name: str) -> str:
+    return f"clock_event_{name}_ratio"
+
+
+@dataclass
+class _CardState:
+    index: int
+    handle: Any
+    gpm: bool | None = None  # None: not asked yet
+    buffers: list[Any] = field(default_factory=list)  # two GPM sample buffers, the newest first after a tick
+    last_at: float | None = None  # when buffers[0] was taken
+    intervals: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (seconds, stem -> value)
+    clock_events: bool = True  # False: the card or driver does not say
+    clock_at: float | None = None
+    held: dict[str, float] = field(default_factory=dict)  # reason -> seconds set, this window
+    clock_seconds: float = 0.0  # seconds the ticks covered, this window
+
+
+class CardMonitor:
+    """GPM and clock events of a node's cards, ticked on the NVML thread."""
+
+    def __init__(self, nvml: Any, clock: Callable[[], float], said: Callable[[str], bool]) -> None:
+        self._nv = nvml
+        self._clock = clock
+        self._first = said  # True the first time a problem is seen: it is logged once
+        self._cards: dict[int, _CardState] = {}
+        self._ids = {stem: int(getattr(nvml, name)) for stem, (name, _) in METRICS.items()}
+        self._bits = {reason: int(getattr(nvml, name)) for reason, name in CLOCK_EVENTS.items()}
+
+    def follow(self, cards: list[tuple[int, Any]]) -> None:
+        """The cards (index, handle) found at NVML's (re-)initialisation; a
+        card's old buffers are freed."""
+        self.close()
+        self._cards = {index: _CardState(index, handle) for index, handle in cards}
+
+    def close(self) -> None:
+        for card in self._cards.values():
+            for buffer in card.buffers:
+                with contextlib.suppress(self._nv.NVMLError):
+                    self._nv.nvmlGpmSampleFree(buffer)
+            card.buffers = []
+        self._cards = {}
+
+    # --- a tick -----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        now = self._clock()
+        for card in self._cards.values():
+            self._tick_clock_events(card, now)
+            if card.gpm is None:
+                card.gpm = self._supports_gpm(card)
+            if card.gpm and (card.last_at is None or now - card.last_at >= MIN_INTERVAL_S - 1e-6):  # float sums
+                self._tick_gpm(card, now)
+
+    def _supports_gpm(self, card: _CardState) -> bool:
+        nv = self._nv
+        try:
+            supported = bool(nv.nvmlGpmQueryDeviceSupport(card.handle).isSupportedDevice)
+            if supported:
+                card.buffers = [nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc()]
+        except nv.NVMLError as e:
+            if self._first(f"gpm {card.index}"):
+                log.info("GPU %d: SM activity, occupancy, tensor and bandwidth not measured: GPM not available "
+                         "(%s)", card.index, e)  # fmt: skip
+            return False
+        if not supported and self._first(f"gpm {card.index}"):
+            log.info("GPU %d: SM activity, occupancy, tensor and bandwidth not measured: the card has no GPM "
+                     "(Hopper and later have it)", card.index)  # fmt: skip
+        return supported
+
+    def _tick_gpm(self, card: _CardState, now: float) -> None:
+        nv = self._nv
+        newest, older = card.buffers[1], card.buffers[0]  # the older of the two is written over
+        try:
+            nv.nvmlGpmSampleGet(card.handle, newest)
+        except nv.NVMLError as e:
+            if self._first(f"gpm sample {card.index} {e}"):
+                log.info("GPU %d: a GPM sample failed (%s): that interval is left out", card.index, e)
+            card.last_at = None  # the next sample starts a new pair
+            return
+        card.buffers = [newest, older]
+        if card.last_at is None:
+            card.last_at = now
+            return
+        seconds, card.last_at = now - card.last_at, now
+        ask = nv.c_nvmlGpmMetricsGet_t()
+        ask.version = nv.NVML_GPM_METRICS_GET_VERSION
+        ask.numMetrics = len(self._ids)
+        ask.sample1, ask.sample2 = older, newest
+        for i, metric in enumerate(self._ids.values()):
+            ask.metrics[i].metricId = metric
+        try:
+            nv.nvmlGpmMetricsGet(ask)
+        except nv.NVMLError as e:
+            if self._first(f"gpm metrics {card.index} {e}"):
+                log.info("GPU %d: GPM metrics failed (%s): that interval is left out", card.index, e)
+            return
+        values = {}
+        for i, stem in enumerate(self._ids):
+            got = ask.metrics[i]
+            if got.nvmlReturn != nv.NVML_SUCCESS:
+                if self._first(f"gpm {card.index} {stem} {got.nvmlReturn}"):
+                    log.info("GPU %d: %s not measured: NVML returned %s", card.index, stem,
+                             nv.NVMLError(got.nvmlReturn))  # fmt: skip
+                continue
+            value = float(got.value)
+            if not np.isfinite(value) or value < 0:
+                continue
+            values[stem] = value * MiB if METRICS[stem][1] == "bytes_per_second" else min(value, 100.0)
+        card.intervals.append((seconds, values))
+
+    def _tick_clock_events(self, card: _CardState, now: float) -> None:
+        if not card.clock_events:
+            return
+        nv = self._nv
+        try:
+            mask = int(nv.nvmlDeviceGetCurrentClocksEventReasons(card.handle))
+        except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound, nv.NVMLError_NoPermission) as e:
+            card.clock_events = False
+            log.info("GPU %d: what holds its clocks back not measured: %s", card.index, e)
+            return
+        except nv.NVMLError:
+            card.clock_at = None  # this interval unknown: the next tick starts again
+            return
+        if card.clock_at is not None:
+            seconds = now - card.clock_at
+            card.clock_seconds += seconds
+            for reason, bit in self._bits.items():
+                if mask & bit:
+                    card.held[reason] = card.held.get(reason, 0.0) + seconds
+        card.clock_at = now
+
+    # --- a window ---------------------------------------------------------------------
+
+    def take(self, index: int) -> dict[str, Any]:
+        """The card's fields for the window since the last take: absent where
+        not measured (no GPM, no interval ended, the metric refused)."""
+        card = self._cards.get(index)
+        if card is None:
+            return {}
+        out: dict[str, Any] = {}
+        intervals, card.intervals = card.intervals, []
+        if intervals:
+            lengths = np.array([s for s, _ in intervals])
+            out["gpm_interval_seconds"] = round(float(lengths.mean()), 3)
+            for stem in METRICS:
+                pairs = [(s, v[stem]) for s, v in intervals if stem in v]
+                if not pairs:
+                    continue
+                weights = np.array([s for s, _ in pairs])
+                values = np.array([v for _, v in pairs])
+                mean, p95, top = fields(stem)
+                out[mean] = round(float(np.average(values, weights=weights)), 2)
+                out[p95] = round(float(np.percentile(values, 95)), 2)
+                out[top] = round(float(values.max()), 2)
+        if card.clock_events and card.clock_seconds > 0:
+            for reason in CLOCK_EVENTS:
+                out[clock_event_field(reason)] = round(min(1.0, card.held.get(reason, 0.0) / card.clock_seconds), 4)
+        card.held, card.clock_seconds = {}, 0.0
+        return out

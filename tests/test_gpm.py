@@ -1,0 +1,205 @@
+"""What a card's SMs do (GPM) and what holds its clocks back, at GPM's own
+rate, through the fake NVML (tests/fakenvml.py: its GPM follows NVML's
+reference, cited there): each window's figures against the truth the test
+sets, the 100 ms minimum kept whatever the tick, and a card without GPM
+absent beside one with it, never 0."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import pynvml
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sampler.gpu.gpm import CLOCK_EVENTS, METRICS, CardMonitor, clock_event_field, fields
+from sampler.gpu.nvml import GpuReader
+from sampler.off_thread import Said
+from tests.fakenvml import FakeCard, FakeNvml
+from tests.fakeproc import FakeClock
+
+SM = pynvml.NVML_GPM_METRIC_SM_UTIL
+TENSOR = pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL
+PCIE_TX = pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC
+POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap
+THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown
+
+
+def monitor_of(nvml: FakeNvml, clock: FakeClock) -> CardMonitor:
+    nvml.nvmlInit()
+    monitor = CardMonitor(nvml, clock, Said().first)
+    monitor.follow([(c.index, nvml.nvmlDeviceGetHandleByIndex(c.index)) for c in nvml.cards])
+    return monitor
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(st.floats(0.1, 0.6), st.floats(0, 100), st.floats(0, 0.09)), min_size=2,
+                      max_size=30))  # fmt: skip
+def test_a_window_s_mean_is_the_time_weighted_mean_of_its_intervals(steps: list[tuple[float, float, float]]) -> None:
+    """Ticks at uneven gaps (each at least 100 ms), the SM activity changing
+    between ticks: the window's mean is the activity's mean over the time
+    its intervals cover, its max and p95 those of the intervals' own means."""
+    clock = FakeClock()
+    nvml = FakeNvml([FakeCard(0)], clock=clock)
+    monitor = monitor_of(nvml, clock)
+    card = nvml.cards[0]
+    card.set_gpm_rates(clock.t, {SM: 0.0})
+    monitor.tick()  # the first sample: no interval yet
+    began = clock.t
+    area, means = 0.0, []
+    for gap, level, change_at in steps:
+        # The activity changes `change_at` into the interval: the interval's mean is the two levels weighed.
+        before = card.gpm_rates[SM]
+        clock.advance(change_at)
+        card.set_gpm_rates(clock.t, {SM: level})
+        clock.advance(gap - change_at)
+        monitor.tick()
+        interval = (before * change_at + level * (gap - change_at)) / gap
+        area += interval * gap
+        means.append(interval)
+    got = monitor.take(0)
+    mean, p95, top = fields("sm_activity")
+    assert got[mean] == pytest.approx(area / (clock.t - began), abs=0.01)
+    assert got[top] == pytest.approx(max(means), abs=0.01)
+    assert got[p95] == pytest.approx(float(np.percentile(means, 95)), abs=0.01)
+    assert got["gpm_interval_seconds"] == pytest.approx((clock.t - began) / len(steps), abs=1e-3)
+    assert nvml.gpm_pairs_too_close == 0
+    assert monitor.take(0) == {}  # each interval in one window only
+
+
+def test_ticks_faster_than_10_hz_never_pair_samples_closer_than_100_ms() -> None:
+    clock = FakeClock()
+    nvml = FakeNvml([FakeCard(0)], clock=clock)
+    monitor = monitor_of(nvml, clock)
+    nvml.cards[0].set_gpm_rates(clock.t, {SM: 40.0, TENSOR: 25.0, PCIE_TX: 512.0})
+    for _ in range(100):  # 1000 Hz for a tenth of a second, ten times
+        monitor.tick()
+        clock.advance(0.01)
+    got = monitor.take(0)
+    assert nvml.gpm_pairs_too_close == 0
+    assert got["gpm_interval_seconds"] >= 0.1
+    assert got["sm_activity_percent"] == pytest.approx(40.0) and got["tensor_activity_max_percent"] == 25.0
+    assert got["pcie_tx_bytes_per_second"] == pytest.approx(512 * 2**20)  # NVML's MiB a second, in bytes
+
+
+def test_a_card_without_gpm_beside_one_with_it_is_absent_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    nvml = FakeNvml([FakeCard(0), FakeCard(1, name="NVIDIA A100-SXM4-80GB", gpm=False)], clock=clock)
+    monitor = monitor_of(nvml, clock)
+    nvml.cards[0].set_gpm_rates(clock.t, {SM: 30.0})
+    nvml.cards[1].set_gpm_rates(clock.t, {SM: 30.0})  # it has SMs too: it does not say what they do
+    with caplog.at_level(logging.INFO, logger="sampler.gpu.gpm"):
+        for _ in range(5):
+            monitor.tick()
+            clock.advance(0.2)
+        hopper, ampere = monitor.take(0), monitor.take(1)
+    assert hopper["sm_activity_percent"] == 30.0
+    gpm_fields = {f for stem in METRICS for f in fields(stem)} | {"gpm_interval_seconds"}
+    assert not gpm_fields & set(ampere)
+    said = [r.getMessage() for r in caplog.records if "GPU 1" in r.getMessage()]
+    assert said == ["GPU 1: SM activity, occupancy, tensor and bandwidth not measured: the card has no GPM "
+                    "(Hopper and later have it)"]  # fmt: skip
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_FUNCTION_NOT_FOUND, pynvml.NVML_ERROR_NOT_SUPPORTED])
+def test_a_driver_without_gpm_is_absent(code: int) -> None:
+    clock = FakeClock()
+    nvml = FakeNvml([FakeCard(0, fails={"nvmlGpmQueryDeviceSupport": code})], clock=clock)
+    monitor = monitor_of(nvml, clock)
+    for _ in range(3):
+        monitor.tick()
+        clock.advance(0.2)
+    got = monitor.take(0)
+    assert not any(k.startswith(tuple(METRICS)) for k in got) and "gpm_interval_seconds" not in got
+
+
+def test_a_metric_nvml_refuses_costs_that_metric_alone() -> None:
+    clock = FakeClock()
+    nvml = FakeNvml([FakeCard(0, gpm_refused={TENSOR: pynvml.NVML_ERROR_NOT_SUPPORTED})], clock=clock)
+    monitor = monitor_of(nvml, clock)
+    nvml.cards[0].set_gpm_rates(clock.t, {SM: 10.0, TENSOR: 90.0})
+    for _ in range(3):
+        monitor.tick()
+        clock.advance(0.25)
+    got = monitor.take(0)
+    assert got["sm_activity_percent"] == 10.0
+    assert not {f for f in got if f.startswith("tensor_activity")}  # absent, not 0
+    assert "tensor_hmma_activity_percent" in got  # the card's other metrics, at what the fake counts (0 here)
+
+
+def test_a_failed_sample_costs_its_intervals_alone() -> None:
+    clock = FakeClock()
+    card = FakeCard(0)
+    nvml = FakeNvml([card], clock=clock)
+    monitor = monitor_of(nvml, clock)
+    card.set_gpm_rates(clock.t, {SM: 50.0})
+    monitor.tick()
+    clock.advance(0.2)
+    card.fails["nvmlGpmSampleGet"] = pynvml.NVML_ERROR_UNKNOWN
+    monitor.tick()
+    clock.advance(0.2)
+    del card.fails["nvmlGpmSampleGet"]
+    monitor.tick()  # a new first sample
+    clock.advance(0.3)
+    monitor.tick()
+    got = monitor.take(0)
+    assert got["sm_activity_percent"] == 50.0 and got["gpm_interval_seconds"] == pytest.approx(0.3)
+
+
+def test_clock_events_share_of_the_window() -> None:
+    """A power cap for 0.6 s of 1.0 s, a thermal slowdown for the last 0.2 s:
+    each tick's mask stands for the interval it ends."""
+    clock = FakeClock()
+    card = FakeCard(0)
+    nvml = FakeNvml([card, FakeCard(1, fails={"nvmlDeviceGetCurrentClocksEventReasons":
+                                              pynvml.NVML_ERROR_NOT_SUPPORTED})], clock=clock)  # fmt: skip
+    monitor = monitor_of(nvml, clock)
+    masks = [0, 0, POWER_CAP, POWER_CAP, POWER_CAP | THERMAL]  # at the ticks ending each 0.2 s from the first
+    monitor.tick()
+    for mask in masks:
+        clock.advance(0.1)
+        card.clock_events = mask  # set mid-interval: the tick that ends it reads it
+        clock.advance(0.1)
+        monitor.tick()
+    got = monitor.take(0)
+    assert got[clock_event_field("sw_power_cap")] == pytest.approx(0.6)
+    assert got[clock_event_field("hw_thermal_slowdown")] == pytest.approx(0.2)
+    assert got[clock_event_field("sync_boost")] == 0.0  # measured: never set
+    assert set(got) >= {clock_event_field(r) for r in CLOCK_EVENTS}
+    assert not any(k.startswith("clock_event") for k in monitor.take(1))  # unsupported: absent
+
+
+def test_the_reader_ticks_on_its_own_clock(caplog: pytest.LogCaptureFixture) -> None:
+    """The agent's reader with GPM on: a Hopper card's readings carry its SM
+    activity once ticks have come; an older card beside it carries none."""
+    nvml = FakeNvml([FakeCard(0), FakeCard(1, gpm=False)])
+    nvml.cards[0].set_gpm_rates(time.monotonic(), {SM: 12.5})
+    reader = GpuReader(nvml, gpm_every_s=0.1)
+    try:
+        assert reader.wait_ready(10)
+        deadline = time.monotonic() + 30
+        got: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            reader.request({})
+            assert reader.wait(10)
+            reading = reader.take()
+            assert reading is not None and reading.gpus is not None
+            got = reading.gpus
+            if "sm_activity_percent" in got[0]:
+                break
+            reader.wait(0.05)  # nothing in flight: a pause between asks, not a synchronisation
+        assert got[0]["sm_activity_percent"] == pytest.approx(12.5)
+        assert "sm_activity_percent" not in got[1] and "clock_event_sw_power_cap_ratio" in got[1]
+        assert nvml.gpm_pairs_too_close == 0
+    finally:
+        reader.close()
+
+
+def test_the_export_names_every_clock_event_reason() -> None:
+    from controlplane.export.series import CLOCK_EVENT_REASONS
+
+    assert set(CLOCK_EVENT_REASONS) == set(CLOCK_EVENTS)
