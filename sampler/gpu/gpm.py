@@ -80,6 +80,7 @@ class _CardState:
     handle: Any
     gpm: bool | None = None  # None: not asked yet
     buffers: list[Any] = field(default_factory=list)  # two GPM sample buffers, the newest first after a tick
+    ask: Any = None  # the metrics asked of a pair: made once (23 KB, its ids set through pynvml's Python setters)
     last_at: float | None = None  # when buffers[0] was taken
     intervals: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (seconds, stem -> value)
     clock_events: bool = True  # False: the card or driver does not say
@@ -130,6 +131,11 @@ class CardMonitor:
             supported = bool(nv.nvmlGpmQueryDeviceSupport(card.handle).isSupportedDevice)
             if supported:
                 card.buffers = [nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc()]
+                card.ask = nv.c_nvmlGpmMetricsGet_t()
+                card.ask.version = nv.NVML_GPM_METRICS_GET_VERSION
+                card.ask.numMetrics = len(self._ids)
+                for i, metric in enumerate(self._ids.values()):
+                    card.ask.metrics[i].metricId = metric
         except nv.NVMLError as e:
             if self._first(f"gpm {card.index}"):
                 log.info("GPU %d: SM activity, occupancy, tensor and bandwidth not measured: GPM not available "
@@ -155,12 +161,8 @@ class CardMonitor:
             card.last_at = now
             return
         seconds, card.last_at = now - card.last_at, now
-        ask = nv.c_nvmlGpmMetricsGet_t()
-        ask.version = nv.NVML_GPM_METRICS_GET_VERSION
-        ask.numMetrics = len(self._ids)
+        ask = card.ask
         ask.sample1, ask.sample2 = older, newest
-        for i, metric in enumerate(self._ids.values()):
-            ask.metrics[i].metricId = metric
         try:
             nv.nvmlGpmMetricsGet(ask)
         except nv.NVMLError as e:
