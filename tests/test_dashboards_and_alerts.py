@@ -44,6 +44,7 @@ def test_alert_rules_name_only_exported_families() -> None:
     alerts = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
     assert set(alerts) == {"NodeDown", "NodeCPUSaturated", "GPUUncorrectedECCErrors", "GPUTemperatureHigh",
                            "GPUMemoryHeldButIdle", "EngineHostBound", "NodesamplerControlPlaneAbsent",
+                           "GPUClocksHeldBackWhileQueued",
                            "NodesamplerReplicaDown", "KubernetesNodeWithoutSampler"}  # fmt: skip
     assert {m for e in alerts.values() for m in METRIC.findall(e)} <= FAMILY_NAMES
     # Beyond the fleet's families: the control plane's own, and kube-state-metrics' node list.
