@@ -504,3 +504,22 @@ def test_series_gone_for_the_hour_give_their_room_to_new_ones() -> None:
                    "e399": [float(x) for x in range(1995, 2000)]}  # fmt: skip
     [cpu] = h.query_now(ChartSpec("llmgw_node_cpu_utilization_percent", (("node", "n1"),)), 0, 10_000, 5.0)
     assert cpu.v.tolist() == [1.0] * 13  # the series that never stopped kept its row
+
+
+async def test_a_card_with_gpm_shows_what_its_sms_did_and_one_without_shows_dashes(aiohttp_client: Any) -> None:
+    """gpu-1's card 0 has GPM (SMs busy 38.5%, tensor 27.5%, clocks held back
+    by its power cap a fifth of the window); card 1 says neither: dashes,
+    never 0; and the SMs' chart is drawn beside the utilisation's."""
+    registry, _ = fleet_registry()
+    state = registry.get("gpu-1")
+    assert state is not None and state.received is not None
+    history = EmbeddedHistory()
+    history.record("gpu-1", state.received)
+    client = await pages_client(aiohttp_client, registry, history)
+    page = await (await client.get("/node/gpu-1")).text()
+    text = parse(page)
+    assert "0 NVIDIA H200 97.0% 38.5% 27.5%" in text and "power cap 20%" in text
+    assert "1 NVIDIA H200 — — —" in text  # card 1: no utilisation samples, no GPM: not measured
+    assert 'aria-label="GPU SMs busy by card' in page and 'aria-label="GPU utilisation by card' in page
+    cpu = await (await client.get("/node/cpu-2")).text()
+    assert "SMs busy by card" not in cpu  # no card, no GPM chart

@@ -35,6 +35,8 @@ def format_value(value: float, unit: str) -> str:
             value /= 1024
     if unit == "percent":
         return f"{value:.0f}%"
+    if unit == "ratio":  # 0-1, shown as a percent
+        return f"{100 * value:.0f}%"
     if unit == "celsius":
         return f"{value:.0f} °C"
     if unit == "watts":

@@ -65,7 +65,24 @@ def _environment() -> jinja2.Environment:
     env.filters["pct"] = lambda v: DASH if v is None else f"{v:.1f}%"
     env.filters["num"] = lambda v, digits=2: DASH if v is None else f"{v:.{digits}f}"
     env.filters["age"] = lambda v: DASH if v is None else (f"{v:.0f} s" if v < 120 else f"{v / 60:.0f} min")
+    env.globals["held_back"] = _held_back
     return env
+
+
+# A card's clock-event reasons as its row names them (sampler/gpu/gpm.py's CLOCK_EVENTS).
+HELD_BACK_BY = (("sw_power_cap", "power cap"), ("power_brake", "power brake"), ("hw_slowdown", "hw slowdown"),
+                ("sw_thermal_slowdown", "thermal"), ("hw_thermal_slowdown", "hw thermal"), ("sync_boost", "sync boost"))
+
+
+def _held_back(g: Gpu) -> str:
+    """The reason that held the card's clocks back longest in the window, and
+    its share; "none" when measured and never; a dash where the card does not say."""
+    shares = [(getattr(g, f"clock_event_{reason}_ratio"), name) for reason, name in HELD_BACK_BY]
+    measured = [(share, name) for share, name in shares if share is not None]
+    if not measured:
+        return DASH
+    share, name = max(measured, key=lambda m: m[0])
+    return f"{name} {100 * share:.0f}%" if share > 0 else "none"
 
 
 def _verdict(verdict: Verdict | None) -> dict[str, str] | None:
@@ -213,6 +230,9 @@ def _node_specs(node: str, view: dict[str, Any]) -> Specs:
              "celsius", None),
             ("GPU power by card", [(ChartSpec("llmgw_gpu_power_watts", f, ("gpu",)), "GPU")], "watts", None),
         ]  # fmt: skip
+    if any(g.sm_activity_percent is not None for g in view["gpus"]):  # a card with GPM: what its SMs did
+        specs.append(("GPU SMs busy by card (GPM; utilisation says only that a kernel ran)",
+                      [(ChartSpec("llmgw_gpu_sm_active_ratio", f, ("gpu",)), "GPU")], "ratio", 1.0))  # fmt: skip
     return specs
 
 

@@ -250,7 +250,7 @@ FAMILIES: tuple[Family, ...] = (
     # What the SMs did (GPM, Hopper and later), named after DCGM's profiling fields
     # (DCGM_FI_PROF_SM_ACTIVE, _SM_OCCUPANCY, _PIPE_TENSOR_ACTIVE, _DRAM_ACTIVE, _PCIE_TX_BYTES, ...), 0-1 as theirs.
     Family("llmgw_gpu_sm_active_ratio", "gauge", "Share of the GPU's SMs busy, the window's mean (GPM)",
-           _gpus("sm_activity_percent", per=100)),
+           _gpus("sm_activity_percent", per=100), charted=True),
     Family("llmgw_gpu_sm_active_max_ratio", "gauge", "Share of the GPU's SMs busy, the window's highest GPM interval",
            _gpus("sm_activity_max_percent", per=100)),
     Family("llmgw_gpu_sm_occupancy_ratio", "gauge", "Warps resident on the SMs, of the most possible (GPM)",
