@@ -75,7 +75,9 @@ def fleet_registry() -> tuple[NodeRegistry, FakeClock]:
          "cpu_quota_cores": 6.0, "cpu_throttled_ratio": 0.875, "cpu_throttled_seconds": 2.5,
          "cpu_throttled_seconds_total": 4242.5, "threads": 172, "cpu_affinity_cores": 64,
          "threads_per_quota_core": 28.67, "gpu_utilization_percent": 9.5, "gpu_utilization_max_percent": 31.0,
-         "requests_waiting": 12.0, "requests_running": 4.0, "kv_cache_usage_ratio": 0.25},
+         "requests_waiting": 12.0, "requests_running": 4.0, "kv_cache_usage_ratio": 0.25,
+         # On card 0, whose power cap held it a fifth of the window: not held back (card_held_back 0).
+         "gpu_indices": [0], "gpu_sm_activity_percent": 38.5, "gpu_tensor_activity_percent": 27.5},
     ]))  # fmt: skip
     register("cpu-2", backend="proc")
     beat(_heartbeat("cpu-2", [], [

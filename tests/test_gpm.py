@@ -203,3 +203,34 @@ def test_the_export_names_every_clock_event_reason() -> None:
     from controlplane.export.series import CLOCK_EVENT_REASONS
 
     assert set(CLOCK_EVENT_REASONS) == set(CLOCK_EVENTS)
+
+
+def test_an_engine_carries_its_cards_and_what_their_sms_did() -> None:
+    """The cards an engine holds a context on (a compute process of its on
+    each), and those cards' SM and tensor activity, the mean over those that
+    have GPM, beside its own share of them."""
+    from sampler.gpu.nvml import GpuReading
+    from sampler.window.sampler import WindowSampler
+
+    nvml = FakeNvml([FakeCard(0), FakeCard(1), FakeCard(2, gpm=False)])
+    nvml.cards[0].processes = [(100, 2**30)]
+    nvml.cards[2].processes = [(101, 2**30), (200, 2**30)]
+    reader = GpuReader(nvml)
+    try:
+        assert reader.wait_ready(10)
+        reader.request({"llama": {100, 101}, "idle": {300}})
+        assert reader.wait(10)
+        reading = reader.take()
+    finally:
+        reader.close()
+    assert reading is not None and reading.gpus is not None
+    assert reading.shard_cards == {"llama": [0, 2]}
+    # As the window's summary merges them: card 0 with GPM, card 2 without (absent from the mean, not 0).
+    gpus = [dict(g) for g in reading.gpus]
+    gpus[0].update(sm_activity_percent=40.0, tensor_activity_percent=10.0)
+    figures: dict[str, dict[str, Any]] = {"llama": {}, "idle": {}}
+    WindowSampler._add_gpus(figures, GpuReading(gpus, reading.shard_memory, 0.0, shard_cards=reading.shard_cards))
+    assert figures["llama"]["gpu_indices"] == [0, 2]
+    assert figures["llama"]["gpu_sm_activity_percent"] == 40.0
+    assert figures["llama"]["gpu_tensor_activity_percent"] == 10.0
+    assert "gpu_indices" not in figures["idle"] and "gpu_sm_activity_percent" not in figures["idle"]

@@ -17,7 +17,7 @@ import wire
 from controlplane.state.registry import NodeRegistry
 from controlplane.state.starvation import StarvationRules, Verdict, judge, judge_shards
 from tests.heartbeats import heartbeat
-from wire.schema import Shard
+from wire.schema import Gpu, Shard
 
 RULES = StarvationRules(throttled_ratio=0.25, wait_ratio=0.5, min_wait=0.05, gpu_utilization=0.5)
 
@@ -167,3 +167,47 @@ def test_the_queue_settles_an_idle_gpu_and_names_the_clearest_case() -> None:
     assert running.host_bound is True and "waiting" not in running.why.split(";")[-1]
     # No queue figures (no metrics endpoint): judged as before.
     assert judge(shard(**starved_idle_gpu), 5.0, RULES).host_bound is True
+
+
+def card(index: int, **shares: float) -> Gpu:
+    """A card whose clock-event reasons held it back `shares` of the window (all others measured at 0)."""
+    fields = {f"clock_event_{r}_ratio": 0.0 for r in ("sw_power_cap", "hw_slowdown", "sw_thermal_slowdown",
+                                                       "hw_thermal_slowdown", "power_brake", "sync_boost")}  # fmt: skip
+    fields.update({f"clock_event_{r}_ratio": v for r, v in shares.items()})
+    return msgspec.convert({"index": index, **fields}, Gpu)
+
+
+def test_an_engine_queued_behind_a_card_held_back_is_named_with_its_card_and_cause() -> None:
+    cards = {0: card(0), 3: card(3, sw_power_cap=0.8, hw_thermal_slowdown=0.1)}
+    held = judge(shard(gpu_indices=[0, 3], requests_waiting=12), 5.0, RULES, cards)
+    assert held.card_held_back is True
+    assert held.why == "GPU 3 held back by its power cap 80% of the window with 12 requests waiting"
+    assert held.as_json() == {"card_held_back": 1, "why": held.why}
+    # Nothing waiting: slowed, but holding nothing back.
+    assert judge(shard(gpu_indices=[3], requests_waiting=0), 5.0, RULES, cards).card_held_back is False
+    # No queue figures: whether it held the engine back is not known.
+    assert judge(shard(gpu_indices=[3]), 5.0, RULES, cards).card_held_back is None
+    # Held back exactly the threshold's share: not more than it.
+    edge = {1: card(1, hw_slowdown=0.5)}
+    assert judge(shard(gpu_indices=[1], requests_waiting=3), 5.0, RULES, edge).card_held_back is False
+    assert judge(shard(gpu_indices=[1], requests_waiting=3), 5.0, StarvationRules(card_held_back=0.4),
+                 edge).card_held_back is True  # fmt: skip
+    # Sync boost follows the neighbours' clocks: not power or heat.
+    boost = {2: card(2, sync_boost=1.0)}
+    assert judge(shard(gpu_indices=[2], requests_waiting=3), 5.0, RULES, boost).card_held_back is False
+
+
+def test_an_engine_whose_cards_do_not_say_is_not_judged_held_back() -> None:
+    silent = {0: msgspec.convert({"index": 0, "utilization_percent": 90.0}, Gpu)}  # no clock events: an old driver
+    assert judge(shard(gpu_indices=[0], requests_waiting=5), 5.0, RULES, silent).card_held_back is None
+    assert judge(shard(requests_waiting=5), 5.0, RULES, {0: card(0, sw_power_cap=1.0)}).card_held_back is None
+    # A card the heartbeat does not carry (lost, or left out) says nothing either.
+    assert judge(shard(gpu_indices=[7], requests_waiting=5), 5.0, RULES, {}).card_held_back is None
+
+
+def test_the_heartbeat_s_cards_are_what_judge_shards_reads() -> None:
+    hb = heartbeat(shards=[{"id": "s0", "gpu_indices": [1], "requests_waiting": 4}],
+                   gpus=[{"index": 1, "uuid": "GPU-1", "clock_event_hw_thermal_slowdown_ratio": 0.9}])
+    [verdict] = judge_shards(hb, hb.shards, RULES)
+    assert verdict is not None and verdict.card_held_back is True and verdict.cpu_starved is None
+    assert verdict.why == "GPU 1 held back by a hardware thermal slowdown 90% of the window with 4 requests waiting"

@@ -40,7 +40,8 @@ def every_field_heartbeat() -> dict[str, Any]:
         cpu_quota_cores=2, cpu_throttled_ratio=0.5, cpu_throttled_seconds=1, cpu_throttled_seconds_total=10,
         threads=4, cpu_affinity_cores=8, threads_per_quota_core=2.0, gpu_utilization_percent=50,
         gpu_utilization_max_percent=60, gpu_memory_bandwidth_percent=10, gpu_memory_bandwidth_max_percent=20,
-        requests_waiting=1, requests_running=2, kv_cache_usage_ratio=0.5)  # fmt: skip
+        requests_waiting=1, requests_running=2, kv_cache_usage_ratio=0.5, gpu_indices=[0],
+        gpu_sm_activity_percent=40, gpu_tensor_activity_percent=20)  # fmt: skip
     body["gpus"][0].update(pci_bus_id="0000:01:00.0", driver_version="550.54", lost=False, utilization_p95_percent=99,
                            utilization_max_percent=100, memory_bandwidth_percent=41, sm_clock_hz=1.98e9)  # fmt: skip
     # GPM and the clock events (sampler/gpu/gpm.py names them).

@@ -93,6 +93,8 @@ def _verdict(verdict: Verdict | None) -> dict[str, str] | None:
         return {"kind": "host-bound", "why": verdict.why}
     if verdict.cpu_starved:
         return {"kind": "CPU-starved", "why": verdict.why}
+    if verdict.card_held_back:
+        return {"kind": "card held back", "why": verdict.why}
     return {"kind": "ok", "why": ""}
 
 

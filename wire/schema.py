@@ -211,6 +211,10 @@ class Shard(_Checked, frozen=True):
     gpu_utilization_max_percent: Percent | None = None
     gpu_memory_bandwidth_percent: Percent | None = None
     gpu_memory_bandwidth_max_percent: Percent | None = None
+    # The cards it holds a context on, and what their SMs did (GPM: the mean over those cards that say).
+    gpu_indices: Annotated[tuple[GpuIndex, ...], msgspec.Meta(max_length=MAX_GPUS)] | None = None
+    gpu_sm_activity_percent: Percent | None = None
+    gpu_tensor_activity_percent: Percent | None = None
     requests_waiting: Requests | None = None
     requests_running: Requests | None = None
     kv_cache_usage_ratio: Ratio | None = None

@@ -102,7 +102,8 @@ def _waits(labels: LabelMaker, r: Received) -> Iterator[Sample]:
 def _starved(labels: LabelMaker, r: Received) -> Iterator[Sample]:
     for s, verdict in zip(r.shards, r.verdicts, strict=True):
         if verdict is not None:
-            for kind, value in (("cpu_starved", verdict.cpu_starved), ("host_bound", verdict.host_bound)):
+            for kind, value in (("cpu_starved", verdict.cpu_starved), ("host_bound", verdict.host_bound),
+                                ("card_held_back", verdict.card_held_back)):
                 if value is not None:
                     yield labels.more(labels.shard(s), ("kind", kind)), int(value)
 
@@ -225,8 +226,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("llmgw_shard_kv_cache_usage_ratio", "gauge", "The engine's KV-cache use (0-1), from its own metrics",
            _shards("kv_cache_usage_ratio"), charted=True),
     Family("llmgw_shard_starved", "gauge",
-           "1 if the engine was CPU-starved (kind=cpu_starved) or CPU-starved with idle GPUs (kind=host_bound)"
-           " in the window, else 0; absent when not judged",
+           "1 if the engine was CPU-starved (kind=cpu_starved), CPU-starved with idle GPUs (kind=host_bound), or"
+           " queued behind a card held back by power or heat (kind=card_held_back) in the window, else 0; absent"
+           " when not judged",
            _starved),
     Family("llmgw_shard_runqueue_wait_seconds_total", "counter",
            "Time the engine's threads spent waiting for a CPU, since the agent started",

@@ -266,10 +266,10 @@ async def heartbeat(request: web.Request) -> web.Response:
 
 
 def _starved(received: Received | None) -> dict[str, bool]:
-    """Each engine's verdict: starved of CPU, or held back by the host."""
+    """Each engine's verdict: starved of CPU, or held back by the host or by its card."""
     if received is None:
         return {}
-    return {s.id: bool(v is not None and (v.cpu_starved or v.host_bound))
+    return {s.id: bool(v is not None and (v.cpu_starved or v.host_bound or v.card_held_back))
             for s, v in zip(received.shards, received.verdicts, strict=True)}  # fmt: skip
 
 

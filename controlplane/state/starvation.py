@@ -16,10 +16,18 @@ at all (none waiting, none running): a GPU idle for want of work is not
 waiting on the host. Requests waiting make it the clearest case, and the
 reason says how many.
 
+It is `card_held_back` when one of the cards it holds a context on had its
+clocks held below their maximum by power or heat (its power cap, a hardware
+or thermal slowdown, the power brake: NVML's clock-event reasons) for more
+than `card_held_back` of the window while the engine had requests waiting:
+its queue grows because its card is slowed, whatever its host does.
+
 Absent is not zero. `cpu_starved` is stated when at least one rule could be
 judged (a quota with a throttled share, or a run-queue wait); `host_bound`
 only for an engine with GPU figures, and only when `cpu_starved` is known or
-the GPUs were busy enough to settle it alone.
+the GPUs were busy enough to settle it alone; `card_held_back` only for an
+engine whose cards say what held their clocks, and whose own metrics say
+how many requests wait (or whose cards were never held back).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any
 
 import msgspec
 
-from wire.schema import Heartbeat, Shard
+from wire.schema import Gpu, Heartbeat, Shard
 
 Json = dict[str, Any]
 
@@ -41,9 +49,10 @@ class StarvationRules:
     wait_ratio: float = 0.5  # run-queue seconds per on-CPU second
     min_wait: float = 0.05  # run-queue seconds per second of the window
     gpu_utilization: float = 0.5  # 0..1, the engine's GPUs' mean
+    card_held_back: float = 0.5  # 0..1, the share of the window a card's clocks were held back
 
     def __post_init__(self) -> None:
-        for name in ("throttled_ratio", "gpu_utilization"):
+        for name in ("throttled_ratio", "gpu_utilization", "card_held_back"):
             value = getattr(self, name)
             if not (math.isfinite(value) and 0 <= value <= 1):
                 raise ValueError(f"{name} must be within 0..1, not {value}")
@@ -59,6 +68,7 @@ class Verdict(msgspec.Struct, frozen=True, gc=False):
     cpu_starved: bool | None
     host_bound: bool | None
     why: str  # one line for a person; "" for a healthy engine
+    card_held_back: bool | None = None
 
     def as_json(self) -> Json:
         out: Json = {}
@@ -66,12 +76,50 @@ class Verdict(msgspec.Struct, frozen=True, gc=False):
             out["cpu_starved"] = int(self.cpu_starved)
         if self.host_bound is not None:
             out["host_bound"] = int(self.host_bound)
+        if self.card_held_back is not None:
+            out["card_held_back"] = int(self.card_held_back)
         if self.why:
             out["why"] = self.why
         return out
 
 
-def judge(shard: Shard, window_seconds: float | None, rules: StarvationRules) -> Verdict:
+# What holds a card's clocks back by power or heat (not sync boost, which follows its
+# neighbours', nor the application clocks someone set): wire/schema.py's Gpu fields.
+HELD_BACK_BY = {"sw_power_cap": "its power cap", "hw_slowdown": "a hardware slowdown",
+                "sw_thermal_slowdown": "a thermal slowdown", "hw_thermal_slowdown": "a hardware thermal slowdown",
+                "power_brake": "the power brake"}  # fmt: skip
+
+
+def _held_back(shard: Shard, cards: dict[int, Gpu], rules: StarvationRules, reasons: list[str]) -> bool | None:
+    """Whether one of the engine's cards was held back over the rule's share
+    of the window while it had requests waiting; None where that cannot be told."""
+    worst: tuple[float, int, str] | None = None  # (share, card, reason)
+    for index in shard.gpu_indices or ():
+        card = cards.get(index)
+        if card is None:
+            continue
+        for reason in HELD_BACK_BY:
+            share = getattr(card, f"clock_event_{reason}_ratio")
+            if share is not None and (worst is None or share > worst[0]):
+                worst = (share, index, reason)
+    if worst is None:
+        return None  # no card of its says what held its clocks
+    share, index, reason = worst
+    if share <= rules.card_held_back:
+        return False
+    waiting = shard.requests_waiting
+    if waiting is None:
+        return None  # held back, but whether its queue had work is not known
+    if waiting == 0:
+        return False
+    reasons.append(f"GPU {index} held back by {HELD_BACK_BY[reason]} {100 * share:.0f}% of the window "
+                   f"with {waiting:g} requests waiting")  # fmt: skip
+    return True
+
+
+def judge(shard: Shard, window_seconds: float | None, rules: StarvationRules,
+          cards: dict[int, Gpu] | None = None) -> Verdict:  # fmt: skip
+    """`cards`: the node's GPUs in the same heartbeat, by index."""
     judged, reasons = False, []
     throttled = shard.cpu_throttled_ratio
     if throttled is not None:
@@ -108,11 +156,14 @@ def judge(shard: Shard, window_seconds: float | None, rules: StarvationRules) ->
             host_bound = True
             queued = f" with {waiting:g} requests waiting" if waiting else ""
             reasons.append(f"its GPUs busy {gpu:.0f}% of the time{queued}")
-    return Verdict(starved, host_bound, "; ".join(reasons))
+    held_back = _held_back(shard, cards or {}, rules, reasons)
+    return Verdict(starved, host_bound, "; ".join(reasons), held_back)
 
 
 def judge_shards(hb: Heartbeat, shards: tuple[Shard, ...], rules: StarvationRules) -> tuple[Verdict | None, ...]:
     """A verdict for each of the heartbeat's `shards`; None where nothing could be judged."""
     seconds = hb.window.end - hb.window.start
-    verdicts = (judge(shard, seconds, rules) for shard in shards)
-    return tuple(v if v.cpu_starved is not None or v.host_bound is not None else None for v in verdicts)
+    cards = {g.index: g for g in hb.gpus or () if not g.lost}
+    verdicts = (judge(shard, seconds, rules, cards) for shard in shards)
+    return tuple(v if (v.cpu_starved, v.host_bound, v.card_held_back) != (None, None, None) else None
+                 for v in verdicts)  # fmt: skip

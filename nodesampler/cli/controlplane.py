@@ -128,7 +128,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     gc.set_threshold(10_000, 20, 20)
     try:
         rules = StarvationRules(args.starved_throttled_ratio, args.starved_wait_ratio, args.starved_min_wait,
-                                args.host_bound_gpu_utilization)  # fmt: skip
+                                args.host_bound_gpu_utilization, args.card_held_back_ratio)  # fmt: skip
         limits = ConnectionLimits(args.request_deadline, args.idle_timeout, args.max_connections_per_peer)
         asyncio.run(serve(args.listen, args.pages_listen, auth, args.stale_after, args.prometheus, tls, rules, limits,
                           args.max_shards_per_node, args.state_file, args.forget_after, add_routes=add_pages,

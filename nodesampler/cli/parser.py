@@ -238,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="... and at least this many seconds waiting per second of the window (default 0.05)")
     c.add_argument("--host-bound-gpu-utilization", type=_within(0, 1), default=0.5, metavar="R",
                    help="host-bound: CPU-starved while its GPUs were busy under this share of the time (default 0.5)")
+    c.add_argument("--card-held-back-ratio", type=_within(0, 1), default=0.5, metavar="R",
+                   help="card held back: one of its cards' clocks held back by power or heat over this share of the "
+                        "window while it had requests waiting (default 0.5)")  # fmt: skip
 
     f = sub.add_parser("forget", help="forget a node gone for good, through the control plane's admin socket")
     f.add_argument("node", metavar="NODE")

@@ -49,6 +49,8 @@ class GpuReading:
     shard_utilisation: dict[str, dict[str, float]] = field(default_factory=dict)
     # card index -> NVML's utilisation samples of this reading: times (Unix microseconds) and percents
     utilisation_samples: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # shard id -> the cards (indices) it holds a context on: a compute process of its on each
+    shard_cards: dict[str, list[int]] = field(default_factory=dict)
 
 
 INIT_RETRY_START_S = 1.0
@@ -375,6 +377,7 @@ class GpuReader:
         owner = {pid: sid for sid, pids in members.items() for pid in pids}
         shares: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         raw: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        cards_of: dict[str, list[int]] = {}
         for card in self._cards:
             try:
                 gpus.append(self._read_card(card, raw))
@@ -397,11 +400,14 @@ class GpuReader:
                     if pid in owner:
                         used[owner[pid]] += memory or 0
                         on_card.add(owner[pid])
+                for sid in on_card:
+                    cards_of.setdefault(sid, []).append(card.index)
             if samples is not None:
                 for sid, share in self._card_share(samples, owner, on_card).items():
                     shares.setdefault(sid, []).append(share)
         shard_memory: dict[str, int | None] = {sid: (v if answered else None) for sid, v in used.items()}
-        return GpuReading(gpus, shard_memory, self._clock() - started, None, self._shard_utilisation(shares), raw)
+        return GpuReading(gpus, shard_memory, self._clock() - started, None, self._shard_utilisation(shares), raw,
+                          cards_of)  # fmt: skip
 
     # --- on the caller's thread ----------------------------------------------------
 

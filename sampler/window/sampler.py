@@ -463,10 +463,19 @@ class WindowSampler:
             # Not measured: no "gpus" at all, which would read as a node without GPUs.
             error = reading.error if reading is not None else "NVML did not answer before the window ended"
             return {"gpu_error": error}
+        by_index = {g["index"]: g for g in reading.gpus if not g.get("lost")}
         for sid, shard in figures.items():
             if (used := reading.shard_memory.get(sid)) is not None:
                 shard["gpu_memory_bytes"] = used
             shard.update(reading.shard_utilisation.get(sid, {}))
+            if cards := reading.shard_cards.get(sid):
+                shard["gpu_indices"] = sorted(cards)
+                # Its cards' SMs beside its own share of them (GPM): the mean over the cards that say.
+                for key, card_key in (("gpu_sm_activity_percent", "sm_activity_percent"),
+                                      ("gpu_tensor_activity_percent", "tensor_activity_percent")):
+                    said = [by_index[i][card_key] for i in cards if card_key in by_index.get(i, {})]
+                    if said:
+                        shard[key] = round(sum(said) / len(said), 2)
         return {"gpus": wire.fit_gpus(reading.gpus), "gpu_read_seconds": round(reading.seconds, 4)}
 
     def _program_cost(self) -> ProgramCost | None:
