@@ -63,7 +63,11 @@ def fleet_registry() -> tuple[NodeRegistry, FakeClock]:
            "nvlink_tx_bytes_per_second": 1.2e11, "nvlink_rx_bytes_per_second": 1.1e11,
            **{f"clock_event_{r}_ratio": 0.0 for r in ("hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown",
                                                      "power_brake", "sync_boost")},
-           "clock_event_sw_power_cap_ratio": 0.2}  # fmt: skip
+           "clock_event_sw_power_cap_ratio": 0.2,
+           # And what breaks it: two XIDs (the last a 79, fallen off the bus) and a row remapping pending.
+           "xid_errors": 1, "xid_errors_total": 2, "xid_last": 79, "pcie_replays": 0, "pcie_replays_total": 12,
+           "remapped_rows_correctable": 3, "remapped_rows_uncorrectable": 0, "row_remap_pending": True,
+           "row_remap_failed": False}  # fmt: skip
     cards = [_gpu(0, utilization_percent=97.0, **gpm), _gpu(1), {"index": 2, "uuid": "GPU-2", "lost": True}]
     beat(_heartbeat("gpu-1", cards, [
         {"id": "s0", "model": 'llama "70b"\\ {x="y"}', "replica": "r1", "pgid": 1234,

@@ -66,6 +66,8 @@ class FakeCard:
     gpm_counted_to: float | None = None
     gpm_refused: dict[int, int] = field(default_factory=dict)  # metric id -> the nvmlReturn it gets
     clock_events: int = 0  # nvmlDeviceGetCurrentClocksEventReasons' mask now
+    pcie_replays: int = 0  # nvmlDeviceGetPcieReplayCounter: cumulative
+    remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)  # correctable, uncorrectable, pending, failure
 
     def set_gpm_rates(self, now: float, rates: dict[int, float]) -> None:
         """From `now` on, the metrics advance at `rates` (the counters brought up to now first)."""
@@ -102,6 +104,10 @@ class FakeNvml:
         self.clock = clock  # GPM samples' time, as the driver stamps them
         self._gpm_buffers: dict[int, tuple[Any, _GpmSample]] = {}  # address -> (the struct, kept alive; its sample)
         self.gpm_pairs_too_close = 0
+        # XID events: what the driver has raised and not yet been read, (card, event type, XID code);
+        # each set's registered cards and types.
+        self.events: list[tuple[FakeCard, int, int]] = []
+        self._event_sets: list[dict[int, int]] = []  # set -> id(card) -> its registered types
 
     def __getattr__(self, name: str) -> Any:
         return getattr(pynvml, name)  # constants, error classes, structures
@@ -267,6 +273,39 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: Any) -> int:
         return self._card(handle, "nvmlDeviceGetCurrentClocksEventReasons").clock_events
+
+    # --- what breaks a card ----------------------------------------------------------------
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: Any) -> int:
+        return self._card(handle, "nvmlDeviceGetPcieReplayCounter").pcie_replays
+
+    def nvmlDeviceGetRemappedRows(self, device: Any) -> tuple[int, int, int, int]:
+        return self._card(device, "nvmlDeviceGetRemappedRows").remapped_rows
+
+    def nvmlEventSetCreate(self) -> Any:
+        if not self.initialised:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        self._event_sets.append({})
+        return len(self._event_sets) - 1  # pynvml's is an opaque handle: the fake's, its number
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, eventTypes: int, eventSet: Any) -> None:
+        card = self._card(handle, "nvmlDeviceRegisterEvents")
+        self._event_sets[eventSet][id(card)] = self._event_sets[eventSet].get(id(card), 0) | eventTypes
+
+    def nvmlEventSetFree(self, eventSet: Any) -> None:
+        self._event_sets[eventSet] = {}
+
+    def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
+        """The oldest event of a registered card and type; NVML_ERROR_TIMEOUT
+        at once when there is none (the fake never waits: the reader asks with 0)."""
+        assert timeoutms == 0, "the reader must never wait on NVML's event set"
+        registered = self._event_sets[eventSet]
+        for i, (card, kind, code) in enumerate(self.events):
+            if registered.get(id(card), 0) & kind:
+                del self.events[i]
+                return pynvml.nvmlFriendlyObject({"device": card, "eventType": kind, "eventData": code,
+                                                  "gpuInstanceId": 0, "computeInstanceId": 0})  # fmt: skip
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
 
 
 def h200_node(cards: int = 8) -> FakeNvml:

@@ -407,3 +407,46 @@ def test_raw_samples_carry_nvmls_own_samples_and_the_windows(tmp_path: Path, rea
     assert sum(machine["us"]) == 1_000_000 and machine["start"] == 0.0  # the slots cover the window exactly
     ws.raw_wanted = False
     assert ws.run_window(1.0).raw is None  # nobody watches: nothing extra
+
+
+def test_xid_errors_are_counted_on_their_cards_without_waiting(readers: list[GpuReader]) -> None:
+    """XID errors come through NVML's event set, drained at each reading
+    with a timeout of 0 (the fake refuses any other): each card's count this
+    window, since the agent watched, and its last code; a card that cannot
+    be watched has none of them (not 0)."""
+    nvml = h200_node(3)
+    nvml.cards[2].fails["nvmlDeviceRegisterEvents"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    r = open_reader(nvml, readers)
+    xid = pynvml.nvmlEventTypeXidCriticalError
+    nvml.events += [(nvml.cards[1], xid, 79), (nvml.cards[1], pynvml.nvmlEventTypeSingleBitEccError, 0),
+                    (nvml.cards[1], xid, 48), (nvml.cards[2], xid, 13)]  # fmt: skip
+    first = read_gpus(r)
+    assert (first[0]["xid_errors"], first[0]["xid_errors_total"]) == (0, 0) and "xid_last" not in first[0]
+    assert (first[1]["xid_errors"], first[1]["xid_errors_total"], first[1]["xid_last"]) == (2, 2, 48)
+    assert not {"xid_errors", "xid_errors_total", "xid_last"} & set(first[2])
+    second = read_gpus(r)
+    assert (second[1]["xid_errors"], second[1]["xid_errors_total"], second[1]["xid_last"]) == (0, 2, 48)
+
+
+def test_an_xid_storm_costs_a_bounded_drain_a_reading(readers: list[GpuReader]) -> None:
+    nvml = h200_node(1)
+    r = open_reader(nvml, readers)
+    nvml.events += [(nvml.cards[0], pynvml.nvmlEventTypeXidCriticalError, 31)] * 2500
+    counts = [read_gpus(r)[0]["xid_errors"] for _ in range(4)]
+    assert counts == [1000, 1000, 500, 0]
+
+
+def test_pcie_replays_and_remapped_rows(readers: list[GpuReader]) -> None:
+    nvml = h200_node(2)
+    nvml.cards[0].pcie_replays = 5
+    nvml.cards[0].remapped_rows = (2, 1, 1, 0)
+    nvml.cards[1].fails.update(nvmlDeviceGetPcieReplayCounter=pynvml.NVML_ERROR_NOT_SUPPORTED,
+                               nvmlDeviceGetRemappedRows=pynvml.NVML_ERROR_NOT_SUPPORTED)  # fmt: skip
+    r = open_reader(nvml, readers)
+    first = read_gpus(r)
+    assert first[0]["pcie_replays_total"] == 5 and "pcie_replays" not in first[0]  # no reading before to count from
+    assert (first[0]["remapped_rows_correctable"], first[0]["remapped_rows_uncorrectable"],
+            first[0]["row_remap_pending"], first[0]["row_remap_failed"]) == (2, 1, True, False)  # fmt: skip
+    assert not {"pcie_replays", "pcie_replays_total", "remapped_rows_correctable", "row_remap_pending"} & set(first[1])
+    nvml.cards[0].pcie_replays = 8
+    assert read_gpus(r)[0]["pcie_replays"] == 3  # this window's

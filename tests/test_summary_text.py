@@ -29,3 +29,23 @@ def test_the_host_side_of_each_engine_where_any_is_known() -> None:
 
 def test_no_such_table_when_nothing_is_known() -> None:
     assert "QUOTA" not in render(summary({"id": "s0"}))
+
+
+def test_a_card_s_sms_clocks_and_faults_where_it_says_them() -> None:
+    """A Hopper card's SMs and what held its clocks back; faults only when
+    something broke; an older card beside it has neither line (not 0)."""
+    hopper = {"index": 0, "name": "NVIDIA H200", "gpm_interval_seconds": 0.1, "sm_activity_percent": 38.4,
+              "sm_activity_p95_percent": 61.0, "sm_activity_max_percent": 72.0, "sm_occupancy_percent": 21.0,
+              "tensor_activity_percent": 27.0, "dram_bandwidth_percent": 41.0,
+              "clock_event_sw_power_cap_ratio": 0.12, "clock_event_hw_thermal_slowdown_ratio": 0.0,
+              "xid_errors": 2, "xid_errors_total": 2, "xid_last": 79, "pcie_replays": 1, "row_remap_pending": True}
+    older = {"index": 1, "name": "NVIDIA A10", "utilization_percent": 50.0, "xid_errors": 0, "pcie_replays": 0}
+    text = render(window_summary(backend="bpf", gpus=[hopper, older]))
+    lines = text.splitlines()
+    card0 = next(i for i, line in enumerate(lines) if line.startswith("GPU 0"))
+    assert lines[card0 + 1].split() == ["SMs", "active", "38%", "(p95", "61,", "max", "72)", "occupancy", "21%",
+                                        "tensor", "27%", "dram", "41%", "(GPM", "every", "0.1", "s)"]  # fmt: skip
+    assert lines[card0 + 2].strip() == "clocks held back by power cap 12%"
+    assert lines[card0 + 3].strip() == ("faults 2 XID errors (the last 79), 1 PCIe replay, "
+                                        "a row remapping waits for a reset")  # fmt: skip
+    assert lines[card0 + 4].startswith("GPU 1") and (len(lines) == card0 + 5 or not lines[card0 + 5].startswith("  "))

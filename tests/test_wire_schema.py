@@ -47,6 +47,9 @@ def every_field_heartbeat() -> dict[str, Any]:
     # GPM and the clock events (sampler/gpu/gpm.py names them).
     body["gpus"][0].update({f: 50.0 for stem in gpm.METRICS for f in gpm.fields(stem)}, gpm_interval_seconds=0.1)
     body["gpus"][0].update({gpm.clock_event_field(r): 0.25 for r in gpm.CLOCK_EVENTS})
+    body["gpus"][0].update(xid_errors=1, xid_errors_total=3, xid_last=79, pcie_replays=2, pcie_replays_total=9,
+                           remapped_rows_correctable=1, remapped_rows_uncorrectable=0, row_remap_pending=False,
+                           row_remap_failed=False)  # fmt: skip
     return body
 
 

@@ -267,6 +267,17 @@ class Gpu(_Checked, frozen=True):
     nvlink_rx_bytes_per_second: BytesPerSecond | None = None
     nvlink_rx_p95_bytes_per_second: BytesPerSecond | None = None
     nvlink_rx_max_bytes_per_second: BytesPerSecond | None = None
+    # What breaks it: XID errors (this window's, since the agent watched, the last code), PCIe
+    # replays (this window's, NVML's count), rows of memory remapped.
+    xid_errors: Count | None = None
+    xid_errors_total: Count | None = None
+    xid_last: Count | None = None
+    pcie_replays: Count | None = None
+    pcie_replays_total: Count | None = None
+    remapped_rows_correctable: Count | None = None
+    remapped_rows_uncorrectable: Count | None = None
+    row_remap_pending: bool | None = None
+    row_remap_failed: bool | None = None
     # What held its clocks back: each reason's share of the window.
     clock_event_sw_power_cap_ratio: Ratio | None = None
     clock_event_hw_slowdown_ratio: Ratio | None = None

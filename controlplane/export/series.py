@@ -124,7 +124,9 @@ def _gpus(key: str, per: float = 1.0) -> Samples:
     def samples(labels: LabelMaker, r: Received) -> Iterator[Sample]:
         for g in r.heartbeat.gpus or ():
             value = getattr(g, key)
-            if value is not None:
+            if isinstance(value, bool):
+                yield labels.gpu(g), int(value)
+            elif value is not None:
                 yield labels.gpu(g), value if per == 1.0 else value / per
 
     return samples
@@ -274,6 +276,20 @@ FAMILIES: tuple[Family, ...] = (
            _gpus("nvlink_tx_bytes_per_second")),
     Family("llmgw_gpu_nvlink_rx_bytes_per_second", "gauge", "NVLink bytes a second into the GPU, all links (GPM)",
            _gpus("nvlink_rx_bytes_per_second")),
+    # What breaks a card (DCGM's DCGM_FI_DEV_XID_ERRORS, _PCIE_REPLAY_COUNTER, _*_REMAPPED_ROWS, _ROW_REMAP_*).
+    Family("llmgw_gpu_xid_errors_total", "counter", "XID errors the driver raised, since the agent watched the GPU",
+           _gpus("xid_errors_total")),
+    Family("llmgw_gpu_last_xid", "gauge", "The last XID error's code, since the agent watched the GPU",
+           _gpus("xid_last")),
+    Family("llmgw_gpu_pcie_replays_total", "counter", "PCIe replays since the driver loaded",
+           _gpus("pcie_replays_total")),
+    Family("llmgw_gpu_remapped_rows_correctable", "gauge", "Memory rows remapped for correctable errors",
+           _gpus("remapped_rows_correctable")),
+    Family("llmgw_gpu_remapped_rows_uncorrectable", "gauge", "Memory rows remapped for uncorrectable errors",
+           _gpus("remapped_rows_uncorrectable")),
+    Family("llmgw_gpu_row_remap_pending", "gauge", "1 if a row remapping waits for the GPU's reset",
+           _gpus("row_remap_pending")),
+    Family("llmgw_gpu_row_remap_failed", "gauge", "1 if a row remapping failed", _gpus("row_remap_failed")),
     Family("llmgw_gpu_clock_event_ratio", "gauge",
            "Share of the window a reason held the GPU's clocks below their maximum", _clock_events),
 )  # fmt: skip

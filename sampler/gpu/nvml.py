@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
 import queue
 import threading
@@ -69,10 +70,28 @@ class _Card:
     last_process_sample_us: int = 0  # likewise, of the per-process samples
     lost: bool = False
     unsupported: set[str] = field(default_factory=set)
+    xid_watched: bool = False  # registered for XID events
+    xid_total: int = 0  # XID events seen since then
+    xid_seen: int = 0  # ... as of the last reading
+    xid_last: int | None = None
+    pcie_replays: int | None = None  # NVML's cumulative count, at the last reading
 
 
 class _CardLost(Exception):
     pass
+
+
+MAX_EVENTS_A_READING = 1000  # an XID storm is counted a thousand a reading; the rest wait for the next
+
+
+def _handle_key(handle: Any) -> int:
+    """What identifies a card's handle in an event: pynvml's is a pointer (an
+    event carries a new pointer object to the same device); a stand-in's, itself."""
+    try:
+        address = ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return id(handle)
+    return address if address is not None else id(handle)
 
 
 class _NvmlThread:
@@ -126,6 +145,7 @@ class GpuReader:
         self._nvml: Any = nvml  # pynvml, or a stand-in with its functions and errors
         self._clock = clock
         self._monitor: CardMonitor | None = None
+        self._events: Any = None  # NVML's event set the cards' XID errors come through
         self._tick: concurrent.futures.Future[None] | None = None
         self._closed = threading.Event()
         self._pool = _NvmlThread()
@@ -192,12 +212,53 @@ class GpuReader:
                 log.warning("GPU %d left out: %s", index, e)
                 continue
             self._cards.append(self._describe(_Card(index, h, uuid, None, None, None)))
+        self._watch_xids()
         if self._monitor is None:
             self._monitor = CardMonitor(nv, self._clock, self._said.first)
         self._monitor.follow([(c.index, c.handle) for c in self._cards])
         if self._load_error is not None:
             log.warning("NVML loaded (it was not: %s): %d GPUs", self._load_error, len(self._cards))
         self._loaded, self._load_error, self._init_delay = True, None, INIT_RETRY_START_S
+
+    def _watch_xids(self) -> None:
+        """XID errors (the driver's own error reports) come as events: an event
+        set, each card registered, drained without waiting at each reading."""
+        nv = self._nvml
+        try:
+            self._events = nv.nvmlEventSetCreate()
+        except nv.NVMLError as e:
+            self._events = None
+            if self._said.first("xid set"):
+                log.info("XID errors not watched: %s", e)
+            return
+        for card in self._cards:
+            try:
+                nv.nvmlDeviceRegisterEvents(card.handle, nv.nvmlEventTypeXidCriticalError, self._events)
+                card.xid_watched = True
+            except nv.NVMLError as e:
+                if self._said.first(f"xid {card.index}"):
+                    log.info("GPU %d: XID errors not watched: %s", card.index, e)
+
+    def _drain_xids(self) -> None:
+        """The XID events since the last reading, counted on their cards; never waits."""
+        nv = self._nvml
+        if self._events is None:
+            return
+        cards = {_handle_key(c.handle): c for c in self._cards}
+        for _ in range(MAX_EVENTS_A_READING):
+            try:
+                event = nv.nvmlEventSetWait_v2(self._events, 0)
+            except nv.NVMLError_Timeout:
+                return  # none waiting
+            except nv.NVMLError as e:
+                if self._said.first(f"xid wait {e}"):
+                    log.info("XID events could not be read: %s", e)
+                return
+            if not int(event.eventType) & nv.nvmlEventTypeXidCriticalError:
+                continue
+            if (card := cards.get(_handle_key(event.device))) is not None:
+                card.xid_total += 1
+                card.xid_last = int(event.eventData)
 
     def _not_loaded(self, reason: str) -> None:
         if self._load_error is None:
@@ -218,6 +279,10 @@ class GpuReader:
 
     def _reinit(self) -> None:
         if self._nvml is not None and self._loaded:
+            if self._events is not None:
+                with contextlib.suppress(self._nvml.NVMLError):
+                    self._nvml.nvmlEventSetFree(self._events)
+                self._events = None
             with contextlib.suppress(self._nvml.NVMLError):
                 self._nvml.nvmlShutdown()
         self._init()
@@ -294,6 +359,22 @@ class GpuReader:
             value = self._field(card, key, read)
             if value is not None:
                 out[key] = value
+        replays = self._field(card, "pcie_replays", lambda: int(nv.nvmlDeviceGetPcieReplayCounter(h)))
+        if replays is not None:
+            out["pcie_replays_total"] = replays
+            if card.pcie_replays is not None and replays >= card.pcie_replays:
+                out["pcie_replays"] = replays - card.pcie_replays  # since the last reading: this window's
+            card.pcie_replays = replays
+        rows = self._field(card, "remapped_rows", lambda: nv.nvmlDeviceGetRemappedRows(h))
+        if rows is not None:
+            correctable, uncorrectable, pending, failed = (int(v) for v in rows)
+            out.update(remapped_rows_correctable=correctable, remapped_rows_uncorrectable=uncorrectable,
+                       row_remap_pending=bool(pending), row_remap_failed=bool(failed))  # fmt: skip
+        if card.xid_watched:
+            out["xid_errors"], card.xid_seen = card.xid_total - card.xid_seen, card.xid_total
+            out["xid_errors_total"] = card.xid_total
+            if card.xid_last is not None:
+                out["xid_last"] = card.xid_last
         if self._monitor is not None:
             out.update(self._monitor.take(card.index))  # GPM and clock events, at their own rate
         return out
@@ -378,6 +459,7 @@ class GpuReader:
         shares: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         raw: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         cards_of: dict[str, list[int]] = {}
+        self._drain_xids()
         for card in self._cards:
             try:
                 gpus.append(self._read_card(card, raw))

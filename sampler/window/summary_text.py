@@ -55,7 +55,24 @@ def _gpu_lines(summary: WindowSummary) -> list[str]:
             f"  ecc {_num(g.ecc_uncorrected, 'd')}"
         )
         lines += _sm_lines(g)
+        if faults := _faults(g):
+            lines.append("  faults " + ", ".join(faults))
     return lines
+
+
+def _faults(g: Gpu) -> list[str]:
+    """What broke on the card in the window, or waits for its reset: nothing
+    printed for a card that says nothing went wrong."""
+    out = []
+    if g.xid_errors:
+        out.append(f"{g.xid_errors} XID error{'s' if g.xid_errors > 1 else ''} (the last {g.xid_last})")
+    if g.pcie_replays:
+        out.append(f"{g.pcie_replays} PCIe replay{'s' if g.pcie_replays > 1 else ''}")
+    if g.row_remap_pending:
+        out.append("a row remapping waits for a reset")
+    if g.row_remap_failed:
+        out.append("a row remapping failed")
+    return out
 
 
 # The clock events as a line names them (sampler/gpu/gpm.py's CLOCK_EVENTS).
