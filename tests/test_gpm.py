@@ -7,6 +7,7 @@ absent beside one with it, never 0."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -234,3 +235,23 @@ def test_an_engine_carries_its_cards_and_what_their_sms_did() -> None:
     assert figures["llama"]["gpu_sm_activity_percent"] == 40.0
     assert figures["llama"]["gpu_tensor_activity_percent"] == 10.0
     assert "gpu_indices" not in figures["idle"] and "gpu_sm_activity_percent" not in figures["idle"]
+
+
+def test_a_hung_driver_piles_no_ticks_up() -> None:
+    """A reading hung in the driver holds the NVML thread: the ticks after
+    it are skipped, not queued behind it (each would be another call into a
+    wedged driver the moment it answers)."""
+    hang = threading.Event()
+    nvml = FakeNvml([FakeCard(0, hang=hang)])
+    reader = GpuReader(nvml, gpm_every_s=0.1)
+    try:
+        assert reader.wait_ready(10)
+        reader.request({})  # blocks in nvmlDeviceGetTemperature until `hang` is set
+        deadline = time.monotonic() + 30
+        while reader.ticks_skipped < 5 and time.monotonic() < deadline:
+            reader.wait(0.1)  # the reading does not finish: this only paces the check
+        assert reader.ticks_skipped >= 5
+        assert reader._pool._calls.qsize() <= 1  # at most the one tick submitted before the hang
+    finally:
+        hang.set()
+        reader.close()

@@ -147,6 +147,7 @@ class GpuReader:
         self._monitor: CardMonitor | None = None
         self._events: Any = None  # NVML's event set the cards' XID errors come through
         self._tick: concurrent.futures.Future[None] | None = None
+        self.ticks_skipped = 0  # ticks not submitted: the last one still waited (a hung call)
         self._closed = threading.Event()
         self._pool = _NvmlThread()
         self._cards: list[_Card] = []
@@ -170,6 +171,8 @@ class GpuReader:
         while not self._closed.wait(every):
             if self._tick is None or self._tick.done():
                 self._tick = self._pool.submit(self._monitor_tick)
+            else:
+                self.ticks_skipped += 1
 
     # --- on the NVML thread -------------------------------------------------------
 
