@@ -255,3 +255,38 @@ def test_a_hung_driver_piles_no_ticks_up() -> None:
     finally:
         hang.set()
         reader.close()
+
+
+def test_a_lost_card_s_reinitialisation_frees_its_gpm_buffers_and_measures_again() -> None:
+    """A card that fell off the bus: NVML is initialised again, the old GPM
+    buffers are freed first (while NVML still runs), new ones taken, and
+    the card's SMs measured again once it is back."""
+    nvml = FakeNvml([FakeCard(0)])
+    nvml.cards[0].set_gpm_rates(time.monotonic(), {SM: 20.0})
+    reader = GpuReader(nvml, gpm_every_s=0.1)
+
+    def sm_activity() -> Any:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            reader.request({})
+            assert reader.wait(10)
+            reading = reader.take()
+            assert reading is not None and reading.gpus is not None
+            if "sm_activity_percent" in reading.gpus[0]:
+                return reading.gpus[0]["sm_activity_percent"]
+            reader.wait(0.05)
+        return None
+
+    try:
+        assert reader.wait_ready(10)
+        assert sm_activity() == pytest.approx(20.0)
+        nvml.cards[0].lost = True
+        reader.request({})
+        assert reader.wait(10)
+        lost = reader.take()
+        assert lost is not None and lost.gpus == [{"index": 0, "uuid": nvml.cards[0].uuid, "lost": True}]
+        assert sm_activity() == pytest.approx(20.0)  # back after the re-initialisation
+        buffers = [sample for _, sample in nvml._gpm_buffers.values()]
+        assert len(buffers) == 4 and sum(b.freed for b in buffers) == 2  # the first pair freed, the second in use
+    finally:
+        reader.close()

@@ -282,6 +282,8 @@ class GpuReader:
 
     def _reinit(self) -> None:
         if self._nvml is not None and self._loaded:
+            if self._monitor is not None:
+                self._monitor.close()  # its GPM buffers, freed while NVML still runs
             if self._events is not None:
                 with contextlib.suppress(self._nvml.NVMLError):
                     self._nvml.nvmlEventSetFree(self._events)
