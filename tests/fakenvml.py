@@ -239,6 +239,8 @@ class FakeNvml:
         return pointer
 
     def nvmlGpmSampleFree(self, gpmSample: Any) -> None:
+        if not self.initialised:  # as every NVML call but nvmlInit: after nvmlShutdown, nothing is freed
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         self._gpm_sample(gpmSample).freed = True
 
     def nvmlGpmSampleGet(self, device: Any, gpmSample: Any) -> Any:
