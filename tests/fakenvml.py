@@ -104,6 +104,7 @@ class FakeNvml:
         self.clock = clock  # GPM samples' time, as the driver stamps them
         self._gpm_buffers: dict[int, tuple[Any, _GpmSample]] = {}  # address -> (the struct, kept alive; its sample)
         self.gpm_pairs_too_close = 0
+        self.gpm_unfreed_at_shutdown = 0
         # XID events: what the driver has raised and not yet been read, (card, event type, XID code);
         # each set's registered cards and types.
         self.events: list[tuple[FakeCard, int, int]] = []
@@ -138,6 +139,10 @@ class FakeNvml:
 
     def nvmlShutdown(self) -> None:
         self.initialised = False
+        # NVML's reference says nothing of sample buffers across a shutdown: the fake takes them as
+        # gone with it, counts those not freed first, and refuses them afterwards.
+        self.gpm_unfreed_at_shutdown += sum(not sample.freed for _, sample in self._gpm_buffers.values())
+        self._gpm_buffers.clear()
 
     def nvmlSystemGetDriverVersion(self) -> str:
         return self.driver
