@@ -174,7 +174,21 @@ def test_clock_events_share_of_the_window() -> None:
     assert not any(k.startswith("clock_event") for k in monitor.take(1))  # unsupported: absent
 
 
-def test_the_reader_ticks_on_its_own_clock(caplog: pytest.LogCaptureFixture) -> None:
+def read_once_ticked(reader: GpuReader) -> list[dict[str, Any]]:
+    """The reader's cards, asked for again until card 0 carries its SM
+    activity (its first GPM interval closed: 0.2 s after the ticks start)."""
+    deadline = time.monotonic() + 30
+    while True:
+        reader.request({})
+        assert reader.wait(10)
+        reading = reader.take()
+        assert reading is not None and reading.gpus is not None
+        if "sm_activity_percent" in reading.gpus[0] or time.monotonic() > deadline:
+            return reading.gpus
+        reader.wait(0.05)  # nothing in flight: a pause between asks, not a synchronisation
+
+
+def test_the_reader_ticks_on_its_own_clock() -> None:
     """The agent's reader with GPM on: a Hopper card's readings carry its SM
     activity once ticks have come; an older card beside it carries none."""
     nvml = FakeNvml([FakeCard(0), FakeCard(1, gpm=False)])
@@ -182,17 +196,7 @@ def test_the_reader_ticks_on_its_own_clock(caplog: pytest.LogCaptureFixture) -> 
     reader = GpuReader(nvml, gpm_every_s=0.1)
     try:
         assert reader.wait_ready(10)
-        deadline = time.monotonic() + 30
-        got: list[dict[str, Any]] = []
-        while time.monotonic() < deadline:
-            reader.request({})
-            assert reader.wait(10)
-            reading = reader.take()
-            assert reading is not None and reading.gpus is not None
-            got = reading.gpus
-            if "sm_activity_percent" in got[0]:
-                break
-            reader.wait(0.05)  # nothing in flight: a pause between asks, not a synchronisation
+        got = read_once_ticked(reader)
         assert got[0]["sm_activity_percent"] == pytest.approx(12.5)
         assert "sm_activity_percent" not in got[1] and "clock_event_sw_power_cap_ratio" in got[1]
         assert nvml.gpm_pairs_too_close == 0
@@ -265,27 +269,15 @@ def test_a_lost_card_s_reinitialisation_frees_its_gpm_buffers_and_measures_again
     nvml.cards[0].set_gpm_rates(time.monotonic(), {SM: 20.0})
     reader = GpuReader(nvml, gpm_every_s=0.1)
 
-    def sm_activity() -> Any:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            reader.request({})
-            assert reader.wait(10)
-            reading = reader.take()
-            assert reading is not None and reading.gpus is not None
-            if "sm_activity_percent" in reading.gpus[0]:
-                return reading.gpus[0]["sm_activity_percent"]
-            reader.wait(0.05)
-        return None
-
     try:
         assert reader.wait_ready(10)
-        assert sm_activity() == pytest.approx(20.0)
+        assert read_once_ticked(reader)[0]["sm_activity_percent"] == pytest.approx(20.0)
         nvml.cards[0].lost = True
         reader.request({})
         assert reader.wait(10)
         lost = reader.take()
         assert lost is not None and lost.gpus == [{"index": 0, "uuid": nvml.cards[0].uuid, "lost": True}]
-        assert sm_activity() == pytest.approx(20.0)  # back after the re-initialisation
+        assert read_once_ticked(reader)[0]["sm_activity_percent"] == pytest.approx(20.0)  # back after re-initialising
         assert nvml.gpm_unfreed_at_shutdown == 0  # the first pair freed before NVML shut down
         assert len(nvml._gpm_buffers) == 2  # the second pair, in use
     finally:
