@@ -53,6 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controlplane.ingest import tokens  # noqa: E402
+from sampler.gpu.gpm import CLOCK_EVENTS, METRICS, clock_event_field, fields  # noqa: E402
 from tests.issuer import ISSUER, TestIssuer  # noqa: E402
 from tests.test_controlplane_api import heartbeat, registration  # noqa: E402
 
@@ -69,11 +70,17 @@ def gpu_node_heartbeat(node: str) -> dict[str, Any]:
     """A heartbeat of an 8-GPU node running 4 engines: what a fleet's bodies look like."""
     body = heartbeat(node)
     gpu = body["gpus"][0]
+    # A Hopper card's: GPM, its clock events and its faults' counts too (sampler/gpu/gpm.py, nvml.py).
+    gpm = {f: 40.0 + k for k, f in enumerate(f for stem in METRICS for f in fields(stem))}
+    gpm.update({clock_event_field(r): 0.0 for r in CLOCK_EVENTS}, gpm_interval_seconds=0.1, xid_errors=0,
+               xid_errors_total=0, pcie_replays=0, pcie_replays_total=3, remapped_rows_correctable=0,
+               remapped_rows_uncorrectable=0, row_remap_pending=False, row_remap_failed=False)  # fmt: skip
     body["gpus"] = [dict(gpu, index=i, uuid=f"GPU-{i:08d}-0000-0000-0000-000000000000", utilization_p95_percent=99.0,
-                         utilization_max_percent=100.0, memory_bandwidth_percent=41.0, sm_clock_hz=1980000000)
+                         utilization_max_percent=100.0, memory_bandwidth_percent=41.0, sm_clock_hz=1980000000, **gpm)
                     for i in range(8)]  # fmt: skip
     shard = body["shards"][0]
-    body["shards"] = [dict(shard, id=f"s{i}", pgid=1000 + i, pgids=[1000 + i]) for i in range(4)]
+    body["shards"] = [dict(shard, id=f"s{i}", pgid=1000 + i, pgids=[1000 + i], gpu_indices=[2 * i, 2 * i + 1],
+                           gpu_sm_activity_percent=40.0, gpu_tensor_activity_percent=41.0) for i in range(4)]
     return body
 
 
