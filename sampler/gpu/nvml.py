@@ -147,8 +147,10 @@ class GpuReader:
         self._monitor: CardMonitor | None = None
         self._events: Any = None  # NVML's event set the cards' XID errors come through
         self._tick: concurrent.futures.Future[None] | None = None
+        self.ticks = 0  # ticks submitted to the NVML thread
         self.ticks_skipped = 0  # ticks not submitted: the last one still waited (a hung call)
         self._closed = threading.Event()
+        self._cards_found = threading.Event()  # NVML loaded with at least one card: something to tick for
         self._pool = _NvmlThread()
         self._cards: list[_Card] = []
         self._driver: str | None = None
@@ -168,9 +170,13 @@ class GpuReader:
         """GPM's own clock: a tick submitted to the NVML thread every `every`
         seconds, none while the last is still waiting (a call hung in the
         driver does not pile ticks up behind it)."""
-        while not self._closed.wait(every):
+        while not self._closed.is_set():
+            # A node without cards (or without NVML yet) wakes nothing ten times a second.
+            if not self._cards_found.wait(timeout=60) or self._closed.wait(every):
+                continue
             if self._tick is None or self._tick.done():
                 self._tick = self._pool.submit(self._monitor_tick)
+                self.ticks += 1
             else:
                 self.ticks_skipped += 1
 
@@ -219,6 +225,10 @@ class GpuReader:
         if self._monitor is None:
             self._monitor = CardMonitor(nv, self._clock, self._said.first)
         self._monitor.follow([(c.index, c.handle) for c in self._cards])
+        if self._cards:
+            self._cards_found.set()
+        else:
+            self._cards_found.clear()
         if self._load_error is not None:
             log.warning("NVML loaded (it was not: %s): %d GPUs", self._load_error, len(self._cards))
         self._loaded, self._load_error, self._init_delay = True, None, INIT_RETRY_START_S
@@ -267,6 +277,7 @@ class GpuReader:
         if self._load_error is None:
             log.info("GPUs not measured: NVML not loaded (%s); trying again, at most a minute apart", reason)
         self._loaded, self._load_error = False, reason
+        self._cards_found.clear()
         self._next_init_at = self._clock() + self._init_delay
         self._init_delay = min(INIT_RETRY_CAP_S, self._init_delay * 2)
 
@@ -546,4 +557,5 @@ class GpuReader:
     def close(self) -> None:
         # A hung NVML call cannot be interrupted: do not wait for it (the thread is a daemon).
         self._closed.set()
+        self._cards_found.set()  # the ticker, waiting for cards, sees it is closed
         self._pool.shutdown()
