@@ -113,6 +113,7 @@ class WindowSampler:
         self.view = ProcessView(proc, shard_sampler, clock, sleep, cgroup_tree)
         self._group_ticks: dict[int, int] | None = None
         self._last_sample_at: float | None = None
+        self._last_end: tuple[float, float] | None = None  # the last window's last sample: (monotonic, wall)
         self._program_stats: dict[str, tuple[int, int]] = {}
         self._wait_cumulative: dict[str, float] = {}
         self._seq = 0
@@ -251,7 +252,15 @@ class WindowSampler:
         # hindsight view drew every other window (tests/test_browser.py).
         offset = start_wall - start  # wall less monotonic, as the samples kept in hindsight are placed
         last = samples.last_at if samples.taken else self._clock()
-        window = Window(start=offset + samples.first_from, end=offset + last, samples=samples.taken)
+        end_of_window = offset + last
+        # A window that goes on from the last one's last sample begins at that
+        # window's end, to the letter: each window's offset is read anew, and
+        # the two clocks' readings drift apart by a fraction of a millisecond
+        # (0.2 ms in an emulated guest), which would leave a gap or an overlap.
+        begins = self._last_end[1] if self._last_end is not None and self._last_end[0] == samples.first_from \
+            else offset + samples.first_from  # fmt: skip
+        window = Window(start=min(begins, end_of_window), end=end_of_window, samples=samples.taken)
+        self._last_end = (last, end_of_window) if samples.taken else None
         gauges = self.gauges.read()
         pressure = PressureReader.share(pressure_start, self.pressure.read(), self._clock() - pressure_at)
         machine = wire.fit_machine({**gauges, "cpu_percent": samples.machine.summary(),
