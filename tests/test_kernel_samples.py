@@ -253,6 +253,22 @@ def test_more_sets_of_shards_than_a_sample_holds_are_sampled_by_the_agent(
             p.wait()
 
 
+@contextmanager
+def every_read(groups: sched.KernelShardSampler) -> Iterator[list[sched.KernelSamples]]:
+    """Each read of the kernel's samples, as it comes."""
+    take, reads = groups.take_kernel_samples, list[sched.KernelSamples]()
+
+    def recorded() -> sched.KernelSamples:
+        reads.append(got := take())
+        return got
+
+    groups.take_kernel_samples = recorded  # type: ignore[method-assign]
+    try:
+        yield reads
+    finally:
+        del groups.take_kernel_samples
+
+
 @pytest.mark.parametrize("backend", ["bpf", "proc"])
 @pytest.mark.parametrize("selected", [False, True], ids=["busiest-groups", "a-group"])
 def test_the_first_window_holds_its_own_samples_alone(ring: sched.KernelShardSampler,
@@ -267,12 +283,85 @@ def test_the_first_window_holds_its_own_samples_alone(ring: sched.KernelShardSam
     specs = [ShardSpec("w", Selector.parse(f"pgid:{busy_group(group)}"))] if selected else None
     shards = ring if backend == "bpf" else ProcShardSampler(PROC)
     ws = WindowSampler(PROC, BackendChoice(backend, None), shards, specs, hz=10, node="first")
-    ws.prime(0.5)  # as the command primes: a wait between two walks where no group is named
-    summary = ws.run_window(1.0)
-    assert summary.window.samples == 10
-    assert summary.window.end - summary.window.start == pytest.approx(1.0, abs=0.05)
-    second = ws.run_window(1.0)  # and the next follows it, with its own
-    assert second.window.samples == 10
-    # It begins where the first ends, to the letter: overlapping windows are drawn one in two by the hindsight
-    # view, and the two clocks read anew each window drifted 0.2 ms apart in an emulated guest.
-    assert second.window.start == summary.window.end
+    with every_read(ring) as reads:
+        ws.prime(0.5)  # as the command primes: a wait between two walks where no group is named
+        primed_at = ws._last_sample_at
+        assert primed_at is not None
+        del reads[:]  # the priming read's: taken before the sampler's first readings
+        first = ws.run_window(1.0)
+        in_first = len(reads)
+        second = ws.run_window(1.0)  # and the next follows it, with its own
+    windows = (first.window, second.window)
+    if backend == "proc":  # the agent's loop takes each sample at its time
+        assert [w.samples for w in windows] == [10, 10]
+        assert [w.end - w.start for w in windows] == pytest.approx([1.0, 1.0], abs=0.05)
+    else:
+        # Each window holds what the kernel wrote after the one before, and
+        # nothing of the wait before it: 10 samples in 1 s, or 9 where the
+        # kernel's timer skipped a period (the next sample covers its time; CI
+        # once, and this host one run in ten), the window then 0.9 s where the
+        # skipped one was its last.
+        taken = [sum(int((r.at > primed_at).sum()) for r in part) for part in (reads[:in_first], reads[in_first:])]
+        assert [w.samples for w in windows] == taken
+        assert all(9 <= w.samples <= 10 for w in windows), windows
+        assert all(0.9 - 0.01 <= w.end - w.start <= 1.0 + 0.05 for w in windows), windows
+    # The second begins where the first ends, to the letter: overlapping windows are drawn one in two by the
+    # hindsight view, and the two clocks read anew each window drifted 0.2 ms apart in an emulated guest.
+    assert second.window.start == first.window.end
+
+@contextmanager
+def written_late(groups: sched.KernelShardSampler, seconds: float) -> Iterator[list[sched.KernelSamples]]:
+    """The kernel's timer writes each sample `seconds` after its time, as an
+    emulated guest's may: a read sees only those taken that long before it,
+    the rest at a later read. Yields every sample as the kernel wrote it."""
+    take, held, written = groups.take_kernel_samples, list[sched.KernelSamples | None]([None]), []
+
+    def late() -> sched.KernelSamples:
+        written.append(got := take())
+        if held[0] is not None:
+            got = joined(held[0], got)
+        visible = got.at <= time.monotonic() - seconds
+        held[0] = part(got, ~visible)
+        return part(got, visible)
+
+    groups.take_kernel_samples = late  # type: ignore[method-assign]
+    try:
+        yield written
+    finally:
+        del groups.take_kernel_samples
+
+
+def part(samples: sched.KernelSamples, keep: np.ndarray) -> sched.KernelSamples:
+    return sched.KernelSamples(samples.at[keep], samples.seconds[keep], samples.machine[keep], samples.steal[keep],
+                               {wid: cores[keep] for wid, cores in samples.shards.items()}, samples.lost)  # fmt: skip
+
+
+def joined(a: sched.KernelSamples, b: sched.KernelSamples) -> sched.KernelSamples:
+    return sched.KernelSamples(np.concatenate([a.at, b.at]), np.concatenate([a.seconds, b.seconds]),
+                               np.concatenate([a.machine, b.machine]), np.concatenate([a.steal, b.steal]),
+                               {wid: np.concatenate([a.shards[wid], b.shards[wid]]) for wid in b.shards},
+                               a.lost + b.lost)  # fmt: skip
+
+
+def test_a_sample_due_at_the_window_s_end_and_written_late_is_the_window_s(
+    ring: sched.KernelShardSampler, group: list[subprocess.Popen[str]]
+) -> None:
+    """A window whose last sample is due just before its end waits for the
+    late write of it. The window here begins just after a sample, so that its
+    tenth at 10 Hz is due as it ends, and is written 20 ms late: without the
+    wait, the window held 9 and the next one the tenth."""
+    ws = sampler_of(ring, busy_group(group), 10)
+    assert ring.ring is not None
+    before = ring.ring.written()
+    while ring.ring.written() == before:
+        pass  # the kernel's next sample: written into shared memory, nothing to wait on
+    with written_late(ring, 0.02) as written:
+        ws.prime(0)
+        primed_at, window_from = ws._last_sample_at, time.monotonic()
+        assert primed_at is not None
+        first = ws.run_window(1.0)
+        second = ws.run_window(1.0)
+    at = np.concatenate([w.at for w in written])
+    taken_by_its_end = int(((at > primed_at) & (at <= window_from + 1.0)).sum())
+    assert first.window.samples >= taken_by_its_end >= 9  # 9: a period the timer skipped
+    assert second.window.start == first.window.end

@@ -365,11 +365,17 @@ class WindowSampler:
         shards = {w.id: RateSeries(n, 0.0) for w in self.shard_sampler.specs}  # nanoseconds: no tick to merge
         samples = _WindowSamples(RateSeries(n, tick), RateSeries(n, tick), shards, taken=0, first_from=last)
         end = start + seconds
+        # A sample is written a little after its time (the timer's latency,
+        # and in an emulated guest the time before the write shows), so the
+        # window's last can be due just before its end and not yet readable:
+        # where the kernel's next sample was due by the end, the window waits
+        # up to half a period more for it (none at all where each is on time).
+        deadline = end
         gpu_at = end - min(0.5, seconds / 2)
         gpu_asked = False
         while True:
             now = self._clock()
-            wake = min(now + KERNEL_READ_S, end if gpu_asked else gpu_at)
+            wake = min(now + KERNEL_READ_S, deadline if gpu_asked else gpu_at)
             if wake > now:
                 self._sleep(wake - now)
             got = self.shard_sampler.take_kernel_samples()
@@ -395,8 +401,10 @@ class WindowSampler:
                     self.gpus.request(self._members)
                 self.engine_metrics.request((w.id, w.metrics_url) for w in self.shard_sampler.specs if w.metrics_url)
                 gpu_asked = True
-            if self._clock() >= end:
-                break
+            if (now := self._clock()) >= end:
+                if last + 1.0 / self.hz > end or now >= deadline > end:
+                    break
+                deadline = end + 0.5 / self.hz
         self._last_sample_at = last
         return samples
 
