@@ -72,7 +72,10 @@ def with_raw(hb: dict[str, Any], hz: float, rng: np.random.Generator) -> tuple[d
             for g in hb["gpus"]}  # fmt: skip
     started = time.perf_counter()
     cpu = raw_samples.rate_series(-0.01, *machine.samples(), digits=4)
-    points = [(i, raw_samples.gpu_points(t / 1e6, v)) for i, (t, v) in gpus.items()]
+    gpm_t = np.arange(0.1, INTERVAL_S + 1e-9, 0.1)  # GPM's intervals: 10 a second, four percent series a card
+    points = [(i, {"utilization_percent": raw_samples.gpu_points(t / 1e6, v),
+                   **{field: raw_samples.gpu_points(gpm_t, rng.uniform(0, 100, len(gpm_t)))
+                      for field in list(raw_samples.GPU_POINTS)[1:]}}) for i, (t, v) in gpus.items()]  # fmt: skip
     per_shard = [(s["id"], raw_samples.rate_series(-0.01, *r.samples(), digits=5))
                  for s, r in zip(hb["shards"], shards, strict=True)]  # fmt: skip
     out = {**hb, "raw": raw_samples.fit_raw(len(wire.dumps(hb)), cpu, points, per_shard)}

@@ -52,7 +52,7 @@ from controlplane.keys import REGISTRY
 from controlplane.page_worker import PAGE_WORKER
 from wire.checks import Json
 from wire.hindsight import MAX_SPAN_S, SpanRequest
-from wire.raw import window_stats
+from wire.raw import gpu_key, gpu_key_parts, gpu_label, window_stats
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +176,11 @@ class Fetch:
             chunks.append(("machine", _rates(cpu, t_from)))
         chunks += [(f"shard:{s['id']}", _rates(s["cpu_cores"], t_from)) for s in piece["shards"]]
         for g in piece["gpus"]:
-            p = g["utilization_percent"]
-            chunks.append((f"gpu:{g['index']}", _Chunk(t_from, None, t_from + np.array(p["t"], dtype=np.float64),
-                                                       np.array(p["v"], dtype=np.float32))))  # fmt: skip
+            for name, p in g.items():
+                if name != "index":
+                    chunks.append((gpu_key(g["index"], name),
+                                   _Chunk(t_from, None, t_from + np.array(p["t"], dtype=np.float64),
+                                          np.array(p["v"], dtype=np.float32))))  # fmt: skip
         size = (sum(len(c.v) * HELD_BYTES_A_SAMPLE + HELD_BYTES_A_SERIES for _, c in chunks)
                 + len(piece["windows"]) * HELD_BYTES_A_WINDOW + HELD_BYTES_A_PIECE)  # fmt: skip
         if self.bytes + size > MAX_BYTES_PER_FETCH:
@@ -216,7 +218,7 @@ class Fetch:
         sample not measured (`null`), never a zero."""
         out = self.describe()
         out["windows"] = [[round(s - self.t_from, 6), round(e - self.t_from, 6)] for s, e in self.windows]
-        out["shards"], out["gpus"] = [], []
+        out["shards"], gpus = [], dict[int, Json]()
         for key in sorted(self.series):
             kind, _, name = key.partition(":")
             joined = _joined(self.series[key], self.t_from)
@@ -225,7 +227,9 @@ class Fetch:
             elif kind == "shard":
                 out["shards"].append({"id": name, "cpu_cores": joined})
             else:
-                out["gpus"].append({"index": int(name), "utilization_percent": joined})
+                index, field = gpu_key_parts(key)
+                gpus.setdefault(index, {"index": index})[field] = joined
+        out["gpus"] = [gpus[index] for index in sorted(gpus)]
         return out
 
     def window_events(self) -> tuple[list[Json], bool]:
@@ -251,7 +255,8 @@ class Fetch:
         ends = np.array([w[1] for w in windows])
         for key in sorted(self.series):
             kind, _, name = key.partition(":")
-            label, unit = {"machine": ("machine CPU", "%"), "shard": (name, "cores"), "gpu": (f"GPU {name}", "%")}[kind]
+            label, unit = {"machine": ("machine CPU", "%"), "shard": (name, "cores")}.get(kind) or \
+                (gpu_label(*gpu_key_parts(key)), "%")  # fmt: skip
             chunks = self.series[key]
             if chunks[0].us is None:  # a GPU's points
                 t = np.concatenate([c.t for c in chunks if c.t is not None])

@@ -31,6 +31,7 @@ from aiohttp import web
 
 from controlplane.keys import REGISTRY
 from controlplane.listen.page_access import USER, VIEWER
+from wire.raw import gpu_key, gpu_label
 from wire.schema import Heartbeat, Stats
 
 log = logging.getLogger(__name__)
@@ -160,12 +161,16 @@ def _event(hb: Heartbeat, raw: dict[str, Any]) -> dict[str, Any]:
     gpus = {g.index: g for g in hb.gpus or ()}
     for g in raw.get("gpus", []):
         card = gpus.get(g["index"])
-        summary = None
-        if card is not None and card.utilization_percent is not None:
-            summary = {"mean": card.utilization_percent, "p95": card.utilization_p95_percent,
-                       "max": card.utilization_max_percent}  # fmt: skip
-        series.append({"key": f"gpu:{g['index']}", "label": f"GPU {g['index']}", "unit": "%",
-                       **g["utilization_percent"], "summary": summary})  # fmt: skip
+        for figure, points in g.items():
+            if figure == "index":
+                continue
+            stem = figure.removesuffix("_percent")  # its summary: the card's mean, p95 and max fields of it
+            summary = None
+            if card is not None and getattr(card, figure) is not None:
+                summary = {"mean": getattr(card, figure), "p95": getattr(card, f"{stem}_p95_percent"),
+                           "max": getattr(card, f"{stem}_max_percent")}  # fmt: skip
+            series.append({"key": gpu_key(g["index"], figure), "label": gpu_label(g["index"], figure), "unit": "%",
+                           **points, "summary": summary})  # fmt: skip
     w = hb.window
     out = {"seq": hb.seq, "start": w.start, "end": w.end, "samples": w.samples, "series": series}
     if raw.get("shards_left_out"):

@@ -61,6 +61,9 @@ def filled_ring(seconds: float = 60.0, hz: float = 100.0, shards: int = 3, gpus:
             ring.keep(f"shard:s{s}", end, lengths, rng.uniform(0, 4, n))
         for g in range(gpus):
             ring.keep_points(f"gpu:{g}", start + np.arange(1, 31) * window_s / 30, rng.uniform(0, 100, 30))
+            # GPM's intervals: its SM activity at 10 a second
+            ring.keep_points(f"gpu:{g}:sm_activity_percent", start + np.arange(1, int(window_s * 10) + 1) / 10,
+                             rng.uniform(0, 100, int(window_s * 10)))  # fmt: skip
         ring.keep_window(start, end)
     return ring
 
@@ -108,9 +111,10 @@ def test_the_pieces_put_back_are_the_rings_samples_of_the_span(offset: float, le
         assert [round(e, 5) for e, _ in pairs] == pytest.approx(
             (want.start + np.cumsum(want.us) / 1e6).round(5).tolist(), abs=2e-6)
         assert [v for _, v in pairs] == pytest.approx(want.values.astype(float).tolist(), nan_ok=True, abs=1e-4)
-    gpu = got["gpus"][0]["utilization_percent"]
-    want = ring.ending_in("gpu:0", asked.t_from, asked.t_to)
-    assert want is not None and gpu["v"] == pytest.approx(want.values.astype(float).tolist(), abs=0.01)
+    for field, key in [("utilization_percent", "gpu:0"), ("sm_activity_percent", "gpu:0:sm_activity_percent")]:
+        points = got["gpus"][0][field]
+        want = ring.ending_in(key, asked.t_from, asked.t_to)
+        assert want is not None and points["v"] == pytest.approx(want.values.astype(float).tolist(), abs=0.01)
 
 
 def test_a_lost_piece_is_named_missing_and_never_filled() -> None:
@@ -234,6 +238,14 @@ def test_window_events_carry_each_windows_stats_of_its_samples() -> None:
         want = window_stats(span.values.astype(np.float64), span.us / 1e6)
         assert want is not None and machine["summary"] == pytest.approx(want, abs=2e-4)
         assert len(machine["us"]) == len(span.us)
+        # A card's SM activity (GPM's intervals, 10 a second) beside its utilisation, named as a person reads it.
+        sm = next(s for s in e["series"] if s["key"] == "gpu:0:sm_activity_percent")
+        points = ring.ending_in("gpu:0:sm_activity_percent", e["start"], e["end"])
+        assert points is not None and len(points.us) >= 49  # the row's first point only dates the next
+        assert (sm["label"], sm["unit"], len(sm["t"])) == ("GPU 0 SM activity", "%", len(points.us))
+        if e is not events[0]:  # there, the row's first point dates the next; the line weighs it from the start
+            want = window_stats(points.values.astype(np.float64), points.us / 1e6)
+            assert sm["summary"] == pytest.approx(want, abs=0.01)
 
 
 # --- through both listeners -------------------------------------------------------

@@ -78,12 +78,14 @@ def test_a_series_mean_is_its_summary_mean(samples: list[tuple[float | None, flo
     if summary is None:
         assert all(v is None for v in raw["v"])
         return
-    # The summary's mean is rounded to 1e-4 (5e-5 off at most); each length on
-    # the wire to 0.5 us (0.25 us off), which moves the weighted mean by at most
-    # the largest value times the measured lengths' whole error over their sum.
+    # The summary's mean is rounded to 1e-4 (5e-5 off at most); each value on the
+    # wire to 1e-5 (5e-6 off, and so their mean), each length to 0.5 us (0.25 us
+    # off), which moves the weighted mean by at most the largest value times
+    # the measured lengths' whole error over their sum.
     us = np.array([u for u, v in zip(raw["us"], raw["v"], strict=True) if v is not None], dtype=float)
     top = max(v for v in raw["v"] if v is not None)
-    assert weighted_mean(raw) == pytest.approx(summary["mean"], abs=5e-5 + top * 0.25 * len(us) / us.sum() + 1e-9)
+    rounding = 5e-5 + 5e-6 + top * 0.25 * len(us) / us.sum() + 1e-9
+    assert weighted_mean(raw) == pytest.approx(summary["mean"], abs=rounding)
     assert p95_fits(raw, summary["p95"])
     assert max(v for v in raw["v"] if v is not None) == pytest.approx(summary["max"], abs=6e-5)
 
@@ -100,7 +102,7 @@ def test_the_raw_block_keeps_the_body_within_its_limit() -> None:
     summary = heartbeat()
     summary["shards"] = [{"id": f"s{i}", "cpu_cores": {"mean": 1.0, "p95": 1.0, "max": 1.0}} for i in range(30)]
     one = raw_samples.rate_series(-0.001, rng.uniform(0, 8, 5000), np.full(5000, 0.001), 5)
-    gpus = [(0, raw_samples.gpu_points(np.arange(30) / 6, rng.uniform(0, 100, 30)))]
+    gpus = [(0, {"utilization_percent": raw_samples.gpu_points(np.arange(30) / 6, rng.uniform(0, 100, 30))})]
     raw = raw_samples.fit_raw(len(wire.dumps(summary)), one, gpus, [(s["id"], one) for s in summary["shards"]])
     kept = len(raw["shards"])
     assert 0 < kept < 30 and raw["shards_left_out"] == 30 - kept
@@ -142,7 +144,9 @@ def test_hostile_raw_items_are_refused_one_by_one() -> None:
         ],
         "gpus": [{"index": 0, "utilization_percent": {"t": [0.1, 0.2], "v": [50, 101]}},
                  {"index": 0, "utilization_percent": {"t": [0.1, "x"], "v": [50, 60]}},
-                 {"index": 1, "utilization_percent": {"t": [0.1, 0.2], "v": [50, 60]}}],
+                 {"index": 1, "utilization_percent": {"t": [0.1, 0.2], "v": [50, 60]}},
+                 {"index": 2, "sm_activity_percent": {"t": [0.1], "v": [-1]}},
+                 {"index": 3, "sm_activity": {"t": [0.1], "v": [5]}}],
         "shards_left_out": -1,
     }  # fmt: skip
     data = with_raw(raw).replace(b'"NAN"', b"NaN")
@@ -161,6 +165,9 @@ def test_hostile_raw_items_are_refused_one_by_one() -> None:
         {"field": "raw.shards[6].id", "reason": "a shard's samples twice"},
         {"field": "raw.gpus[0].utilization_percent.v[1]", "reason": "must be within 0..100"},
         {"field": "raw.gpus[1].utilization_percent.t[1]", "reason": "must be a number"},
+        {"field": "raw.gpus[3].sm_activity_percent.v[0]", "reason": "must be within 0..100"},
+        {"field": "raw.gpus[4]", "reason": "none of a GPU's point series (utilization_percent, sm_activity_percent, "
+                                           "sm_occupancy_percent, tensor_activity_percent, dram_bandwidth_percent)"},
         {"field": "raw.shards_left_out", "reason": "must be within 0..2147483648"},
     ]
 
@@ -293,13 +300,19 @@ async def test_a_viewer_gets_the_samples_the_answers_ask_for(cluster: tuple[Clie
     assert answer == {"ok": True, "raw": True}  # asked for; this one had none
     hb = heartbeat(seq=3)
     hb["raw"] = {"machine": {"cpu_percent": series()}, "shards": [{"id": "s0", "cpu_cores": series(value=1.0)}],
-                 "gpus": [{"index": 0, "utilization_percent": {"t": [0.5, 1.5], "v": [96.0, 98.0]}}]}  # fmt: skip
+                 "gpus": [{"index": 0, "utilization_percent": {"t": [0.5, 1.5], "v": [96.0, 98.0]},
+                           "sm_activity_percent": {"t": [0.1, 0.2, 0.3], "v": [20.0, 30.0, 40.0]}}]}  # fmt: skip
+    hb["gpus"][0].update(sm_activity_percent=30.0, sm_activity_p95_percent=40.0, sm_activity_max_percent=40.0)
     status, answer = await post(agents, "/v1/heartbeat", hb)
     assert answer == {"ok": True, "raw": True}
     name, event = await asyncio.wait_for(read_event(viewer.content), 10)
     assert name == "window" and event["seq"] == 3
-    assert [s["key"] for s in event["series"]] == ["machine", "shard:s0", "gpu:0"]
+    assert [s["key"] for s in event["series"]] == ["machine", "shard:s0", "gpu:0", "gpu:0:sm_activity_percent"]
     assert event["series"][2]["summary"] == {"mean": 97.0, "p95": None, "max": None}
+    # GPM's intervals beside NVML's samples, with the card's own summary of them.
+    sm = event["series"][3]
+    assert (sm["label"], sm["unit"], sm["v"]) == ("GPU 0 SM activity", "%", [20.0, 30.0, 40.0])
+    assert sm["summary"] == {"mean": 30.0, "p95": 40.0, "max": 40.0}
     nodes = json.loads(await (await pages.get("/api/nodes")).text())["nodes"]
     assert nodes[0]["live"]["viewers"] == 1 and "raw" not in nodes[0]["heartbeat"]  # raw is the view's alone
     # Another node while this one is live: refused, saying why.

@@ -6,8 +6,10 @@ A rate series (the machine's CPU, a shard's cores) is where its first sample
 begins (seconds from `window.start`), each sample's length in whole
 microseconds and each value (`null`: not measured): exactly the samples and
 weights the window's summary was computed from, so a series' time-weighted
-mean is the summary's mean. A GPU's utilisation is NVML's own samples: each
-one's time (seconds from `window.start`) and value.
+mean is the summary's mean. A GPU's points are NVML's own utilisation
+samples and GPM's intervals (SM activity, SM occupancy, tensor activity,
+DRAM bandwidth, at GPM's own rate): each one's time (seconds from
+`window.start`; an interval's end) and value, percent.
 
 The agent fits the block to the body's limit (`fit_raw`): the machine and
 the GPUs first, then the shards in the summary's order while they fit, with
@@ -30,6 +32,32 @@ MAX_RAW_SAMPLES = 20_000  # one series: 1000 Hz for 20 s
 MAX_SAMPLE_US = 3_600_000_000  # one sample: an hour
 MAX_OFFSET_S = 3600.0  # a time's distance from the window's start
 BODY_ROOM = 16 * 1024  # what the raw block leaves free in the body, besides the summary
+
+# A GPU's point series: its field on the wire (the summary's mean field of the
+# same figure) -> what a chart calls it.
+GPU_POINTS = {
+    "utilization_percent": "utilisation",
+    "sm_activity_percent": "SM activity",
+    "sm_occupancy_percent": "SM occupancy",
+    "tensor_activity_percent": "tensor activity",
+    "dram_bandwidth_percent": "DRAM bandwidth",
+}
+
+
+def gpu_key(index: int, field: str) -> str:
+    """A GPU point series' key, in hindsight's rows and the live view:
+    `gpu:<index>` for its utilisation, `gpu:<index>:<field>` for the rest."""
+    return f"gpu:{index}" if field == "utilization_percent" else f"gpu:{index}:{field}"
+
+
+def gpu_key_parts(key: str) -> tuple[int, str]:
+    """gpu_key's card and field."""
+    _, index, field = (key + ":utilization_percent").split(":")[:3]
+    return int(index), field
+
+
+def gpu_label(index: int, field: str) -> str:
+    return f"GPU {index}" if field == "utilization_percent" else f"GPU {index} {GPU_POINTS[field]}"
 
 
 def window_stats(values: np.ndarray, seconds: np.ndarray) -> dict[str, float] | None:
@@ -66,11 +94,12 @@ def gpu_points(times_s: np.ndarray, values: np.ndarray) -> Json:
     return {"t": np.round(times_s, 4).tolist(), "v": np.round(values, 2).tolist()}
 
 
-def fit_raw(summary_bytes: int, machine: Json | None, gpus: Iterable[tuple[int, Json]],
+def fit_raw(summary_bytes: int, machine: Json | None, gpus: Iterable[tuple[int, dict[str, Json]]],
             shards: Iterable[tuple[str, Json]]) -> Json:  # fmt: skip
     """The raw block for a heartbeat whose summary takes `summary_bytes`:
-    the machine's series, the GPUs', then each shard's while the body stays
-    within its limit; `shards_left_out` counts the rest."""
+    the machine's series, the GPUs' (each card's points by field), then each
+    shard's while the body stays within its limit; `shards_left_out` counts
+    the rest."""
     room = MAX_BODY_BYTES - summary_bytes - BODY_ROOM
     out: Json = {}
     if machine is not None:
@@ -78,7 +107,7 @@ def fit_raw(summary_bytes: int, machine: Json | None, gpus: Iterable[tuple[int, 
         room -= _size(out["machine"])
     out["gpus"] = []
     for index, points in gpus:
-        entry = {"index": index, "utilization_percent": points}
+        entry = {"index": index, **points}
         if (size := _size(entry)) <= room:
             out["gpus"].append(entry)
             room -= size
@@ -208,5 +237,10 @@ def _gpu_points(value: Any, field: Field, indices: set[int], most: int) -> Json:
     index = integer(g.get("index"), (field, "index"), 0, 4095)
     if index in indices:
         raise WireError((field, "index"), "a GPU's samples twice")
-    points = checked_points(g.get("utilization_percent"), (field, "utilization_percent"), most)
-    return {"index": index, "utilization_percent": points}
+    out: Json = {"index": index}
+    for series in GPU_POINTS:
+        if g.get(series) is not None:
+            out[series] = checked_points(g[series], (field, series), most)
+    if len(out) == 1:
+        raise WireError(field, f"none of a GPU's point series ({', '.join(GPU_POINTS)})")
+    return out

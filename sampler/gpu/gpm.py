@@ -9,9 +9,10 @@ NVML from two samples (`nvmlGpmSampleGet`, then `nvmlGpmMetricsGet` over
 the pair), which must lie at least 100 ms apart (NVML's reference, the
 note of `nvmlGpmMetricsGet`; NVIDIA calls faster than 10 Hz unsupported):
 so GPM keeps its own clock, `MIN_INTERVAL_S` at the finest, whatever the
-sampler's `--hz`, and a window's figures are the mean (weighted by each
-interval's length), p95 and max of the intervals that ended in it, with
-their mean length beside them.
+sampler's `--hz`, and a window's figures are the mean, p95 and max of the
+intervals that ended in it, each weighed by its length (wire/raw.py's
+`window_stats`), with their mean length beside them. The intervals of the
+percent figures go to a live viewer and to hindsight one by one (`POINTS`).
 
 The clock-event reasons (`nvmlDeviceGetCurrentClocksEventReasons`, a bit
 mask of why the clocks are below their maximum now) are read at the same
@@ -28,11 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from wire.raw import window_stats
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,11 @@ CLOCK_EVENTS: dict[str, str] = {
 }
 
 
+# The metrics whose intervals a live viewer and hindsight see one by one
+# (wire/raw.py's GPU points), as NVML's utilisation samples are seen.
+POINTS = ("sm_activity", "sm_occupancy", "tensor_activity", "dram_bandwidth")
+
+
 def fields(stem: str) -> tuple[str, str, str]:
     """The wire's mean, p95 and max fields of a GPM metric."""
     unit = METRICS[stem][1]
@@ -82,7 +91,8 @@ class _CardState:
     buffers: list[Any] = field(default_factory=list)  # two GPM sample buffers, the newest first after a tick
     ask: Any = None  # the metrics asked of a pair: made once (23 KB, its ids set through pynvml's Python setters)
     last_at: float | None = None  # when buffers[0] was taken
-    intervals: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (seconds, stem -> value)
+    # (when it ended, monotonic; its seconds; stem -> value)
+    intervals: list[tuple[float, float, dict[str, float]]] = field(default_factory=list)
     clock_events: bool = True  # False: the card or driver does not say
     clock_at: float | None = None
     held: dict[str, float] = field(default_factory=dict)  # reason -> seconds set, this window
@@ -92,9 +102,11 @@ class _CardState:
 class CardMonitor:
     """GPM and clock events of a node's cards, ticked on the NVML thread."""
 
-    def __init__(self, nvml: Any, clock: Callable[[], float], said: Callable[[str], bool]) -> None:
+    def __init__(self, nvml: Any, clock: Callable[[], float], said: Callable[[str], bool],
+                 wall: Callable[[], float] = time.time) -> None:  # fmt: skip
         self._nv = nvml
         self._clock = clock
+        self._wall = wall
         self._first = said  # True the first time a problem is seen: it is logged once
         self._cards: dict[int, _CardState] = {}
         self._ids = {stem: int(getattr(nvml, name)) for stem, (name, _) in METRICS.items()}
@@ -181,7 +193,7 @@ class CardMonitor:
             if not np.isfinite(value) or value < 0:
                 continue
             values[stem] = value * MiB if METRICS[stem][1] == "bytes_per_second" else min(value, 100.0)
-        card.intervals.append((seconds, values))
+        card.intervals.append((now, seconds, values))
 
     def _tick_clock_events(self, card: _CardState, now: float) -> None:
         if not card.clock_events:
@@ -209,26 +221,36 @@ class CardMonitor:
     def take(self, index: int) -> dict[str, Any]:
         """The card's fields for the window since the last take: absent where
         not measured (no GPM, no interval ended, the metric refused)."""
+        return self.take_with_points(index)[0]
+
+    def take_with_points(self, index: int) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+        """take()'s fields, and the intervals of each of POINTS themselves:
+        stem -> (each one's end, Unix microseconds; its value)."""
         card = self._cards.get(index)
         if card is None:
-            return {}
+            return {}, {}
         out: dict[str, Any] = {}
+        points: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         intervals, card.intervals = card.intervals, []
         if intervals:
-            lengths = np.array([s for s, _ in intervals])
+            to_wall = self._wall() - self._clock()
+            lengths = np.array([s for _, s, _ in intervals])
             out["gpm_interval_seconds"] = round(float(lengths.mean()), 3)
             for stem in METRICS:
-                pairs = [(s, v[stem]) for s, v in intervals if stem in v]
-                if not pairs:
+                kept = [(at, s, v[stem]) for at, s, v in intervals if stem in v]
+                if not kept:
                     continue
-                weights = np.array([s for s, _ in pairs])
-                values = np.array([v for _, v in pairs])
-                mean, p95, top = fields(stem)
-                out[mean] = round(float(np.average(values, weights=weights)), 2)
-                out[p95] = round(float(np.percentile(values, 95)), 2)
-                out[top] = round(float(values.max()), 2)
+                ends, weights, values = (np.array(column) for column in zip(*kept, strict=True))
+                # The one definition of a window's mean, p95 and max (wire/raw.py): the
+                # live view's and hindsight's lines over these intervals are the same.
+                stats = window_stats(values, weights)
+                assert stats is not None  # every value is finite, every interval has a length
+                for name, figure in zip(fields(stem), ("mean", "p95", "max"), strict=True):
+                    out[name] = round(stats[figure], 2)
+                if stem in POINTS:
+                    points[stem] = ((ends + to_wall) * 1e6, values)
         if card.clock_events and card.clock_seconds > 0:
             for reason in CLOCK_EVENTS:
                 out[clock_event_field(reason)] = round(min(1.0, card.held.get(reason, 0.0) / card.clock_seconds), 4)
         card.held, card.clock_seconds = {}, 0.0
-        return out
+        return out, points

@@ -52,6 +52,8 @@ class GpuReading:
     utilisation_samples: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     # shard id -> the cards (indices) it holds a context on: a compute process of its on each
     shard_cards: dict[str, list[int]] = field(default_factory=dict)
+    # card index -> GPM's intervals of this reading (gpm.POINTS): stem -> their ends (Unix microseconds) and values
+    gpm_samples: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
 
 
 INIT_RETRY_START_S = 1.0
@@ -342,7 +344,8 @@ class GpuReader:
         card.last_sample_us = max(t for t, _ in fresh)
         return np.array([t for t, _ in fresh], dtype=np.float64), np.array([v for _, v in fresh], dtype=np.float64)
 
-    def _read_card(self, card: _Card, raw: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+    def _read_card(self, card: _Card, raw: dict[int, tuple[np.ndarray, np.ndarray]],
+                   gpm_raw: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]]) -> dict[str, Any]:  # fmt: skip
         nv, h = self._nvml, card.handle
         out: dict[str, Any] = {"index": card.index, "uuid": card.uuid}
         if card.name is not None:
@@ -392,7 +395,10 @@ class GpuReader:
             if card.xid_last is not None:
                 out["xid_last"] = card.xid_last
         if self._monitor is not None:
-            out.update(self._monitor.take(card.index))  # GPM and clock events, at their own rate
+            figures, points = self._monitor.take_with_points(card.index)  # GPM and clock events, at their own rate
+            out.update(figures)
+            if points:
+                gpm_raw[card.index] = points
         return out
 
     def _processes(self, card: _Card) -> list[tuple[int, int | None]] | None:
@@ -474,11 +480,12 @@ class GpuReader:
         owner = {pid: sid for sid, pids in members.items() for pid in pids}
         shares: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         raw: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        gpm_raw: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
         cards_of: dict[str, list[int]] = {}
         self._drain_xids()
         for card in self._cards:
             try:
-                gpus.append(self._read_card(card, raw))
+                gpus.append(self._read_card(card, raw, gpm_raw))
                 procs = self._processes(card) if members else None
                 samples = self._process_samples(card) if members else None
             except _CardLost:
@@ -505,7 +512,7 @@ class GpuReader:
                     shares.setdefault(sid, []).append(share)
         shard_memory: dict[str, int | None] = {sid: (v if answered else None) for sid, v in used.items()}
         return GpuReading(gpus, shard_memory, self._clock() - started, None, self._shard_utilisation(shares), raw,
-                          cards_of)  # fmt: skip
+                          cards_of, gpm_raw)  # fmt: skip
 
     # --- on the caller's thread ----------------------------------------------------
 

@@ -3,7 +3,7 @@ question asked after an incident ("what happened at 14:03?"), as Rezolus
 keeps a ring of recent samples on each host.
 
 Each series the windows are summarised from (the machine's CPU, each
-shard's cores, each GPU's utilisation) has a row of two fixed arrays,
+shard's cores, each GPU's utilisation and SM activity) has a row of two fixed arrays,
 allocated once: each sample's length in microseconds (uint32) and its value
 (float32; NaN: not measured), the raw block's shapes (docs/wire-format.md).
 A row's samples follow one another without a gap, so its end (the wall time
@@ -34,11 +34,16 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 BYTES_A_SAMPLE = 8  # a uint32 length and a float32 value
-MACHINE = "machine"  # the machine CPU's row; a shard's is "shard:<id>", a GPU's "gpu:<index>"
+MACHINE = "machine"  # the machine CPU's row; a shard's is "shard:<id>", a GPU's wire/raw.py's gpu_key
 # Rows, the machine's among them: the budget is shared by the rows, used or
 # not. 32: at 100 Hz 16 MiB keeps 10.9 minutes of each series, at 10 Hz the
-# 15 of the default; a node of more than 31 shards and GPUs keeps the first.
+# 15 of the default; a node of more than 31 shards and GPU series keeps the first.
 SERIES_ROWS = 32
+# A card's point series kept: its utilisation and its SM activity (GPM),
+# two rows a card. The live view also has occupancy, tensor activity and
+# DRAM bandwidth; kept here too, an 8-card node would leave 31 rows less
+# 40 for the machine's shards, or each row a third of the minutes.
+HINDSIGHT_GPU_POINTS = ("utilization_percent", "sm_activity_percent")
 WINDOWS_KEPT = 4096  # windows' bounds kept, for a fetched span's per-window lines (64 KiB)
 GAP_S = 1e-3  # a series' absence shorter than this is the rounding of its lengths to microseconds, not an absence
 

@@ -40,7 +40,7 @@ from sampler.sources.cfs import CfsBandwidthReader
 from sampler.sources.cgroup_view import host_cgroup_root
 from sampler.sources.machine import MachineCpuSampler, MachineGaugeReader, PressureReader
 from sampler.sources.runqueue import RunQueueWaitSampler
-from sampler.window.hindsight import MACHINE, HindsightRing
+from sampler.window.hindsight import HINDSIGHT_GPU_POINTS, MACHINE, HindsightRing
 from sampler.window.process_view import ProcessView
 from sampler.window.series import RateSeries
 from sampler.window.span_sender import SpanSender
@@ -52,7 +52,8 @@ KERNEL_READ_S = 1.0  # how often the agent reads the samples the kernel takes (t
 
 log = logging.getLogger(__name__)
 
-GpuSamples = dict[int, tuple[np.ndarray, np.ndarray]]  # a card's NVML utilisation samples: times (us) and values
+# (card index, its point series' wire field: wire/raw.py's GPU_POINTS) -> the points' times (us) and values
+GpuSamples = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass
@@ -302,8 +303,9 @@ class WindowSampler:
         for wid, series in samples.shards.items():
             values, seconds = series.samples()
             ring.keep(f"shard:{wid}", end, seconds, values)
-        for index, (t_us, util) in gpu_samples.items():
-            ring.keep_points(f"gpu:{index}", t_us / 1e6, util)
+        for (index, field), (t_us, values) in gpu_samples.items():
+            if field in HINDSIGHT_GPU_POINTS:
+                ring.keep_points(raw_samples.gpu_key(index, field), t_us / 1e6, values)
 
     def _take_samples(self, start: float, seconds: float) -> _WindowSamples:
         """The window's samples, one every 1/hz from `start`; the GPUs and the
@@ -427,7 +429,10 @@ class WindowSampler:
             reading = self.gpus.take()
             gpus = self._add_gpus(figures, reading)
             if reading is not None:
-                gpu_samples = reading.utilisation_samples
+                gpu_samples = {(index, "utilization_percent"): points
+                               for index, points in reading.utilisation_samples.items()}  # fmt: skip
+                gpu_samples.update(((index, f"{stem}_percent"), points) for index, by_stem in
+                                   reading.gpm_samples.items() for stem, points in by_stem.items())  # fmt: skip
         if self.gpu_grace > 0:
             self.engine_metrics.wait(self.gpu_grace)
         queues = self.engine_metrics.take()
@@ -440,13 +445,15 @@ class WindowSampler:
              gpu_samples: GpuSamples, start_wall: float) -> dict[str, Any]:  # fmt: skip
         """The window's samples for a live viewer, as the summary counted them
         (wire/raw.py): machine CPU, each sent shard's cores
-        (by its id as sent), and the GPUs' NVML samples."""
+        (by its id as sent), and the GPUs' points: NVML's utilisation samples
+        and GPM's intervals."""
         cpu = raw_samples.rate_series(first_from, *machine.samples(), digits=4)
-        gpus = [(index, raw_samples.gpu_points(t_us / 1e6 - start_wall, v)) for index, (t_us, v) in
-                sorted(gpu_samples.items())]  # fmt: skip
+        by_card: dict[int, dict[str, Any]] = {}
+        for (index, field), (t_us, v) in sorted(gpu_samples.items()):
+            by_card.setdefault(index, {})[field] = raw_samples.gpu_points(t_us / 1e6 - start_wall, v)
         series = [(shard.id, raw_samples.rate_series(first_from, *cores.samples(), digits=5))
                   for shard, cores in shards]  # fmt: skip
-        return raw_samples.fit_raw(summary_bytes, cpu, gpus, series)
+        return raw_samples.fit_raw(summary_bytes, cpu, sorted(by_card.items()), series)
 
     def _impossible(self, wid: str, r: ShardReading) -> None:
         """A sample of more cores than the machine has is a bug in a backend, not

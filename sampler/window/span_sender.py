@@ -17,6 +17,7 @@ import numpy as np
 
 import wire
 from sampler.window.hindsight import MACHINE, HindsightRing, Span
+from wire import raw as raw_samples
 from wire.hindsight import SpanRequest
 from wire.raw import MAX_OFFSET_S
 
@@ -79,7 +80,7 @@ def piece(ring: HindsightRing, asked: SpanRequest, t_from: float, t_to: float) -
         "windows": [[round(s - t_from, 6), round(e - t_from, 6)] for s, e in ring.windows_ending_in(t_from, t_to)
                     if e - t_from <= MAX_OFFSET_S and s - t_from >= -MAX_OFFSET_S],
     }  # fmt: skip
-    shards, gpus = [], []
+    shards, gpus = [], dict[int, dict[str, object]]()
     for key in ring.series_kept():
         span = ring.ending_in(key, t_from, t_to)
         if span is None or not len(span.us):
@@ -93,9 +94,9 @@ def piece(ring: HindsightRing, asked: SpanRequest, t_from: float, t_to: float) -
             ends = span.start - t_from + np.cumsum(span.us, dtype=np.int64) / 1e6
             measured = ~np.isnan(span.values)  # a GPU's absence is no point: the points have a gap there
             ends, values = ends[measured], np.round(span.values[measured].astype(np.float64), 2)
-            gpus.append({"index": int(key.removeprefix("gpu:")),
-                         "utilization_percent": {"t": np.round(ends, 4).tolist(), "v": values.tolist()}})
-    out["shards"], out["gpus"] = shards, gpus
+            index, field = raw_samples.gpu_key_parts(key)
+            gpus.setdefault(index, {"index": index})[field] = {"t": np.round(ends, 4).tolist(), "v": values.tolist()}
+    out["shards"], out["gpus"] = shards, [gpus[index] for index in sorted(gpus)]
     return out
 
 
