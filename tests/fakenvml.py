@@ -20,6 +20,19 @@ such a pair (`NVML_ERROR_INVALID_ARGUMENT`) and counts it. A card's
 support is `nvmlGpmQueryDeviceSupport`'s `isSupportedDevice`; the clock
 events are `nvmlDeviceGetCurrentClocksEventReasons`' bit mask
 (`nvmlClocksEventReason*`).
+
+MIG (the reference's "Multi Instance GPU Management"): a card in MIG mode
+(`nvmlDeviceGetMigMode`'s current mode `NVML_DEVICE_MIG_ENABLE`) has
+`nvmlDeviceGetMaxMigDeviceCount` slots (7 on A100 and H100), each empty
+(`nvmlDeviceGetMigDeviceHandleByIndex`: NOT_FOUND) or a MIG device handle
+(the fake's: the `FakeInstance` itself) that names its GPU and compute
+instance ids and answers for its own memory and processes; utilisation is
+not supported on it (as NVML says of MIG devices). The card's own handle
+gives the processes of every instance only to a privileged caller (the
+reference's note on `nvmlDeviceGetComputeRunningProcesses` in MIG mode): the
+fake's agent is not, and gets NO_PERMISSION. GPM samples of an instance come
+through the card's handle and its GPU instance id (`nvmlGpmMigSampleGet`);
+an id the card does not have is INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -36,8 +49,49 @@ import pynvml
 GiB = 1024**3
 
 
+@dataclass(kw_only=True)
+class GpmCounters:
+    """A card's or a MIG instance's GPM counters."""
+
+    # GPM metric id -> its rate now (percent, or MiB a second), and its counter (rate x seconds) so far
+    gpm_rates: dict[int, float] = field(default_factory=dict)
+    gpm_counters: dict[int, float] = field(default_factory=dict)
+    gpm_counted_to: float | None = None
+    gpm_refused: dict[int, int] = field(default_factory=dict)  # metric id -> the nvmlReturn it gets
+
+    def set_gpm_rates(self, now: float, rates: dict[int, float]) -> None:
+        """From `now` on, the metrics advance at `rates` (the counters brought up to now first)."""
+        self.count_gpm(now)
+        self.gpm_rates = dict(rates)
+
+    def count_gpm(self, now: float) -> None:
+        if self.gpm_counted_to is not None:
+            for metric, rate in self.gpm_rates.items():
+                self.gpm_counters[metric] = self.gpm_counters.get(metric, 0.0) + rate * (now - self.gpm_counted_to)
+        self.gpm_counted_to = now
+
+
 @dataclass
-class FakeCard:
+class FakeInstance(GpmCounters):
+    """A MIG device: a GPU instance (with one compute instance) of a card."""
+
+    gpu_instance_id: int
+    compute_instance_id: int = 0
+    memory_total: int = 16 * GiB
+    memory_used: int = 0
+    processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes or None)
+    fails: dict[str, int] = field(default_factory=dict)
+    gone: bool = False  # destroyed since its handle was given: the handle names nothing
+    card: FakeCard | None = None  # set by its card
+
+    @property
+    def uuid(self) -> str:
+        assert self.card is not None
+        return f"MIG-{self.card.index:04d}{self.gpu_instance_id:04d}-fake-0000-0000-000000000000"
+
+
+@dataclass
+class FakeCard(GpmCounters):
     index: int
     name: str = "NVIDIA H200"
     memory_total: int = 141 * GiB
@@ -60,25 +114,16 @@ class FakeCard:
     hang: threading.Event | None = None  # set: calls return; clear: nvmlDeviceGetTemperature blocks
     calls: int = 0
     gpm: bool = True  # nvmlGpmQueryDeviceSupport's isSupportedDevice (Hopper and later)
-    # GPM metric id -> its rate now (percent, or MiB a second), and its counter (rate x seconds) so far
-    gpm_rates: dict[int, float] = field(default_factory=dict)
-    gpm_counters: dict[int, float] = field(default_factory=dict)
-    gpm_counted_to: float | None = None
-    gpm_refused: dict[int, int] = field(default_factory=dict)  # metric id -> the nvmlReturn it gets
     clock_events: int = 0  # nvmlDeviceGetCurrentClocksEventReasons' mask now
     pcie_replays: int = 0  # nvmlDeviceGetPcieReplayCounter: cumulative
     remapped_rows: tuple[int, int, int, int] = (0, 0, 0, 0)  # correctable, uncorrectable, pending, failure
+    # MIG mode's slots, each an instance or empty (None); None: MIG disabled
+    mig: list[FakeInstance | None] | None = None
 
-    def set_gpm_rates(self, now: float, rates: dict[int, float]) -> None:
-        """From `now` on, the metrics advance at `rates` (the counters brought up to now first)."""
-        self.count_gpm(now)
-        self.gpm_rates = dict(rates)
-
-    def count_gpm(self, now: float) -> None:
-        if self.gpm_counted_to is not None:
-            for metric, rate in self.gpm_rates.items():
-                self.gpm_counters[metric] = self.gpm_counters.get(metric, 0.0) + rate * (now - self.gpm_counted_to)
-        self.gpm_counted_to = now
+    def __post_init__(self) -> None:
+        for instance in self.mig or ():
+            if instance is not None:
+                instance.card = self
 
     @property
     def uuid(self) -> str:
@@ -87,7 +132,7 @@ class FakeCard:
 
 @dataclass
 class _GpmSample:
-    card: FakeCard | None = None  # None: allocated, never filled
+    card: GpmCounters | None = None  # a card or an instance; None: allocated, never filled
     at: float = 0.0
     counters: dict[int, float] = field(default_factory=dict)
     freed: bool = False
@@ -126,6 +171,18 @@ class FakeNvml:
             raise pynvml.NVMLError(card.fails[fn])
         return card
 
+    def _instance(self, handle: FakeInstance, fn: str) -> FakeInstance:
+        if not self.initialised:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        assert handle.card is not None
+        if handle.card.lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if handle.gone:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if fn in handle.fails:
+            raise pynvml.NVMLError(handle.fails[fn])
+        return handle
+
     # --- the module's functions ----------------------------------------------------------
 
     def nvmlInit(self) -> None:
@@ -154,6 +211,8 @@ class FakeNvml:
         return self.cards[index]
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        if isinstance(handle, FakeInstance):
+            return self._instance(handle, "nvmlDeviceGetUUID").uuid
         return self._card(handle, "nvmlDeviceGetUUID").uuid
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
@@ -166,7 +225,11 @@ class FakeNvml:
         return info
 
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
-        c = self._card(handle, "nvmlDeviceGetMemoryInfo")
+        c: FakeCard | FakeInstance
+        if isinstance(handle, FakeInstance):
+            c = self._instance(handle, "nvmlDeviceGetMemoryInfo")
+        else:
+            c = self._card(handle, "nvmlDeviceGetMemoryInfo")
         return pynvml.c_nvmlMemory_t(total=c.memory_total, free=c.memory_total - c.memory_used, used=c.memory_used)
 
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
@@ -216,8 +279,44 @@ class FakeNvml:
                                                         decUtil=0) for t, pid, sm, mem in fresh]  # fmt: skip
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
-        card = self._card(handle, "nvmlDeviceGetComputeRunningProcesses")
-        return [pynvml.nvmlFriendlyObject({"pid": pid, "usedGpuMemory": mem}) for pid, mem in card.processes]
+        c: FakeCard | FakeInstance
+        if isinstance(handle, FakeInstance):
+            c = self._instance(handle, "nvmlDeviceGetComputeRunningProcesses")
+        else:
+            c = self._card(handle, "nvmlDeviceGetComputeRunningProcesses")
+            if c.mig is not None:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)  # every instance's: the privileged alone
+        return [pynvml.nvmlFriendlyObject({"pid": pid, "usedGpuMemory": mem}) for pid, mem in c.processes]
+
+    # --- MIG -------------------------------------------------------------------------------
+
+    def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
+        card = self._card(device, "nvmlDeviceGetMigMode")
+        enabled = pynvml.NVML_DEVICE_MIG_ENABLE if card.mig is not None else pynvml.NVML_DEVICE_MIG_DISABLE
+        return [enabled, enabled]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: Any) -> int:
+        card = self._card(device, "nvmlDeviceGetMaxMigDeviceCount")
+        return 7 if card.mig is not None else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
+        card = self._card(device, "nvmlDeviceGetMigDeviceHandleByIndex")
+        if card.mig is None or not 0 <= index < 7:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        instance = card.mig[index] if index < len(card.mig) else None
+        if instance is None or instance.gone:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return instance
+
+    def nvmlDeviceGetGpuInstanceId(self, device: Any) -> int:
+        if not isinstance(device, FakeInstance):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)  # a card's own handle has none
+        return self._instance(device, "nvmlDeviceGetGpuInstanceId").gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, device: Any) -> int:
+        if not isinstance(device, FakeInstance):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self._instance(device, "nvmlDeviceGetComputeInstanceId").compute_instance_id
 
 
     # --- GPM and clock events ------------------------------------------------------------
@@ -252,10 +351,23 @@ class FakeNvml:
         card = self._card(device, "nvmlGpmSampleGet")
         if not card.gpm:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self._take_gpm(card, gpmSample)
+
+    def nvmlGpmMigSampleGet(self, device: Any, gpuInstanceId: int, gpmSample: Any) -> Any:
+        card = self._card(device, "nvmlGpmMigSampleGet")
+        if not card.gpm:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        instance = next((i for i in card.mig or () if i is not None and not i.gone
+                         and i.gpu_instance_id == gpuInstanceId), None)  # fmt: skip
+        if instance is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._take_gpm(instance, gpmSample)
+
+    def _take_gpm(self, counted: GpmCounters, gpmSample: Any) -> Any:
         sample = self._gpm_sample(gpmSample)
         now = self.clock()
-        card.count_gpm(now)
-        sample.card, sample.at, sample.counters = card, now, dict(card.gpm_counters)
+        counted.count_gpm(now)
+        sample.card, sample.at, sample.counters = counted, now, dict(counted.gpm_counters)
         return gpmSample
 
     def nvmlGpmMetricsGet(self, metricsGet: Any) -> Any:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from sampler.gpu.gpm import CLOCK_EVENTS, METRICS, CardMonitor, clock_event_field, fields
 from sampler.gpu.nvml import GpuReader
 from sampler.off_thread import Said
-from tests.fakenvml import FakeCard, FakeNvml
+from tests.fakenvml import FakeCard, FakeInstance, FakeNvml
 from tests.fakeproc import FakeClock
 
 SM = pynvml.NVML_GPM_METRIC_SM_UTIL
@@ -345,3 +345,110 @@ def test_gpm_intervals_reach_the_live_view_and_hindsight_one_by_one(tmp_path: Pa
     kept = set(ws.hindsight.series_kept())
     assert "gpu:0:sm_activity_percent" in kept and "gpu:0:tensor_activity_percent" not in kept
     assert not any(key.startswith("gpu:1:") for key in kept)
+
+
+# --- MIG ------------------------------------------------------------------------------
+
+
+def mig_card() -> FakeCard:
+    """An H100 cut in three: GPU instances 1 and 2 in slots 0 and 2 (slot 1 empty), 5 on the third."""
+    return FakeCard(0, name="NVIDIA H100 80GB HBM3", memory_total=80 * 2**30,
+                    mig=[FakeInstance(1, memory_total=20 * 2**30, memory_used=6 * 2**30, processes=[(100, 6 * 2**30)]),
+                         None,
+                         FakeInstance(2, memory_total=20 * 2**30, memory_used=2**30, processes=[(200, 2**30)]),
+                         FakeInstance(5, memory_total=10 * 2**30)])  # fmt: skip
+
+
+def test_a_mig_card_s_instances_are_rows_of_their_own_with_their_memory_processes_and_sms() -> None:
+    """Each instance under its card, by its GPU instance id: its memory, and
+    its SM activity from its own GPM samples (nvmlGpmMigSampleGet); the
+    card's own figures stay the whole card's. An engine's memory comes from
+    the instances it runs on (the card's handle refuses an unprivileged
+    agent every instance's processes), and its SM activity is its
+    instance's, not its neighbours'. A card beside it without MIG has no
+    instance rows at all (absent, not an empty list)."""
+    card = mig_card()
+    now = time.monotonic()
+    card.set_gpm_rates(now, {SM: 50.0})
+    card.mig[0].set_gpm_rates(now, {SM: 90.0})  # type: ignore[index, union-attr]
+    card.mig[2].set_gpm_rates(now, {SM: 10.0})  # type: ignore[index, union-attr]
+    nvml = FakeNvml([card, FakeCard(1)])
+    reader = GpuReader(nvml, gpm_every_s=0.1)
+    try:
+        assert reader.wait_ready(10)
+        read_once_ticked(reader)
+        deadline = time.monotonic() + 30
+        while True:  # until an interval of each instance has closed too
+            reader.request({"llama": {100}, "mistral": {200}})
+            assert reader.wait(10)
+            reading = reader.take()
+            assert reading is not None and reading.gpus is not None
+            rows = reading.gpus[0].get("mig_instances", [])
+            if (rows and all("sm_activity_percent" in r for r in rows)) or time.monotonic() > deadline:
+                break
+            reader.wait(0.05)  # nothing in flight: a pause between asks, not a synchronisation
+    finally:
+        reader.close()
+    whole, plain = reading.gpus
+    assert [r["gpu_instance_id"] for r in whole["mig_instances"]] == [1, 2, 5]
+    first, second, third = whole["mig_instances"]
+    assert (first["memory_used_bytes"], first["memory_total_bytes"]) == (6 * 2**30, 20 * 2**30)
+    assert first["uuid"].startswith("MIG-") and first["compute_instance_id"] == 0
+    assert first["sm_activity_percent"] == pytest.approx(90.0) and second["sm_activity_percent"] == pytest.approx(10.0)
+    assert third["sm_activity_percent"] == 0.0  # idle, and measured so
+    assert whole["sm_activity_percent"] == pytest.approx(50.0)  # the card's own: the whole card
+    assert "mig_instances" not in plain
+    assert reading.shard_memory == {"llama": 6 * 2**30, "mistral": 2**30}
+    assert reading.shard_cards == {"llama": [0], "mistral": [0]}
+    assert reading.shard_instances == {"llama": [(0, 1)], "mistral": [(0, 2)]}
+    assert nvml.gpm_pairs_too_close == 0
+
+
+def read_gpus(reader: GpuReader) -> list[dict[str, Any]]:
+    reader.request({})
+    assert reader.wait(10)
+    reading = reader.take()
+    assert reading is not None and reading.gpus is not None
+    return reading.gpus
+
+
+def test_an_instance_that_goes_is_found_gone_and_a_card_without_mig_mode_has_no_rows() -> None:
+    """An operator re-partitions a drained card: the instance destroyed is
+    found gone at the reading its handle fails (its row left out, found again
+    at the next), its GPM buffers freed. A driver that cannot say whether the
+    card is in MIG mode leaves the card as one card."""
+    card = mig_card()
+    nvml = FakeNvml([card, FakeCard(1, fails={"nvmlDeviceGetMigMode": pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})])
+    reader = GpuReader(nvml)
+    try:
+        assert reader.wait_ready(10)
+        gpus = read_gpus(reader)
+        assert [r["gpu_instance_id"] for r in gpus[0]["mig_instances"]] == [1, 2, 5]
+        assert "mig_instances" not in gpus[1]
+        card.mig[2].gone = True  # type: ignore[index, union-attr]
+        gone = read_gpus(reader)[0]["mig_instances"]
+        assert [r["gpu_instance_id"] for r in gone] == [1, 2, 5] and "memory_used_bytes" not in gone[1]
+        assert [r["gpu_instance_id"] for r in read_gpus(reader)[0]["mig_instances"]] == [1, 5]
+    finally:
+        reader.close()
+    assert nvml.gpm_unfreed_at_shutdown == 0
+
+
+def test_an_engine_on_a_mig_instance_carries_its_instance_s_sms() -> None:
+    from sampler.gpu.nvml import GpuReading
+    from sampler.window.sampler import WindowSampler
+
+    gpus: list[dict[str, Any]] = [{"index": 0, "sm_activity_percent": 50.0,
+                                   "mig_instances": [{"gpu_instance_id": 1, "sm_activity_percent": 90.0,
+                                                      "tensor_activity_percent": 7.0},
+                                                     {"gpu_instance_id": 2, "sm_activity_percent": 10.0}]},
+                                  {"index": 1, "sm_activity_percent": 30.0}]  # fmt: skip
+    figures: dict[str, dict[str, Any]] = {"llama": {}, "mistral": {}, "both": {}}
+    reading = GpuReading(gpus, {}, 0.0, shard_cards={"llama": [0], "mistral": [0], "both": [0, 1]},
+                         shard_instances={"llama": [(0, 1)], "mistral": [(0, 2)], "both": [(0, 2)]})  # fmt: skip
+    summary = WindowSampler._add_gpus(figures, reading)
+    llama, mistral = figures["llama"], figures["mistral"]
+    assert llama["gpu_sm_activity_percent"] == 90.0 and llama["gpu_tensor_activity_percent"] == 7.0
+    assert mistral["gpu_sm_activity_percent"] == 10.0 and "gpu_tensor_activity_percent" not in mistral
+    assert figures["both"]["gpu_sm_activity_percent"] == 20.0  # its instance of card 0 and the whole of card 1
+    assert [i.gpu_instance_id for i in summary["gpus"][0].mig_instances] == [1, 2]

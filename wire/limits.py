@@ -8,6 +8,7 @@ import re
 MAX_BODY_BYTES = 512 * 1024
 MAX_SHARDS = 256
 MAX_GPUS = 64
+MAX_GPU_INSTANCES = 8  # MIG devices a card has at most (7 on A100 and H100)
 MAX_DISKS = 128
 MAX_PGIDS = 1024
 MAX_NAME = 128  # model, replica and shard names: free printable text

@@ -32,6 +32,7 @@ from wire.limits import (
     MAX_BYTES,
     MAX_CORES,
     MAX_DISKS,
+    MAX_GPU_INSTANCES,
     MAX_GPUS,
     MAX_K8S_NAME,
     MAX_NAME,
@@ -220,6 +221,45 @@ class Shard(_Checked, frozen=True):
     kv_cache_usage_ratio: Ratio | None = None
 
 
+class GpuInstance(_Checked, frozen=True):
+    """A MIG instance of a card (sampler/gpu/mig.py): named by its GPU
+    instance id under its card; its memory, and what its SMs did (GPM)."""
+
+    gpu_instance_id: Annotated[int, _unit("id", ge=0, le=255)]
+    compute_instance_id: Annotated[int, _unit("id", ge=0, le=255)] | None = None
+    uuid: Text | None = None
+    memory_used_bytes: Bytes | None = None
+    memory_total_bytes: Bytes | None = None
+    gpm_interval_seconds: GpmSeconds | None = None
+    sm_activity_percent: Percent | None = None
+    sm_activity_p95_percent: Percent | None = None
+    sm_activity_max_percent: Percent | None = None
+    sm_occupancy_percent: Percent | None = None
+    sm_occupancy_p95_percent: Percent | None = None
+    sm_occupancy_max_percent: Percent | None = None
+    tensor_activity_percent: Percent | None = None
+    tensor_activity_p95_percent: Percent | None = None
+    tensor_activity_max_percent: Percent | None = None
+    tensor_hmma_activity_percent: Percent | None = None
+    tensor_hmma_activity_p95_percent: Percent | None = None
+    tensor_hmma_activity_max_percent: Percent | None = None
+    dram_bandwidth_percent: Percent | None = None
+    dram_bandwidth_p95_percent: Percent | None = None
+    dram_bandwidth_max_percent: Percent | None = None
+    pcie_tx_bytes_per_second: BytesPerSecond | None = None
+    pcie_tx_p95_bytes_per_second: BytesPerSecond | None = None
+    pcie_tx_max_bytes_per_second: BytesPerSecond | None = None
+    pcie_rx_bytes_per_second: BytesPerSecond | None = None
+    pcie_rx_p95_bytes_per_second: BytesPerSecond | None = None
+    pcie_rx_max_bytes_per_second: BytesPerSecond | None = None
+    nvlink_tx_bytes_per_second: BytesPerSecond | None = None
+    nvlink_tx_p95_bytes_per_second: BytesPerSecond | None = None
+    nvlink_tx_max_bytes_per_second: BytesPerSecond | None = None
+    nvlink_rx_bytes_per_second: BytesPerSecond | None = None
+    nvlink_rx_p95_bytes_per_second: BytesPerSecond | None = None
+    nvlink_rx_max_bytes_per_second: BytesPerSecond | None = None
+
+
 class Gpu(_Checked, frozen=True):
     index: GpuIndex
     uuid: Text | None = None
@@ -285,6 +325,11 @@ class Gpu(_Checked, frozen=True):
     clock_event_hw_thermal_slowdown_ratio: Ratio | None = None
     clock_event_power_brake_ratio: Ratio | None = None
     clock_event_sync_boost_ratio: Ratio | None = None
+    # A card split into MIG instances: a row each (absent: not in MIG mode). The card's own figures
+    # stay the whole card's: a sum over cards counts each once.
+    mig_instances: Annotated[tuple[GpuInstance, ...], msgspec.Meta(max_length=MAX_GPU_INSTANCES, extra=EACH)] | None = (
+        None
+    )
 
 
 class Window(_Checked, frozen=True):

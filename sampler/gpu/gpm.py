@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +86,8 @@ def clock_event_field(name: str) -> str:
 @dataclass
 class _CardState:
     index: int
-    handle: Any
+    handle: Any  # the card's (an instance's GPM samples come through its card and its id)
+    gpu_instance: int | None = None  # a MIG instance's GPU instance id; None: the whole card
     gpm: bool | None = None  # None: not asked yet
     buffers: list[Any] = field(default_factory=list)  # two GPM sample buffers, the newest first after a tick
     ask: Any = None  # the metrics asked of a pair: made once (23 KB, its ids set through pynvml's Python setters)
@@ -98,9 +99,14 @@ class _CardState:
     held: dict[str, float] = field(default_factory=dict)  # reason -> seconds set, this window
     clock_seconds: float = 0.0  # seconds the ticks covered, this window
 
+    @property
+    def name(self) -> str:
+        return f"GPU {self.index}" if self.gpu_instance is None else f"GPU {self.index} instance {self.gpu_instance}"
+
 
 class CardMonitor:
-    """GPM and clock events of a node's cards, ticked on the NVML thread."""
+    """GPM and clock events of a node's cards, and GPM of their MIG instances,
+    ticked on the NVML thread."""
 
     def __init__(self, nvml: Any, clock: Callable[[], float], said: Callable[[str], bool],
                  wall: Callable[[], float] = time.time) -> None:  # fmt: skip
@@ -108,22 +114,37 @@ class CardMonitor:
         self._clock = clock
         self._wall = wall
         self._first = said  # True the first time a problem is seen: it is logged once
-        self._cards: dict[int, _CardState] = {}
+        self._cards: dict[tuple[int, int | None], _CardState] = {}  # (index, GPU instance id or None)
         self._ids = {stem: int(getattr(nvml, name)) for stem, (name, _) in METRICS.items()}
         self._bits = {reason: int(getattr(nvml, name)) for reason, name in CLOCK_EVENTS.items()}
 
-    def follow(self, cards: list[tuple[int, Any]]) -> None:
-        """The cards (index, handle) found at NVML's (re-)initialisation; a
-        card's old buffers are freed."""
+    def follow(self, cards: list[tuple[int, Any]], instances: Iterable[tuple[int, int, Any]] = ()) -> None:
+        """The cards (index, handle) found at NVML's (re-)initialisation, and
+        their MIG instances (card index, GPU instance id, the card's handle);
+        old buffers are freed. The clock events are the card's alone."""
         self.close()
-        self._cards = {index: _CardState(index, handle) for index, handle in cards}
+        self._cards = {(index, None): _CardState(index, handle) for index, handle in cards}
+        for index, gpu_instance, handle in instances:
+            self._cards[index, gpu_instance] = _CardState(index, handle, gpu_instance, clock_events=False)
+
+    def follow_instances(self, index: int, handle: Any, gpu_instances: list[int]) -> None:
+        """A card's MIG instances found anew: those gone freed, new ones
+        followed; those kept keep their pair of samples."""
+        for key in [k for k in self._cards if k[0] == index and k[1] is not None and k[1] not in gpu_instances]:
+            self._free(self._cards.pop(key))
+        for gpu_instance in gpu_instances:
+            if (index, gpu_instance) not in self._cards:
+                self._cards[index, gpu_instance] = _CardState(index, handle, gpu_instance, clock_events=False)
+
+    def _free(self, card: _CardState) -> None:
+        for buffer in card.buffers:
+            with contextlib.suppress(self._nv.NVMLError):
+                self._nv.nvmlGpmSampleFree(buffer)
+        card.buffers = []
 
     def close(self) -> None:
         for card in self._cards.values():
-            for buffer in card.buffers:
-                with contextlib.suppress(self._nv.NVMLError):
-                    self._nv.nvmlGpmSampleFree(buffer)
-            card.buffers = []
+            self._free(card)
         self._cards = {}
 
     # --- a tick -----------------------------------------------------------------------
@@ -149,23 +170,26 @@ class CardMonitor:
                 for i, metric in enumerate(self._ids.values()):
                     card.ask.metrics[i].metricId = metric
         except nv.NVMLError as e:
-            if self._first(f"gpm {card.index}"):
-                log.info("GPU %d: SM activity, occupancy, tensor and bandwidth not measured: GPM not available "
-                         "(%s)", card.index, e)  # fmt: skip
+            if self._first(f"gpm {card.name}"):
+                log.info("%s: SM activity, occupancy, tensor and bandwidth not measured: GPM not available "
+                         "(%s)", card.name, e)  # fmt: skip
             return False
-        if not supported and self._first(f"gpm {card.index}"):
-            log.info("GPU %d: SM activity, occupancy, tensor and bandwidth not measured: the card has no GPM "
-                     "(Hopper and later have it)", card.index)  # fmt: skip
+        if not supported and self._first(f"gpm {card.name}"):
+            log.info("%s: SM activity, occupancy, tensor and bandwidth not measured: the card has no GPM "
+                     "(Hopper and later have it)", card.name)  # fmt: skip
         return supported
 
     def _tick_gpm(self, card: _CardState, now: float) -> None:
         nv = self._nv
         newest, older = card.buffers[1], card.buffers[0]  # the older of the two is written over
         try:
-            nv.nvmlGpmSampleGet(card.handle, newest)
+            if card.gpu_instance is None:
+                nv.nvmlGpmSampleGet(card.handle, newest)
+            else:
+                nv.nvmlGpmMigSampleGet(card.handle, card.gpu_instance, newest)
         except nv.NVMLError as e:
-            if self._first(f"gpm sample {card.index} {e}"):
-                log.info("GPU %d: a GPM sample failed (%s): that interval is left out", card.index, e)
+            if self._first(f"gpm sample {card.name} {e}"):
+                log.info("%s: a GPM sample failed (%s): that interval is left out", card.name, e)
             card.last_at = None  # the next sample starts a new pair
             return
         card.buffers = [newest, older]
@@ -178,15 +202,15 @@ class CardMonitor:
         try:
             nv.nvmlGpmMetricsGet(ask)
         except nv.NVMLError as e:
-            if self._first(f"gpm metrics {card.index} {e}"):
-                log.info("GPU %d: GPM metrics failed (%s): that interval is left out", card.index, e)
+            if self._first(f"gpm metrics {card.name} {e}"):
+                log.info("%s: GPM metrics failed (%s): that interval is left out", card.name, e)
             return
         values = {}
         for i, stem in enumerate(self._ids):
             got = ask.metrics[i]
             if got.nvmlReturn != nv.NVML_SUCCESS:
-                if self._first(f"gpm {card.index} {stem} {got.nvmlReturn}"):
-                    log.info("GPU %d: %s not measured: NVML returned %s", card.index, stem,
+                if self._first(f"gpm {card.name} {stem} {got.nvmlReturn}"):
+                    log.info("%s: %s not measured: NVML returned %s", card.name, stem,
                              nv.NVMLError(got.nvmlReturn))  # fmt: skip
                 continue
             value = float(got.value)
@@ -218,15 +242,17 @@ class CardMonitor:
 
     # --- a window ---------------------------------------------------------------------
 
-    def take(self, index: int) -> dict[str, Any]:
-        """The card's fields for the window since the last take: absent where
-        not measured (no GPM, no interval ended, the metric refused)."""
-        return self.take_with_points(index)[0]
+    def take(self, index: int, gpu_instance: int | None = None) -> dict[str, Any]:
+        """The card's (or its MIG instance's) fields for the window since the
+        last take: absent where not measured (no GPM, no interval ended, the
+        metric refused)."""
+        return self.take_with_points(index, gpu_instance)[0]
 
-    def take_with_points(self, index: int) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    def take_with_points(self, index: int, gpu_instance: int | None = None
+                         ) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:  # fmt: skip
         """take()'s fields, and the intervals of each of POINTS themselves:
         stem -> (each one's end, Unix microseconds; its value)."""
-        card = self._cards.get(index)
+        card = self._cards.get((index, gpu_instance))
         if card is None:
             return {}, {}
         out: dict[str, Any] = {}

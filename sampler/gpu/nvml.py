@@ -20,7 +20,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import logging
+import math
 import queue
 import threading
 import time
@@ -31,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from sampler.gpu import gpm
+from sampler.gpu import gpm, mig
 from sampler.gpu.gpm import CardMonitor
 from sampler.off_thread import InFlight, Said
 
@@ -54,6 +56,8 @@ class GpuReading:
     shard_cards: dict[str, list[int]] = field(default_factory=dict)
     # card index -> GPM's intervals of this reading (gpm.POINTS): stem -> their ends (Unix microseconds) and values
     gpm_samples: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    # shard id -> the MIG instances (card index, GPU instance id) it runs on: a compute process of its on each
+    shard_instances: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 INIT_RETRY_START_S = 1.0
@@ -72,6 +76,8 @@ class _Card:
     last_process_sample_us: int = 0  # likewise, of the per-process samples
     lost: bool = False
     unsupported: set[str] = field(default_factory=set)
+    instances: list[mig.Instance] | None = None  # its MIG instances; None: not in MIG mode
+    instances_found_at: float = -math.inf
     xid_watched: bool = False  # registered for XID events
     xid_total: int = 0  # XID events seen since then
     xid_seen: int = 0  # ... as of the last reading
@@ -223,10 +229,13 @@ class GpuReader:
                 log.warning("GPU %d left out: %s", index, e)
                 continue
             self._cards.append(self._describe(_Card(index, h, uuid, None, None, None)))
+        for card in self._cards:
+            self._find_instances(card)
         self._watch_xids()
         if self._monitor is None:
             self._monitor = CardMonitor(nv, self._clock, self._said.first)
-        self._monitor.follow([(c.index, c.handle) for c in self._cards])
+        self._monitor.follow([(c.index, c.handle) for c in self._cards],
+                             [(c.index, i.gpu_instance_id, c.handle) for c in self._cards for i in c.instances or ()])
         if self._cards:
             self._cards_found.set()
         else:
@@ -234,6 +243,18 @@ class GpuReader:
         if self._load_error is not None:
             log.warning("NVML loaded (it was not: %s): %d GPUs", self._load_error, len(self._cards))
         self._loaded, self._load_error, self._init_delay = True, None, INIT_RETRY_START_S
+
+    def _find_instances(self, card: _Card) -> bool:
+        """The card's MIG instances, found again (sampler/gpu/mig.py); whether
+        they changed."""
+        found = mig.instances_of(self._nvml, card.handle)
+        card.instances_found_at = self._clock()
+        ids = None if found is None else [i.gpu_instance_id for i in found]
+        changed = ids != (None if card.instances is None else [i.gpu_instance_id for i in card.instances])
+        if changed and found is not None:
+            log.info("GPU %d: MIG instances %s", card.index, ", ".join(map(str, ids or ())) or "none")
+        card.instances = found
+        return changed
 
     def _watch_xids(self) -> None:
         """XID errors (the driver's own error reports) come as events: an event
@@ -399,16 +420,61 @@ class GpuReader:
             out.update(figures)
             if points:
                 gpm_raw[card.index] = points
+        if card.instances is not None:
+            out["mig_instances"] = [self._read_instance(card, i) for i in card.instances]
         return out
 
-    def _processes(self, card: _Card) -> list[tuple[int, int | None]] | None:
-        """(pid, GPU memory or None where the driver does not say) of the
-        compute processes on a card; None: unknown."""
+    def _read_instance(self, card: _Card, instance: mig.Instance) -> dict[str, Any]:
+        """A MIG instance's row: its ids, its memory, what its SMs did (GPM)."""
         nv = self._nvml
-        procs = self._field(card, "processes", lambda: nv.nvmlDeviceGetComputeRunningProcesses(card.handle))
-        if procs is None:
+        out: dict[str, Any] = {"gpu_instance_id": instance.gpu_instance_id}
+        if instance.compute_instance_id is not None:
+            out["compute_instance_id"] = instance.compute_instance_id
+        if instance.uuid is not None:
+            out["uuid"] = instance.uuid
+        memory = self._instance_field(card, instance, "memory", lambda: nv.nvmlDeviceGetMemoryInfo(instance.handle))
+        if memory is not None:
+            out["memory_used_bytes"] = int(memory.used)
+            out["memory_total_bytes"] = int(memory.total)
+        if self._monitor is not None:
+            out.update(self._monitor.take(card.index, instance.gpu_instance_id))
+        return out
+
+    def _instance_field(self, card: _Card, instance: mig.Instance, name: str, read: Callable[[], Any]) -> Any:
+        """One field of an instance, as _field; an instance that went (NOT_FOUND,
+        INVALID_ARGUMENT: its handle names nothing now) has the card's
+        instances found again at the next reading."""
+        nv = self._nvml
+        try:
+            return read()
+        except (nv.NVMLError_NotFound, nv.NVMLError_InvalidArgument):
+            card.instances_found_at = -math.inf
             return None
-        return [(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory)) for p in procs]
+        except nv.NVMLError:
+            return self._field(card, f"instance {instance.gpu_instance_id} {name}", read)
+
+    def _processes(self, card: _Card) -> list[tuple[int, int | None, int | None]] | None:
+        """(pid, GPU memory or None where the driver does not say, the MIG
+        instance it runs on or None) of the compute processes on a card;
+        None: unknown. A MIG card's are its instances' (its own handle gives
+        them all only to a privileged caller): an instance that does not
+        say leaves its processes out, not the card's."""
+        nv = self._nvml
+        if card.instances is None:
+            procs = self._field(card, "processes", lambda: nv.nvmlDeviceGetComputeRunningProcesses(card.handle))
+            if procs is None:
+                return None
+            return [(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory), None) for p in procs]
+        out: list[tuple[int, int | None, int | None]] = []
+        answered = False
+        for instance in card.instances:
+            procs = self._instance_field(card, instance, "processes",
+                                         functools.partial(nv.nvmlDeviceGetComputeRunningProcesses, instance.handle))
+            if procs is not None:
+                answered = True
+                out += [(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory),
+                         instance.gpu_instance_id) for p in procs]  # fmt: skip
+        return out if answered or not card.instances else None
 
     def _process_samples(self, card: _Card) -> list[tuple[int, int, int, int]] | None:
         """(timestamp us, pid, SM %, memory %) NVML buffered since the last
@@ -482,8 +548,12 @@ class GpuReader:
         raw: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         gpm_raw: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
         cards_of: dict[str, list[int]] = {}
+        instances_of: dict[str, list[tuple[int, int]]] = {}  # a shard not on an instance: an empty list
         self._drain_xids()
         for card in self._cards:
+            if started - card.instances_found_at >= mig.RESCAN_S and self._find_instances(card) and self._monitor:
+                self._monitor.follow_instances(card.index, card.handle,
+                                               [i.gpu_instance_id for i in card.instances or ()])  # fmt: skip
             try:
                 gpus.append(self._read_card(card, raw, gpm_raw))
                 procs = self._processes(card) if members else None
@@ -501,10 +571,13 @@ class GpuReader:
             on_card: set[str] = set()
             if procs is not None:
                 answered = True
-                for pid, memory in procs:
+                for pid, memory, gpu_instance in procs:
                     if pid in owner:
                         used[owner[pid]] += memory or 0
                         on_card.add(owner[pid])
+                        on = instances_of.setdefault(owner[pid], [])
+                        if gpu_instance is not None and (card.index, gpu_instance) not in on:
+                            on.append((card.index, gpu_instance))
                 for sid in on_card:
                     cards_of.setdefault(sid, []).append(card.index)
             if samples is not None:
@@ -512,7 +585,7 @@ class GpuReader:
                     shares.setdefault(sid, []).append(share)
         shard_memory: dict[str, int | None] = {sid: (v if answered else None) for sid, v in used.items()}
         return GpuReading(gpus, shard_memory, self._clock() - started, None, self._shard_utilisation(shares), raw,
-                          cards_of, gpm_raw)  # fmt: skip
+                          cards_of, gpm_raw, {sid: on for sid, on in instances_of.items() if on})  # fmt: skip
 
     # --- on the caller's thread ----------------------------------------------------
 

@@ -488,16 +488,22 @@ class WindowSampler:
             error = reading.error if reading is not None else "NVML did not answer before the window ended"
             return {"gpu_error": error}
         by_index = {g["index"]: g for g in reading.gpus if not g.get("lost")}
+        instances = {(g["index"], i["gpu_instance_id"]): i
+                     for g in by_index.values() for i in g.get("mig_instances", ())}  # fmt: skip
         for sid, shard in figures.items():
             if (used := reading.shard_memory.get(sid)) is not None:
                 shard["gpu_memory_bytes"] = used
             shard.update(reading.shard_utilisation.get(sid, {}))
             if cards := reading.shard_cards.get(sid):
                 shard["gpu_indices"] = sorted(cards)
-                # Its cards' SMs beside its own share of them (GPM): the mean over the cards that say.
+                # Its cards' SMs beside its own share of them (GPM): the mean over the cards that say; on a
+                # MIG card, over the instances it runs on (the whole card's is its neighbours' too).
+                on = reading.shard_instances.get(sid, [])
+                rows = [instances.get(k, {}) for k in on] + [by_index.get(i, {}) for i in cards
+                                                             if not any(index == i for index, _ in on)]  # fmt: skip
                 for key, card_key in (("gpu_sm_activity_percent", "sm_activity_percent"),
                                       ("gpu_tensor_activity_percent", "tensor_activity_percent")):
-                    said = [by_index[i][card_key] for i in cards if card_key in by_index.get(i, {})]
+                    said = [row[card_key] for row in rows if card_key in row]
                     if said:
                         shard[key] = round(sum(said) / len(said), 2)
         return {"gpus": wire.fit_gpus(reading.gpus), "gpu_read_seconds": round(reading.seconds, 4)}
