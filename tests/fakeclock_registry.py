@@ -68,7 +68,13 @@ def fleet_registry() -> tuple[NodeRegistry, FakeClock]:
            "xid_errors": 1, "xid_errors_total": 2, "xid_last": 79, "pcie_replays": 0, "pcie_replays_total": 12,
            "remapped_rows_correctable": 3, "remapped_rows_uncorrectable": 0, "row_remap_pending": True,
            "row_remap_failed": False}  # fmt: skip
-    cards = [_gpu(0, utilization_percent=97.0, **gpm), _gpu(1), {"index": 2, "uuid": "GPU-2", "lost": True}]
+    # Card 1 is cut in two MIG instances: one with GPM figures, one idle without them.
+    instances = [{"gpu_instance_id": 1, "memory_used_bytes": 6 * GiB, "memory_total_bytes": 20 * GiB,
+                  "gpm_interval_seconds": 0.1, "sm_activity_percent": 62.5, "sm_occupancy_percent": 30.0,
+                  "tensor_activity_percent": 12.5, "dram_bandwidth_percent": 20.0},
+                 {"gpu_instance_id": 5, "memory_used_bytes": 0, "memory_total_bytes": 10 * GiB}]  # fmt: skip
+    cards = [_gpu(0, utilization_percent=97.0, **gpm), _gpu(1, mig_instances=instances),
+             {"index": 2, "uuid": "GPU-2", "lost": True}]  # fmt: skip
     beat(_heartbeat("gpu-1", cards, [
         {"id": "s0", "model": 'llama "70b"\\ {x="y"}', "replica": "r1", "pgid": 1234,
          "cpu_cores": {"mean": 7.5, "p95": 8.0, "max": 8.25}, "memory_bytes": 12 * GiB, "gpu_memory_bytes": 70 * GiB,

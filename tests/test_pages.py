@@ -88,6 +88,9 @@ async def test_node_page_figures_match_the_registry(aiohttp_client: Any) -> None
     assert "0.50" in text  # load 1m
     assert "7.50" in text and "mistral-7b" in text and "70.0 GiB" in text  # an engine's cores, model, GPU memory
     assert "lost" in text  # the lost card says so
+    # Card 1's MIG instances, each a row under it: its SMs and memory; the idle one's SMs absent, not 0.
+    assert "1/1 MIG instance 1 — 62.5% 12.5% 6.0 GiB / 20.0 GiB" in text
+    assert "1/5 MIG instance 5 — — — 0 B / 10.0 GiB" in text
 
 
 async def test_stale_node_shows_dashes_not_zeros(aiohttp_client: Any) -> None:

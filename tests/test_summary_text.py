@@ -49,3 +49,19 @@ def test_a_card_s_sms_clocks_and_faults_where_it_says_them() -> None:
     assert lines[card0 + 3].strip() == ("faults 2 XID errors (the last 79), 1 PCIe replay, "
                                         "a row remapping waits for a reset")  # fmt: skip
     assert lines[card0 + 4].startswith("GPU 1") and (len(lines) == card0 + 5 or not lines[card0 + 5].startswith("  "))
+
+
+def test_a_mig_card_s_instances_are_lines_under_it() -> None:
+    """Each MIG instance under its card: its memory and, where GPM says, its
+    SMs; an instance without GPM figures has none (not 0)."""
+    card = {"index": 0, "name": "NVIDIA H100 80GB HBM3",
+            "mig_instances": [{"gpu_instance_id": 1, "memory_used_bytes": 6 << 30, "memory_total_bytes": 20 << 30,
+                               "gpm_interval_seconds": 0.1, "sm_activity_percent": 90.0,
+                               "sm_activity_p95_percent": 95.0, "sm_activity_max_percent": 99.0,
+                               "tensor_activity_percent": 40.0},
+                              {"gpu_instance_id": 5, "memory_total_bytes": 10 << 30}]}  # fmt: skip
+    lines = render(window_summary(backend="bpf", gpus=[card])).splitlines()
+    first = next(i for i, line in enumerate(lines) if line.strip().startswith("MIG instance 1"))
+    assert lines[first].split() == ["MIG", "instance", "1", "mem", "6.0", "GiB", "/", "20.0", "GiB", "SMs", "active",
+                                    "90%", "(p95", "95,", "max", "99)", "tensor", "40%"]  # fmt: skip
+    assert lines[first + 1].split() == ["MIG", "instance", "5", "mem", "—", "/", "10.0", "GiB"]

@@ -50,6 +50,11 @@ def every_field_heartbeat() -> dict[str, Any]:
     body["gpus"][0].update(xid_errors=1, xid_errors_total=3, xid_last=79, pcie_replays=2, pcie_replays_total=9,
                            remapped_rows_correctable=1, remapped_rows_uncorrectable=0, row_remap_pending=False,
                            row_remap_failed=False)  # fmt: skip
+    # A MIG instance: its ids, memory and GPM figures.
+    body["gpus"][0]["mig_instances"] = [{"gpu_instance_id": 1, "compute_instance_id": 0, "uuid": "MIG-1",
+                                         "memory_used_bytes": 1 << 30, "memory_total_bytes": 20 << 30,
+                                         "gpm_interval_seconds": 0.1,
+                                         **{f: 25.0 for stem in gpm.METRICS for f in gpm.fields(stem)}}]  # fmt: skip
     return body
 
 

@@ -132,6 +132,20 @@ def _gpus(key: str, per: float = 1.0) -> Samples:
     return samples
 
 
+def _instances(key: str, per: float = 1.0) -> Samples:
+    """A MIG instance's field, labelled by its card and its GPU instance id:
+    families of their own, so that a sum over a family counts each card once."""
+
+    def samples(labels: LabelMaker, r: Received) -> Iterator[Sample]:
+        for g in r.heartbeat.gpus or ():
+            for i in g.mig_instances or ():
+                if (value := getattr(i, key)) is not None:
+                    value = value if per == 1.0 else value / per
+                    yield labels.more(labels.gpu(g), ("gpu_instance", str(i.gpu_instance_id))), value
+
+    return samples
+
+
 # The reasons' label values -> the heartbeat's fields (sampler/gpu/gpm.py's CLOCK_EVENTS).
 CLOCK_EVENT_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "power_brake",
                        "sync_boost")  # fmt: skip
@@ -292,6 +306,20 @@ FAMILIES: tuple[Family, ...] = (
     Family("llmgw_gpu_row_remap_failed", "gauge", "1 if a row remapping failed", _gpus("row_remap_failed")),
     Family("llmgw_gpu_clock_event_ratio", "gauge",
            "Share of the window a reason held the GPU's clocks below their maximum", _clock_events),
+    # A card's MIG instances (DCGM labels its rows GPU_I_ID): families of their own beside the card's.
+    Family("llmgw_gpu_instance_memory_used_bytes", "gauge", "MIG instance's memory used",
+           _instances("memory_used_bytes")),
+    Family("llmgw_gpu_instance_memory_total_bytes", "gauge", "MIG instance's memory in total",
+           _instances("memory_total_bytes")),
+    Family("llmgw_gpu_instance_sm_active_ratio", "gauge",
+           "Share of the MIG instance's SMs busy, the window's mean (GPM)", _instances("sm_activity_percent", per=100)),
+    Family("llmgw_gpu_instance_sm_occupancy_ratio", "gauge", "Warps resident on the MIG instance's SMs, of the most "
+           "possible (GPM)", _instances("sm_occupancy_percent", per=100)),
+    Family("llmgw_gpu_instance_pipe_tensor_active_ratio", "gauge",
+           "Time any of the MIG instance's tensor pipes was busy, the window's mean (GPM)",
+           _instances("tensor_activity_percent", per=100)),
+    Family("llmgw_gpu_instance_dram_active_ratio", "gauge", "MIG instance's DRAM bandwidth used, of the most possible "
+           "(GPM)", _instances("dram_bandwidth_percent", per=100)),
 )  # fmt: skip
 
 FAMILY_NAMES = frozenset(f.name for f in FAMILIES)

@@ -57,6 +57,15 @@ def _gpu_lines(summary: WindowSummary) -> list[str]:
         lines += _sm_lines(g)
         if faults := _faults(g):
             lines.append("  faults " + ", ".join(faults))
+        for i in g.mig_instances or ():
+            line = (f"  MIG instance {i.gpu_instance_id}"
+                    f"  mem {_bytes(i.memory_used_bytes)} / {_bytes(i.memory_total_bytes)}")  # fmt: skip
+            if i.gpm_interval_seconds is not None:
+                line += (f"  SMs active {_num(i.sm_activity_percent, '.0f', '%')}"
+                         f" (p95 {_num(i.sm_activity_p95_percent, '.0f')},"
+                         f" max {_num(i.sm_activity_max_percent, '.0f')})"
+                         f"  tensor {_num(i.tensor_activity_percent, '.0f', '%')}")  # fmt: skip
+            lines.append(line)
     return lines
 
 
