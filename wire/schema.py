@@ -221,15 +221,10 @@ class Shard(_Checked, frozen=True):
     kv_cache_usage_ratio: Ratio | None = None
 
 
-class GpuInstance(_Checked, frozen=True):
-    """A MIG instance of a card (sampler/gpu/mig.py): named by its GPU
-    instance id under its card; its memory, and what its SMs did (GPM)."""
+class _GpmFigures(_Checked, frozen=True, kw_only=True):
+    """What a card's (or a MIG instance's) SMs did (GPM, sampler/gpu/gpm.py):
+    the window's mean, p95 and max over GPM's intervals, and their length."""
 
-    gpu_instance_id: Annotated[int, _unit("id", ge=0, le=255)]
-    compute_instance_id: Annotated[int, _unit("id", ge=0, le=255)] | None = None
-    uuid: Text | None = None
-    memory_used_bytes: Bytes | None = None
-    memory_total_bytes: Bytes | None = None
     gpm_interval_seconds: GpmSeconds | None = None
     sm_activity_percent: Percent | None = None
     sm_activity_p95_percent: Percent | None = None
@@ -260,7 +255,18 @@ class GpuInstance(_Checked, frozen=True):
     nvlink_rx_max_bytes_per_second: BytesPerSecond | None = None
 
 
-class Gpu(_Checked, frozen=True):
+class GpuInstance(_GpmFigures, frozen=True):
+    """A MIG instance of a card (sampler/gpu/mig.py): named by its GPU
+    instance id under its card; its memory, and what its SMs did (GPM)."""
+
+    gpu_instance_id: Annotated[int, _unit("id", ge=0, le=255)]
+    compute_instance_id: Annotated[int, _unit("id", ge=0, le=255)] | None = None
+    uuid: Text | None = None
+    memory_used_bytes: Bytes | None = None
+    memory_total_bytes: Bytes | None = None
+
+
+class Gpu(_GpmFigures, frozen=True):
     index: GpuIndex
     uuid: Text | None = None
     name: Name | None = None
@@ -278,35 +284,6 @@ class Gpu(_Checked, frozen=True):
     memory_used_bytes: Bytes | None = None
     memory_total_bytes: Bytes | None = None
     ecc_uncorrected: Errors | None = None
-    # What the SMs do (GPM, sampler/gpu/gpm.py): the window's mean, p95 and max over GPM's intervals.
-    gpm_interval_seconds: GpmSeconds | None = None
-    sm_activity_percent: Percent | None = None
-    sm_activity_p95_percent: Percent | None = None
-    sm_activity_max_percent: Percent | None = None
-    sm_occupancy_percent: Percent | None = None
-    sm_occupancy_p95_percent: Percent | None = None
-    sm_occupancy_max_percent: Percent | None = None
-    tensor_activity_percent: Percent | None = None
-    tensor_activity_p95_percent: Percent | None = None
-    tensor_activity_max_percent: Percent | None = None
-    tensor_hmma_activity_percent: Percent | None = None
-    tensor_hmma_activity_p95_percent: Percent | None = None
-    tensor_hmma_activity_max_percent: Percent | None = None
-    dram_bandwidth_percent: Percent | None = None
-    dram_bandwidth_p95_percent: Percent | None = None
-    dram_bandwidth_max_percent: Percent | None = None
-    pcie_tx_bytes_per_second: BytesPerSecond | None = None
-    pcie_tx_p95_bytes_per_second: BytesPerSecond | None = None
-    pcie_tx_max_bytes_per_second: BytesPerSecond | None = None
-    pcie_rx_bytes_per_second: BytesPerSecond | None = None
-    pcie_rx_p95_bytes_per_second: BytesPerSecond | None = None
-    pcie_rx_max_bytes_per_second: BytesPerSecond | None = None
-    nvlink_tx_bytes_per_second: BytesPerSecond | None = None
-    nvlink_tx_p95_bytes_per_second: BytesPerSecond | None = None
-    nvlink_tx_max_bytes_per_second: BytesPerSecond | None = None
-    nvlink_rx_bytes_per_second: BytesPerSecond | None = None
-    nvlink_rx_p95_bytes_per_second: BytesPerSecond | None = None
-    nvlink_rx_max_bytes_per_second: BytesPerSecond | None = None
     # What breaks it: XID errors (this window's, since the agent watched, the last code), PCIe
     # replays (this window's, NVML's count), rows of memory remapped.
     xid_errors: Count | None = None
