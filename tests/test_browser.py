@@ -68,7 +68,9 @@ def test_node_page_refreshes_in_place(fleet: Fleet) -> None:
     with browser_page(1000, 500) as (page, navigations):
         page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
         assert page.locator("h1").inner_text().startswith("n1")
-        assert page.locator("main svg.chart").count() >= 5
+        # Every chart of the hour drawn, or one line saying why it has nothing (no engine's queue here).
+        assert page.locator("main svg.chart").count() >= 3
+        assert page.locator("main .charts > figure.chart, main .charts > p.chart-none").count() >= 6
         first = page.locator("main p.rendered").inner_text()
         page.evaluate("window.scrollTo(0, 300); window.__stayed = 'yes'")
         scrolled = page.evaluate("window.scrollY")
@@ -80,11 +82,93 @@ def test_node_page_refreshes_in_place(fleet: Fleet) -> None:
         assert page.evaluate("window.__stayed") == "yes"  # the same document: no reload
         assert len(navigations) == 1  # only the first load
         assert page.evaluate("window.scrollY") == scrolled
-        assert page.locator("main svg.chart").count() >= 5
+        # Every chart of the hour drawn, or one line saying why it has nothing (no engine's queue here).
+        assert page.locator("main svg.chart").count() >= 3
+        assert page.locator("main .charts > figure.chart, main .charts > p.chart-none").count() >= 6
         page.screenshot(path=str(ARTIFACTS / "node-page.png"), full_page=True)
         page.goto(f"http://127.0.0.1:{fleet.pages_port}/")
         page.screenshot(path=str(ARTIFACTS / "cluster-page.png"), full_page=True)
     assert (ARTIFACTS / "node-page.png").stat().st_size > 10_000
+
+
+def test_charts_fill_their_column_at_any_width(fleet: Fleet) -> None:
+    """At 1,400 and 800 px, every chart of the node page is as wide as its
+    column (two columns, then one), its value axis labelled without a
+    repeated tick; a CPU node draws no GPU chart and no empty queue chart,
+    a line saying why instead. Screenshots kept for the closing note."""
+    fleet.start_control_plane()
+    fleet.start_agent()
+    fleet.wait_for(fresh_with_seq)
+    ARTIFACTS.mkdir(exist_ok=True)
+    for width, columns in ((1400, 2), (800, 1)):
+        with browser_page(width, 900) as (page, _):
+            page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
+            charts = page.evaluate("""() => [...document.querySelectorAll('main .charts')].flatMap(section =>
+                [...section.querySelectorAll(':scope > figure.chart')].map(f => ({
+                    section: section.getBoundingClientRect().width, figure: f.getBoundingClientRect().width,
+                    svg: f.querySelector('svg').getBoundingClientRect().width,
+                    ticks: [...f.querySelectorAll('text.tick')].filter(t => t.getAttribute('text-anchor') === 'end')
+                           .map(t => t.textContent)})))""")  # fmt: skip
+            assert len(charts) >= 3, charts
+            for chart in charts:
+                assert abs(chart["svg"] - chart["figure"]) <= 1, chart  # the chart fills its column
+                assert chart["svg"] >= chart["section"] / columns - 12, chart  # and the columns the section
+                assert len(set(chart["ticks"])) == len(chart["ticks"]) == 3, chart
+            text = page.locator("main").inner_text()
+            assert "GPU utilisation by card" not in text
+            assert "Requests waiting: no engine here exports a queue" in text
+            page.screenshot(path=str(ARTIFACTS / f"node-page-{width}.png"), full_page=True)
+    assert (ARTIFACTS / "node-page-800.png").stat().st_size > 10_000
+
+
+def post_as(fleet: Fleet, node: str, path: str, body: dict[str, Any]) -> int:
+    """A body to the agent listener, as node `node` (its token from the fleet's secret)."""
+    import urllib.request
+
+    token = subprocess.run(fleet.cli("token", node, "--secret-file", str(fleet.secret)), capture_output=True,
+                           check=True).stdout.decode().strip()  # fmt: skip
+    request = urllib.request.Request(f"http://127.0.0.1:{fleet.agent_port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {token}",
+                                              "Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return int(r.status)
+
+
+def test_the_pointer_reads_each_series_value_in_its_unit(fleet: Fleet) -> None:
+    """A node whose CPU was 37.5% on average and 100% at its highest:
+    the pointer over that moment reads both in percent, a crosshair stands
+    in every chart of the page at once, and the legend's key hides its
+    series (and its readout)."""
+    from tests.fakeclock_registry import _heartbeat
+
+    fleet.start_control_plane()
+    assert post_as(fleet, "h1", "/v1/register", {"node": "h1", "cpus": 64, "backend": "bpf"}) == 200
+    body = _heartbeat("h1", None, [])
+    now = time.time()
+    body["window"] = {"start": now - 5, "end": now, "samples": 50}
+    assert post_as(fleet, "h1", "/v1/heartbeat", body) == 200
+    with browser_page(1400, 900) as (page, _):
+        page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/h1")
+        cpu = page.locator("main svg.chart[aria-label^='CPU']")
+        # The column that holds the heartbeat (its last point), in the page's pixels.
+        where = cpu.evaluate("""svg => {
+            const col = svg.querySelector('path[data-v]').dataset.v.split(',').findIndex(v => v !== '');
+            const box = svg.getBoundingClientRect(), scale = box.width / svg.viewBox.baseVal.width;
+            return {x: box.left + (Number(svg.dataset.x0) + col + 0.5) * scale, y: box.top + box.height / 2};
+        }""")  # fmt: skip
+        page.mouse.move(where["x"], where["y"])
+        tip = page.locator(".chart-tip")
+        assert tip.is_visible()
+        lines = tip.inner_text().splitlines()
+        assert "mean: 37.5%" in lines and "max: 100.0%" in lines, lines
+        charts = page.locator("main svg.chart[data-from]").count()
+        assert charts >= 2 and page.locator("main svg.chart line.crosshair").count() == charts
+        figure = page.locator("main figure.chart", has=page.locator("svg.chart[aria-label^='CPU']"))
+        figure.locator(".legend .key", has_text="max").click()
+        page.mouse.move(where["x"], where["y"] + 1)
+        assert "max: 100.0%" not in tip.inner_text() and "mean: 37.5%" in tip.inner_text()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "pointer-readout.png"))
 
 
 def test_the_live_view_draws_every_sample_as_it_arrives(fleet: Fleet) -> None:

@@ -246,8 +246,8 @@ def test_every_chart_of_the_pages_reads_a_family_the_history_keeps() -> None:
     state = registry.get("gpu-1")
     assert state is not None
     view = pages._node_view(state, registry.clock(), registry.stale_after)
-    view["engines"] = [dict(view["engines"][0], replica="r1")]
-    specs = pages.FLEET_SPECS + pages._node_specs("gpu-1", view) + pages._shard_specs("gpu-1", "s0")
+    view["engines"] = [dict(view["engines"][0], replica="r1", waiting=3)]  # every chart: a queue, a router
+    specs = pages.FLEET_SPECS + pages._node_specs("gpu-1", view)[0] + pages._shard_specs("gpu-1", "s0", view)[0]
     metrics = {spec.metric for _, parts, _, _ in specs for spec, _ in parts}
     assert "llmgw_gpu_utilization_percent" in metrics and "llmgw_shard_cpu_cores" in metrics
     assert metrics - {f.name for f in FAMILIES if f.charted} == {"llmgw_endpoint_waiting"}

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import wire
 from controlplane import pages_api
@@ -272,8 +274,10 @@ def test_downsampling_keeps_a_spike() -> None:
     lo, hi, mean, _ = bin_columns(t, v, 0, 10_000, 100)
     assert np.nanmax(hi) == 50.0 and np.nanmin(lo) == 1.0
     assert np.nanmax(mean) < 2.0  # the mean alone would hide it
-    svg = svg_chart("cpu", [], 0, 3600, "percent")
-    assert "no data" in svg
+    # Nothing to draw: one line saying so, no empty frame whose axes read as zero.
+    for series in ([], [Series("s", np.array([]), np.array([]))]):
+        note = svg_chart("cpu", series, 0, 3600, "percent")
+        assert note == '<p class="chart-none"><span class="title">cpu</span>: no data in this span</p>'
 
 
 def _path_starts(svg: str) -> list[int]:
@@ -526,3 +530,88 @@ async def test_a_card_with_gpm_shows_what_its_sms_did_and_one_without_shows_dash
     assert 'aria-label="GPU SMs busy by card' in page and 'aria-label="GPU utilisation by card' in page
     cpu = await (await client.get("/node/cpu-2")).text()
     assert "SMs busy by card" not in cpu  # no card, no GPM chart
+
+
+async def test_nothing_is_drawn_empty(aiohttp_client: Any) -> None:
+    """A fleet without GPUs has no GPU charts, one line instead; a node whose
+    engines export no queue has no queue chart, one line saying why; an
+    engine's own page likewise. Where an engine does export one, its chart
+    is there."""
+    from tests.fakeclock_registry import _heartbeat
+
+    registry = NodeRegistry(stale_after=60, clock=FakeClock(1000.0))
+    registry.register(registration("cpu-1"))
+    body = _heartbeat("cpu-1", [], [{"id": "s0", "pgid": 77, "cpu_cores": {"mean": 2.0, "p95": 3.0, "max": 4.0}}])
+    registry.heartbeat(wire.decode_heartbeat(json.dumps(body).encode()).heartbeat)
+    client = await pages_client(aiohttp_client, registry)
+    cluster = await (await client.get("/")).text()
+    charts = re.search(r'<section class="charts">(.*?)</section>', cluster, re.S)
+    assert charts is not None and "<svg" not in charts.group(1)
+    assert "no GPUs on this fleet&#x27;s fresh nodes" in charts.group(1)
+    node = await (await client.get("/node/cpu-1")).text()
+    assert "GPU utilisation by card" not in node and "<figcaption>Requests waiting" not in node
+    assert '<span class="title">Requests waiting</span>: no engine here exports a queue' in node
+    engine = await (await client.get("/node/cpu-1?shard=s0")).text()
+    assert '<span class="title">Requests waiting in s0</span>: this engine exports no queue' in engine
+    fleet, _ = fleet_registry()  # gpu-1's mistral exports its queue: the charts are there
+    history = a_minute_of(fleet, "gpu-1", lambda hb, k: None)
+    with_queue = await (await (await pages_client(aiohttp_client, fleet, history)).get("/node/gpu-1?shard=s1")).text()
+    assert "<figcaption>Requests waiting in s1" in with_queue and "<figcaption>Requests waiting (" in with_queue
+
+
+def test_the_palette_stays_apart_for_ten_series_and_colour_blindness() -> None:
+    """Any two of the ten colours at least 15 CIELAB (1976) units apart, for
+    normal vision and with deuteranopia, protanopia and tritanopia simulated
+    (Machado, Oliveira and Fernandes 2009, severity 1)."""
+    from itertools import combinations
+
+    from web.charts import PALETTE
+
+    def linear(colour: str) -> np.ndarray:
+        c = np.array([int(colour[i : i + 2], 16) for i in (1, 3, 5)]) / 255.0
+        return np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+
+    def lab(rgb: np.ndarray) -> np.ndarray:
+        xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ rgb
+        t = xyz / np.array([0.95047, 1.0, 1.08883])
+        f = np.where(t > (6 / 29) ** 3, np.cbrt(t), t / (3 * (6 / 29) ** 2) + 4 / 29)
+        return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+    visions = {
+        "normal": np.eye(3),
+        "deutan": np.array([[0.367322, 0.860646, -0.227968], [0.280085, 0.672501, 0.047413],
+                            [-0.011820, 0.042940, 0.968881]]),
+        "protan": np.array([[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216],
+                            [-0.003882, -0.048116, 1.051998]]),
+        "tritan": np.array([[1.255528, -0.076749, -0.178779], [-0.078411, 0.930809, 0.147602],
+                            [0.004733, 0.691367, 0.303900]]),
+    }  # fmt: skip
+    assert len(set(PALETTE)) == len(PALETTE) >= 10
+    for vision, seen in visions.items():
+        colours = [lab(np.clip(seen @ linear(c), 0, 1)) for c in PALETTE]
+        nearest = min(float(np.linalg.norm(a - b)) for a, b in combinations(colours, 2))
+        assert nearest >= 15, (vision, nearest)
+
+
+@pytest.mark.parametrize(("top", "unit", "fixed", "labels"), [
+    (1.0, "bytes", False, ["0", "1 B", "2 B"]),  # an idle chart's axis: never "1 B, 1 B, 0 B"
+    (121.5 * 2**30, "bytes", False, ["0", "64 GiB", "128 GiB"]),
+    (100.0, "percent", True, ["0", "50%", "100%"]),
+    (1.0, "ratio", True, ["0", "50%", "100%"]),
+    (0.0042, "seconds", False, ["0", "2.5 ms", "5.0 ms"]),
+    (8.8, "cores", False, ["0", "5", "10"]),
+])  # fmt: skip
+def test_value_axes_read_in_their_unit(top: float, unit: str, fixed: bool, labels: list[str]) -> None:
+    from web.charts import value_axis
+
+    assert [label for _, label in value_axis(top, unit, fixed)[1]] == labels
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(1e-6, 1e15), st.sampled_from(["bytes", "percent", "ratio", "seconds", "cores", "watts", "celsius"]))
+def test_an_axis_holds_its_data_with_no_tick_repeated(top: float, unit: str) -> None:
+    from web.charts import value_axis
+
+    got, ticks = value_axis(top, unit)
+    assert top <= got <= 2.5 * top or (unit == "bytes" and got == 2.0)  # above the data, not far
+    assert len({label for _, label in ticks}) == 3 and ticks[-1][0] == got

@@ -22,7 +22,12 @@ import numpy as np
 
 from controlplane.history import Series
 
-PALETTE = ("#2f6fde", "#e0612f", "#2a9d5b", "#9b4dca", "#d4a017", "#c2185b", "#00838f", "#6d4c41")
+# Paul Tol's "muted" scheme and black: ten colours that stay apart for the
+# common colour blindnesses (tests/test_pages.py measures it: at least 15
+# CIELAB units between any two, with and without deutan, protan and tritan
+# vision simulated; the eight before came to 6 under protan).
+PALETTE = ("#332288", "#DDCC77", "#117733", "#CC6677", "#88CCEE", "#882255", "#44AA99", "#999933", "#AA4499",
+           "#000000")  # fmt: skip
 WIDTH, HEIGHT = 560, 150
 LEFT, RIGHT, TOP, BOTTOM = 56, 8, 8, 20
 
@@ -44,6 +49,48 @@ def format_value(value: float, unit: str) -> str:
     if unit == "seconds":
         return f"{value * 1e3:.2f} ms" if value < 1 else f"{value:.1f} s"
     return f"{value:.2f}" if abs(value) < 10 else f"{value:.0f}"
+
+
+def _display(unit: str, top: float) -> tuple[float, str, bool]:
+    """How an axis of `unit` up to `top` is read: the divisor to its display
+    unit, the suffix, and whether its steps go by twos (bytes)."""
+    if unit == "bytes":
+        k = 0
+        while k < 4 and top >= 1024 ** (k + 1):
+            k += 1
+        return 1024**k, (" B", " KiB", " MiB", " GiB", " TiB")[k], True
+    if unit == "seconds":
+        return (1e-3, " ms", False) if top < 1 else (1.0, " s", False)
+    return {"percent": (1.0, "%", False), "ratio": (0.01, "%", False), "celsius": (1.0, " °C", False),
+            "watts": (1.0, " W", False)}.get(unit, (1.0, "", False))  # fmt: skip
+
+
+def _nice_step(x: float, binary: bool) -> float:
+    """The least step of the axis' kind at or above `x`: 1, 2, 2.5, 5 times a
+    power of ten; for bytes 1, 1.5, 2, 3 times a power of two (64 GiB, 96 GiB)."""
+    if binary:
+        k = 2.0 ** np.floor(np.log2(x))
+        return float(next(m * k for m in (1, 1.5, 2, 3, 4) if m * k >= x * (1 - 1e-9)))
+    k = 10.0 ** np.floor(np.log10(x))
+    # To 12 digits: 5 x 1e-6 is 4.9999999999999996e-06 in floats, and twice it short of 1e-5.
+    return float(f"{next(m * k for m in (1, 2, 2.5, 5, 10) if m * k >= x * (1 - 1e-9)):.12g}")
+
+
+def value_axis(top: float, unit: str, fixed: bool = False) -> tuple[float, list[tuple[float, str]]]:
+    """A chart's value axis: its top (a whole number of steps above the data,
+    unless `fixed`) and its ticks at 0, half and the top, labelled in a unit
+    a person reads (`0, 64 GiB, 128 GiB`; `0, 50%, 100%`), no two alike."""
+    divisor, suffix, binary = _display(unit, top)
+    shown = top / divisor
+    if not fixed:
+        half = _nice_step(max(shown / 2, 1e-12), binary)
+        if unit == "bytes" and divisor == 1:
+            half = max(half, 1.0)  # no half bytes
+        shown = max(2 * half, shown)  # a step found within a rounding below the data's half: the data's top
+    half = shown / 2
+    decimals = next((d for d in range(13) if abs(round(half, d) - half) <= 1e-9 * max(1.0, half)), 12)
+    ticks = [(v * divisor, "0" if v == 0 else f"{v:.{decimals}f}{suffix}") for v in (0.0, half, shown)]
+    return shown * divisor, ticks
 
 
 STALE_AFTER_S = 60.0  # the control plane's default: a node silent this long is not measured
@@ -106,6 +153,12 @@ def columns(width: int = WIDTH) -> int:
     return width - LEFT - RIGHT
 
 
+def chart_note(title: str, why: str) -> str:
+    """A chart with nothing to show: one line saying why, in its place (an
+    empty frame with axes reads as a fleet idle at zero)."""
+    return f'<p class="chart-none"><span class="title">{html.escape(title)}</span>: {html.escape(why)}</p>'
+
+
 def svg_chart(title: str, series: list[Series], start: float, end: float, unit: str,
               y_max: float | None = None, width: int = WIDTH, height: int = HEIGHT,
               stale_after: float = STALE_AFTER_S) -> str:  # fmt: skip
@@ -118,22 +171,23 @@ def svg_chart(title: str, series: list[Series], start: float, end: float, unit: 
     if top is None:
         highs = [np.nanmax(hi) for _, _, hi, _, _ in binned if not np.isnan(hi).all()]
         top = max(highs) if highs else 1.0
-        top = top * 1.1 if top > 0 else 1.0
+        top = top * 1.05 if top > 0 else 1.0
+    top, ticks = value_axis(top, unit, fixed=y_max is not None)
     xs = LEFT + np.arange(cols)
 
     def y_of(values: np.ndarray) -> np.ndarray:
         return TOP + plot_h - np.clip(values / top, 0, 1) * plot_h
 
-    # Its time axis, for the page's script: a click opens every sample around that moment.
+    # Its time axis and unit, for the pages' scripts: the pointer reads the
+    # values under it (web/static/charts.js), a click opens every sample around that moment.
     out = [f'<svg class="chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
            f'aria-label="{html.escape(title)}" xmlns="http://www.w3.org/2000/svg" data-from="{start:.3f}" '
-           f'data-to="{end:.3f}" data-x0="{LEFT}" data-x1="{LEFT + cols}">',
+           f'data-to="{end:.3f}" data-x0="{LEFT}" data-x1="{LEFT + cols}" data-unit="{html.escape(unit)}">',
            f'<rect x="{LEFT}" y="{TOP}" width="{cols}" height="{plot_h}" fill="#fafafa" stroke="#ddd"/>']  # fmt: skip
-    for frac in (0.0, 0.5, 1.0):
-        y = TOP + plot_h - frac * plot_h
+    for value, label in ticks:
+        y = TOP + plot_h - value / top * plot_h
         out.append(f'<line x1="{LEFT}" x2="{LEFT + cols}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
-                   f'<text x="{LEFT - 4}" y="{y + 4:.1f}" text-anchor="end" class="tick">'
-                   f"{html.escape(format_value(frac * top, unit))}</text>")  # fmt: skip
+                   f'<text x="{LEFT - 4}" y="{y + 4:.1f}" text-anchor="end" class="tick">{html.escape(label)}</text>')
     # A time label every 15 minutes (every 5 for shorter spans).
     step = 900 if end - start > 1800 else 300
     for tick in np.arange(np.ceil(start / step) * step, end + 1, step):
@@ -141,7 +195,8 @@ def svg_chart(title: str, series: list[Series], start: float, end: float, unit: 
         out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + plot_h}" stroke="#eee"/>'
                    f'<text x="{x:.1f}" y="{height - 5}" text-anchor="middle" class="tick">'
                    f"{time.strftime('%H:%M', time.localtime(tick))}</text>")  # fmt: skip
-    drawn = 0
+    if all(np.isnan(mean).all() for _, _, _, mean, _ in binned):
+        return chart_note(title, "no data in this span")
     for i, (s, lo, hi, mean, breaks) in enumerate(binned):
         if np.isnan(mean).all():
             continue
@@ -151,16 +206,16 @@ def svg_chart(title: str, series: list[Series], start: float, end: float, unit: 
         if band.any() and (hi[band] > lo[band]).any():
             upper = " ".join(f"{x:.0f},{y:.1f}" for x, y in zip(xs[band], y_of(hi[band]), strict=True))
             lower = " ".join(f"{x:.0f},{y:.1f}" for x, y in zip(xs[band][::-1], y_of(lo[band])[::-1], strict=True))
-            out.append(f'<polygon points="{upper} {lower}" fill="{colour}" fill-opacity="0.18" stroke="none"/>')
-        out.append(f'<path d="{_segments(xs, y_of(mean), breaks)}" fill="none" stroke="{colour}" stroke-width="1.5">'
-                   f"<title>{html.escape(s.label or title)}</title></path>")  # fmt: skip
-        drawn += 1
-    if drawn == 0:
-        out.append(f'<text x="{LEFT + cols / 2}" y="{TOP + plot_h / 2}" text-anchor="middle" class="nodata">'
-                   "no data in this span</text>")  # fmt: skip
+            out.append(f'<polygon points="{upper} {lower}" fill="{colour}" fill-opacity="0.18" stroke="none" '
+                       f'data-series="{i}"/>')  # fmt: skip
+        # Each column's value, for the pointer's readout (empty: nothing there): 4 significant digits.
+        values = ",".join("" if v != v else f"{v:.4g}" for v in mean.tolist())
+        out.append(f'<path d="{_segments(xs, y_of(mean), breaks)}" fill="none" stroke="{colour}" stroke-width="1.5" '
+                   f'data-series="{i}" data-v="{values}"><title>{html.escape(s.label or title)}</title></path>')
     out.append("</svg>")
     legend = "".join(
-        f'<span class="key"><i style="background:{PALETTE[i % len(PALETTE)]}"></i>{html.escape(s.label)}</span>'
+        f'<span class="key" data-series="{i}" title="show or hide"><i style="background:{PALETTE[i % len(PALETTE)]}">'
+        f"</i>{html.escape(s.label)}</span>"
         for i, (s, *_) in enumerate(binned) if s.label
     )
     return (f'<figure class="chart"><figcaption>{html.escape(title)}</figcaption>{"".join(out)}'

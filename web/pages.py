@@ -40,7 +40,7 @@ from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, s
 from controlplane.pages_api import FLEET_CHART_PARTS, FLEET_ROWS
 from controlplane.state.registry import NodeRegistry, NodeState
 from controlplane.state.starvation import Verdict
-from web.charts import columns, format_value, svg_chart
+from web.charts import chart_note, columns, format_value, svg_chart
 from wire.schema import Gpu, Machine, Shard
 
 PROMETHEUS_URL = web.AppKey("prometheus_url", str)
@@ -183,22 +183,27 @@ async def _charts(app: web.Application, specs: Specs, now: float) -> tuple[list[
     return await app[PAGE_WORKER].run(_draw, read, now), errors
 
 
-def _shard_specs(node: str, shard: str) -> Specs:
-    """One engine's hour: the charts a row of the engines table links to."""
+def _shard_specs(node: str, shard: str, view: dict[str, Any]) -> tuple[Specs, list[str]]:
+    """One engine's hour: the charts a row of the engines table links to, and
+    the lines that stand for those it has nothing to draw in."""
     f = (("node", node), ("shard", shard))
-    return [
+    specs: Specs = [
         (f"CPU cores of {shard} (window mean, and window max)",
          [(ChartSpec("llmgw_shard_cpu_cores", f), "mean"), (ChartSpec("llmgw_shard_cpu_cores_max", f), "max")],
          "cores", None),
         (f"Memory of {shard}", [(ChartSpec("llmgw_shard_memory_bytes", f), "resident"),
                                 (ChartSpec("llmgw_shard_gpu_memory_bytes", f), "GPU")], "bytes", None),
-        (f"Requests waiting in {shard}", [(ChartSpec("llmgw_shard_requests_waiting", f), "waiting"),
-                                          (ChartSpec("llmgw_shard_requests_running", f), "running")],
-         "requests", None),
     ]  # fmt: skip
+    title = f"Requests waiting in {shard}"
+    if any(e["shard"] == shard and e["waiting"] is not None for e in view["engines"]):
+        specs.append((title, [(ChartSpec("llmgw_shard_requests_waiting", f), "waiting"),
+                              (ChartSpec("llmgw_shard_requests_running", f), "running")],
+                      "requests", None))  # fmt: skip
+        return specs, []
+    return specs, [chart_note(title, "this engine exports no queue (its metrics_url gives one)")]
 
 
-def _node_specs(node: str, view: dict[str, Any]) -> Specs:
+def _node_specs(node: str, view: dict[str, Any]) -> tuple[Specs, list[str]]:
     f = (("node", node),)
     specs: Specs = [
         ("CPU (window mean, and window max so bursts show)",
@@ -216,12 +221,19 @@ def _node_specs(node: str, view: dict[str, Any]) -> Specs:
     ]  # fmt: skip
     # The queue: the router's per replica (the seed's chart; Prometheus only), the
     # replicas those on this node now, and the engines' own from their metrics.
+    # Drawn where an engine here exports its queue or a router may have its replicas'.
     queue = [(ChartSpec("llmgw_shard_requests_waiting", f, ("shard",)), "engine")]
     replicas = tuple(sorted({e["replica"] for e in view["engines"] if e["replica"]}))
     if replicas:
         queue.insert(0, (ChartSpec("llmgw_endpoint_waiting", (), ("replica",), one_of=(("replica", replicas),)),
                          "router"))  # fmt: skip
-    specs.append(("Requests waiting (the router's per replica; each engine's own)", queue, "requests", None))
+    notes = []
+    title = "Requests waiting (the router's per replica; each engine's own)"
+    if replicas or any(e["waiting"] is not None for e in view["engines"]):
+        specs.append((title, queue, "requests", None))
+    else:
+        notes.append(chart_note("Requests waiting", "no engine here exports a queue (an engine's metrics_url "
+                                                    "gives one)"))  # fmt: skip
     if view["gpus"]:
         specs += [
             ("GPU utilisation by card", [(ChartSpec("llmgw_gpu_utilization_percent", f, ("gpu",)), "GPU")],
@@ -235,7 +247,7 @@ def _node_specs(node: str, view: dict[str, Any]) -> Specs:
     if any(g.sm_activity_percent is not None for g in view["gpus"]):  # a card with GPM: what its SMs did
         specs.append(("GPU SMs busy by card (GPM; utilisation says only that a kernel ran)",
                       [(ChartSpec("llmgw_gpu_sm_active_ratio", f, ("gpu",)), "GPU")], "ratio", 1.0))  # fmt: skip
-    return specs
+    return specs, notes
 
 
 FLEET_SPECS: Specs = [
@@ -340,6 +352,8 @@ async def cluster_page(request: web.Request) -> web.Response:
     # The rows and the charts at once: each asks the peers, which answer on their own threads.
     (rows, peers), (charts_drawn, errors) = await asyncio.gather(fleet_rows(), charts())
     summary, shown = await worker.run(_cluster_rows, rows, text, state)
+    if not summary["gpus"]:  # the fleet charts are the GPUs': none drawn empty
+        charts_drawn = [chart_note("GPU charts", "no GPUs on this fleet's fresh nodes")]
     pages = max(1, -(-len(shown) // PAGE_ROWS))
     page = min(page, pages)
     rows = shown[(page - 1) * PAGE_ROWS : page * PAGE_ROWS]
@@ -376,8 +390,10 @@ async def node_page(request: web.Request) -> web.Response:
     shard = request.query.get("shard")
     if shard is not None and not (0 < len(shard) <= wire.MAX_NAME and shard.isprintable()):
         raise web.HTTPBadRequest(text=f"shard: must be printable text of 1-{wire.MAX_NAME} characters")
-    specs = (_shard_specs(state.node, shard) if shard else []) + _node_specs(state.node, view)
-    charts, errors = await _charts(request.app, specs, time.time())
+    shard_specs, shard_notes = _shard_specs(state.node, shard, view) if shard else ([], [])
+    node_specs, node_notes = _node_specs(state.node, view)
+    charts, errors = await _charts(request.app, shard_specs + node_specs, time.time())
+    charts += shard_notes + node_notes
     live_url = f"/node/{quote(state.node, safe='')}/live" if LIVE in request.app else None
     # Every sample around a moment of the hour, from the node's ring: where its agent keeps one.
     held = state.hindsight_held_seconds()

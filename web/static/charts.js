@@ -1,0 +1,108 @@
+// The hour's charts answer the pointer: the time and each series' value
+// under it, in the series' unit, with one crosshair across every chart of
+// the page (they share their hour); a legend's key shows or hides its
+// series. The server draws the charts (web/charts.py): without this script
+// they read the same, only silent. Listeners are on the document: <main> is
+// rendered anew every refresh.
+(() => {
+  "use strict";
+  const SVG = "http://www.w3.org/2000/svg";
+  const columnsOf = new WeakMap(); // a series' path -> its columns' values
+
+  // As web/charts.py's format_value, a digit finer: a readout, not a tick.
+  function fmt(v, unit) {
+    if (unit === "bytes") {
+      const names = ["B", "KiB", "MiB", "GiB", "TiB"];
+      let i = 0;
+      while (Math.abs(v) >= 1024 && i < names.length - 1) { v /= 1024; i += 1; }
+      return i === 0 ? `${v.toFixed(0)} B` : `${v.toFixed(2)} ${names[i]}`;
+    }
+    if (unit === "percent") return `${v.toFixed(1)}%`;
+    if (unit === "ratio") return `${(100 * v).toFixed(1)}%`;
+    if (unit === "celsius") return `${v.toFixed(0)} °C`;
+    if (unit === "watts") return `${v.toFixed(1)} W`;
+    if (unit === "seconds") return v < 1 ? `${(v * 1e3).toFixed(3)} ms` : `${v.toFixed(2)} s`;
+    return `${Number(v.toPrecision(4))} ${unit}`;
+  }
+
+  function columns(path) {
+    let got = columnsOf.get(path);
+    if (!got) {
+      got = path.dataset.v.split(",").map((x) => (x === "" ? null : Number(x)));
+      columnsOf.set(path, got);
+    }
+    return got;
+  }
+
+  let tip = null;
+  function tipBox() {
+    if (!tip) {
+      tip = document.createElement("div");
+      tip.className = "chart-tip";
+      tip.setAttribute("role", "status");
+      document.body.append(tip);
+    }
+    return tip;
+  }
+
+  // Every chart's crosshair at `f` of its width (null: none).
+  function crosshairs(f) {
+    for (const svg of document.querySelectorAll("main svg.chart[data-from]")) {
+      let line = svg.querySelector("line.crosshair");
+      if (f === null) { if (line) line.remove(); continue; }
+      const frame = svg.querySelector("rect");
+      const x0 = Number(svg.dataset.x0), x1 = Number(svg.dataset.x1);
+      if (!line) {
+        line = document.createElementNS(SVG, "line");
+        line.setAttribute("class", "crosshair");
+        line.setAttribute("y1", frame.getAttribute("y"));
+        line.setAttribute("y2", Number(frame.getAttribute("y")) + Number(frame.getAttribute("height")));
+        svg.append(line);
+      }
+      const x = x0 + f * (x1 - x0);
+      line.setAttribute("x1", x);
+      line.setAttribute("x2", x);
+    }
+  }
+
+  function hide() {
+    if (tip) tip.hidden = true;
+    crosshairs(null);
+  }
+
+  document.addEventListener("pointermove", (e) => {
+    const svg = e.target.closest && e.target.closest("main svg.chart[data-from]");
+    if (!svg) { hide(); return; }
+    const box = svg.getBoundingClientRect(), scale = box.width / svg.viewBox.baseVal.width;
+    const x0 = Number(svg.dataset.x0), x1 = Number(svg.dataset.x1);
+    const col = Math.floor((e.clientX - box.left) / scale - x0);
+    if (col < 0 || col >= x1 - x0) { hide(); return; }
+    const from = Number(svg.dataset.from), to = Number(svg.dataset.to);
+    const at = from + ((col + 1) / (x1 - x0)) * (to - from); // a column ends at its last instant
+    const figure = svg.closest("figure");
+    const lines = [new Date(at * 1000).toLocaleTimeString([], { hour12: false })];
+    for (const path of svg.querySelectorAll("path[data-v]")) {
+      if (path.style.display === "none") continue;
+      const v = columns(path)[col];
+      const key = figure && figure.querySelector(`.legend .key[data-series="${path.dataset.series}"]`);
+      const label = key ? key.textContent : (figure ? figure.querySelector("figcaption").textContent : "");
+      lines.push(`${label}: ${v === null || v === undefined ? "—" : fmt(v, svg.dataset.unit)}`);
+    }
+    const t = tipBox();
+    t.textContent = lines.join("\n");
+    t.hidden = false;
+    t.style.left = `${Math.min(e.clientX + 12, window.innerWidth - t.offsetWidth - 4)}px`;
+    t.style.top = `${e.clientY + 12}px`;
+    crosshairs((col + 0.5) / (x1 - x0));
+  });
+  document.addEventListener("pointerleave", hide);
+
+  document.addEventListener("click", (e) => {
+    const key = e.target.closest && e.target.closest("figure.chart .legend .key[data-series]");
+    if (!key) return;
+    const off = key.classList.toggle("off");
+    for (const drawn of key.closest("figure").querySelectorAll(`svg [data-series="${key.dataset.series}"]`)) {
+      drawn.style.display = off ? "none" : "";
+    }
+  });
+})();
