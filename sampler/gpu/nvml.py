@@ -328,19 +328,24 @@ class GpuReader:
 
     def _field(self, card: _Card, name: str, read: Callable[[], Any]) -> Any:
         """One field, or None where the card or driver lacks it."""
-        nv = self._nvml
         try:
             return read()
-        except nv.NVMLError_GpuIsLost:
+        except self._nvml.NVMLError as e:
+            return self._failed(card, name, e)
+
+    def _failed(self, card: _Card, name: str, e: Exception) -> None:
+        """A field's read that failed: a lost card raised, a feature the card
+        or driver lacks said once, anything else left out this reading."""
+        nv = self._nvml
+        if isinstance(e, nv.NVMLError_GpuIsLost):
             raise _CardLost() from None
-        except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound, nv.NVMLError_NoPermission) as e:
+        if isinstance(e, (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound, nv.NVMLError_NoPermission)):
             if name not in card.unsupported:
                 card.unsupported.add(name)
                 log.info("GPU %d: %s not measured: %s", card.index, name, e)
             return None
-        except nv.NVMLError as e:
-            log.debug("GPU %d: %s failed: %s", card.index, name, e)
-            return None
+        log.debug("GPU %d: %s failed: %s", card.index, name, e)
+        return None
 
     def _utilisation_samples(self, card: _Card) -> tuple[np.ndarray, np.ndarray] | None:
         """Utilisation samples NVML buffered since the last reading: their
@@ -450,8 +455,8 @@ class GpuReader:
         except (nv.NVMLError_NotFound, nv.NVMLError_InvalidArgument):
             card.instances_found_at = -math.inf
             return None
-        except nv.NVMLError:
-            return self._field(card, f"instance {instance.gpu_instance_id} {name}", read)
+        except nv.NVMLError as e:
+            return self._failed(card, f"instance {instance.gpu_instance_id} {name}", e)
 
     def _processes(self, card: _Card) -> list[tuple[int, int | None, int | None]] | None:
         """(pid, GPU memory or None where the driver does not say, the MIG
