@@ -22,7 +22,12 @@ With `--against OTHER.bpf.c` it compares two versions of the program
 instead (a change to it against the one before, for example from
 `git show HEAD~1:bpf/sched_groups.bpf.c`, from the version with
 on_switch on): each loaded in turn, `--runs`
-times, in one process, so that the machine's drift falls on both alike.
+times, in one process, so that the machine's drift falls on both alike;
+beside the programs' run time per switch, on_sample's per sample (1000 a
+second for a second, the ping-pong's group watched), and what the agent's
+reads of the kernel's shared memory pay for their order
+(sampler/kernel/memory_order.py): its fence as called here and libatomic's,
+as a weakly ordered CPU calls it.
 
 Needs root and a C compiler (gcc). Not a test: no thresholds.
 
@@ -33,13 +38,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import shutil
 import statistics
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from sampler.kernel import build, sched
+from sampler.kernel import build, memory_order, sched
 from sampler.kernel.build import SWITCH_PROGRAMS
 from sampler.kernel.program_stats import enable_bpf_stats, program_stats
 from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
@@ -123,23 +131,54 @@ def empty_program(exe: Path, trips: int, raw: bool) -> tuple[float, float]:
     return (after[0] - before[0]) / (after[1] - before[1]), outside
 
 
+def sample_cost(groups: sched.KernelShardSampler) -> float | None:
+    """on_sample's run time per sample: 1000 a second for a second (None where it did not load)."""
+    if groups.ring is None:
+        return None
+    before = groups.program_stats()
+    groups.ring.start(1000)
+    time.sleep(1.0)  # the kernel samples meanwhile
+    groups.ring.stop()
+    after = groups.program_stats()
+    runs = after["on_sample"][1] - before["on_sample"][1]
+    return (after["on_sample"][0] - before["on_sample"][0]) / runs if runs else None
+
+
+def fence_cost(fence: Callable[[], None], calls: int = 200_000) -> float:
+    """ns a call."""
+    t0 = time.perf_counter_ns()
+    for _ in range(calls):
+        fence()
+    return (time.perf_counter_ns() - t0) / calls
+
+
 def compare(exe: Path, trips: int, runs: int, other: Path) -> None:
-    """The programs' run time per switch, this version against `other`, each
-    loaded in turn `runs` times."""
+    """The programs' run time per switch and on_sample's per sample, this
+    version against `other`, each loaded in turn `runs` times; the agent's
+    fences' cost a call."""
     sources = {"this program": build.SOURCE, str(other): other}
     cost: dict[str, dict[bool, list[float]]] = {name: {False: [], True: []} for name in sources}
+    sample: dict[str, list[float]] = {name: [] for name in sources}
     for _ in range(runs):
         for name, source in sources.items():
             groups = sched.load(PROC, bpf_stats=True, source=source)
             try:
                 for watched in (False, True):
                     cost[name][watched].append(program_cost(groups, exe, trips, watched)[0])
+                if (ns := sample_cost(groups)) is not None:
+                    sample[name].append(ns)
             finally:
                 groups.close()
     for name, by in cost.items():
+        per_sample = f"{statistics.median(sample[name]):5.0f} ns" if sample[name] else "not loaded"
         print(f"{name:<40} programs' run time per switch: not watched {statistics.median(by[False]):4.0f} ns "
               f"({min(by[False]):.0f}..{max(by[False]):.0f}), watched {statistics.median(by[True]):4.0f} ns "
-              f"({min(by[True]):.0f}..{max(by[True]):.0f}); median of {runs}")  # fmt: skip
+              f"({min(by[True]):.0f}..{max(by[True]):.0f}); on_sample per sample {per_sample}; "
+              f"median of {runs}")  # fmt: skip
+    print(f"the agent's fence as called on this CPU ({platform.machine()}): "
+          f"{fence_cost(memory_order.reader_fence()):.0f} ns a call; libatomic's, as a weakly ordered CPU calls it: "
+          f"{fence_cost(memory_order.libatomic_fence()):.0f} ns a call (two a read of the ring, two a reading of "
+          "the counters)")  # fmt: skip
 
 
 def main() -> None:

@@ -86,6 +86,38 @@
 #ifndef NR_CPUS
 #define NR_CPUS 1 /* the loader passes the possible CPUs' highest id + 1 */
 #endif
+#ifndef barrier /* the kernel's headers, where bcc compiles against them, define it so */
+#define barrier() asm volatile("" ::: "memory")
+#endif
+
+/* Memory order for readers on other CPUs (on_sample, and the agent through
+ * the mapped arrays: sampler/kernel/memory_order.py). x86 keeps stores in
+ * order and loads in order: the compiler's barrier is enough. arm64 does not,
+ * and BPF has no fence instruction (load-acquire came in 6.15), but a
+ * fetching atomic is fully ordered in every JIT (arm64: LDADDAL, or an LL/SC
+ * loop ended by DMB ISH; x86: LOCK XADD). A plain atomic add orders nothing
+ * on arm64 (STADD), and clang drops the fetch of one whose result is unused:
+ * the result is kept, in a register the empty asm claims. Fetching atomics
+ * came in 5.12 (FETCH_ATOMICS, set by the loader); on an older kernel the
+ * source's order is kept, which is the memory's on x86 alone (the loader
+ * refuses other CPUs there).
+ * ordered_add: a full fence and an add, for a word a writer publishes by;
+ * fence: a full fence, adding to a scratch word of the caller's CPU. */
+#ifdef FETCH_ATOMICS
+#define ordered_add(p, n)                                                                                              \
+    do {                                                                                                               \
+        __typeof__(*(p)) was_ = __sync_fetch_and_add((p), (n));                                                        \
+        asm volatile("" : "+r"(was_)::"memory");                                                                       \
+    } while (0)
+#else
+#define ordered_add(p, n)                                                                                              \
+    do {                                                                                                               \
+        barrier();                                                                                                     \
+        *(p) += (n);                                                                                                   \
+        barrier();                                                                                                     \
+    } while (0)
+#endif
+#define fence(scratch) ordered_add((scratch), 1)
 
 /* tgid / 8 -> eight one-byte slots. BPF_F_MMAPABLE: userspace maps it. */
 BPF_F_TABLE("array", u32, u64, task_slot, (PID_MAX + 7) / 8, BPF_F_MMAPABLE);
@@ -119,16 +151,16 @@ struct cpu_run {
     u64 start;
     u64 since;
     u64 task;
+    u64 seq;    /* 64 bits: bcc's clang fetches atomically at 64 bits alone (ordered_add) */
     u32 slot;
-    u32 seq;
     u32 learnt; /* 1: learnt at the tick, `start` may be stale */
-    u32 pad;
     u64 spare[3]; /* to 64 bytes: one cache line per CPU */
 };
 BPF_F_TABLE("array", u32, struct cpu_run, cpu_run, NR_CPUS, BPF_F_MMAPABLE);
 
 /* This CPU's entries. Programs on one CPU do not nest (the kernel runs no BPF
- * program inside another on the same CPU), so no atomics are needed. */
+ * program inside another on the same CPU), so no atomics are needed for the
+ * writes themselves; `seq`'s are atomics for their order alone (ordered_add). */
 static __always_inline struct cpu_run *this_cpu_run(void)
 {
     u32 cpu = bpf_get_smp_processor_id();
@@ -310,7 +342,7 @@ static __always_inline int switch_tasks(u64 *args, const int typed)
     if (!run->slot && !next_slot && !unseen)
         return 0; /* unwatched to unwatched: the common case, no clock read */
     u64 now = bpf_ktime_get_ns();
-    run->seq += 1; /* odd: userspace ignores this CPU until it is even again */
+    ordered_add(&run->seq, 1); /* odd: readers ignore this CPU until it is even again */
     /* prev is current: typed as an argument of tp_btf, or from 5.11 as current_task() */
     void *me = typed ? prev : current_task();
     const int me_typed = typed || CURRENT_TYPED;
@@ -328,7 +360,7 @@ static __always_inline int switch_tasks(u64 *args, const int typed)
         run->since = now;
         run->learnt = 0;
     }
-    run->seq += 1;
+    ordered_add(&run->seq, 1); /* even: after every write above */
     return 0;
 }
 
@@ -519,7 +551,7 @@ int on_tick(struct bpf_perf_event_data *ctx)
     u64 now = bpf_ktime_get_ns();
     void *me = current_task(); /* task, read through */
     u64 runtime = task_u64(me, TASK_RUNTIME_OFF, CURRENT_TYPED);
-    run->seq += 1;
+    ordered_add(&run->seq, 1);
     if (!unseen)
         credit(run, runtime, now); /* it left its group: what it ran as a member */
     /* Unseen: its slice up to now counts from its pick, as a switch would
@@ -531,7 +563,7 @@ int on_tick(struct bpf_perf_event_data *ctx)
     run->start = runtime;
     run->since = now;
     run->learnt = !unseen;
-    run->seq += 1;
+    ordered_add(&run->seq, 1);
     return 0;
 }
 
@@ -656,6 +688,7 @@ BPF_F_TABLE("array", u32, struct sample_column, sample_slots, RING_SLOTS, BPF_F_
 /* The sample being summed, before it goes into the columns: one element per CPU */
 struct sample_sums {
     struct slot_time t[RING_SLOTS];
+    u64 fence; /* what on_sample's fences add to */
 };
 BPF_PERCPU_ARRAY(sample_sums, struct sample_sums, 1);
 static __always_inline u64 rq_of(u32 cpu, void *task, struct sample_head *head)
@@ -703,10 +736,6 @@ static __always_inline u64 rq_of(u32 cpu, void *task, struct sample_head *head)
 #endif
 }
 
-#ifndef barrier /* the kernel's headers, where bcc compiles against them, define it so */
-#define barrier() asm volatile("" ::: "memory")
-#endif
-
 int on_sample(struct bpf_perf_event_data *ctx)
 {
     u32 zero = 0;
@@ -721,8 +750,8 @@ int on_sample(struct bpf_perf_event_data *ctx)
     if (!when)
         return 0;
     u32 gen = config->gen;
-    barrier();
-    __builtin_memset(sums, 0, sizeof(*sums));
+    fence(&sums->fence); /* the gen read before the list it guards */
+    __builtin_memset(sums->t, 0, sizeof(sums->t));
     u64 now = bpf_ktime_get_ns();
     void *task = (void *)bpf_get_current_task();
     u64 busy = 0, steal = 0;
@@ -737,8 +766,8 @@ int on_sample(struct bpf_perf_event_data *ctx)
         if (!run || !row)
             break;
         asm volatile("" : "+r"(row)); /* as in this_cpu_slot */
-        u32 seq = run->seq;
-        barrier();
+        u64 seq = run->seq;
+        fence(&sums->fence);
         u32 running = run->slot;
         u64 since = run->since;
         /* The count is read afresh at each use: a copy the exits had narrowed
@@ -752,7 +781,7 @@ int on_sample(struct bpf_perf_event_data *ctx)
             sums->t[k].ns += credited->ns;
             sums->t[k].late += credited->late;
         }
-        barrier();
+        fence(&sums->fence); /* the entry and the totals read before seq again */
         /* A CPU mid-switch (odd, or moved) is left out of the running slices, as userspace leaves it. */
         if (running && !(seq & 1) && seq == run->seq && now > since) {
             u32 j = config->position[running & (MAX_SLOTS - 1)];
@@ -786,7 +815,7 @@ int on_sample(struct bpf_perf_event_data *ctx)
         asm volatile("" : "+r"(k)); /* the mask below reaches the verifier, whatever it makes of j */
         column->t[at] = sums->t[k & (RING_SLOTS - 1)];
     }
-    barrier();
+    fence(&sums->fence); /* the list read before the gen again */
     if (gen != config->gen)
         gen |= 1; /* the list changed while it was read */
     when->at = now;
@@ -794,7 +823,7 @@ int on_sample(struct bpf_perf_event_data *ctx)
     when->steal = steal;
     when->gen = gen;
     when->cpus = cpus;
-    __sync_fetch_and_add(&head->written, 1);
+    ordered_add(&head->written, 1); /* the count after the sample it counts */
     return 0;
 }
 #endif

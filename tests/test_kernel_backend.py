@@ -669,3 +669,45 @@ def test_a_300_ms_stall_on_the_real_clock(
     accuracy.record("window mean with a 300 ms stall", stats["mean"], truth, 0.05)
     assert stats["mean"] == pytest.approx(truth, rel=0.05)
     assert_within_what_quarter_workers_can_use(stats)
+
+
+def translated_instructions(prog_fd: int) -> bytes:
+    """A loaded program's instructions as the verifier left them
+    (BPF_OBJ_GET_INFO_BY_FD's xlated_prog_insns, through libbpf)."""
+    import ctypes
+
+    from sampler.kernel.libbpf import libbpf
+
+    lib = libbpf()
+    lib.bpf_obj_get_info_by_fd.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
+    info = (ctypes.c_uint8 * 256)()  # struct bpf_prog_info's first fields, the rest zero
+    size = ctypes.c_uint32(len(info))
+    assert lib.bpf_obj_get_info_by_fd(prog_fd, info, ctypes.byref(size)) == 0
+    xlated_len = int.from_bytes(bytes(info[20:24]), "little")
+    insns = ctypes.create_string_buffer(xlated_len)
+    info = (ctypes.c_uint8 * 256)()
+    info[20:24] = list(xlated_len.to_bytes(4, "little"))
+    info[32:40] = list(ctypes.addressof(insns).to_bytes(8, "little"))
+    size = ctypes.c_uint32(len(info))
+    assert lib.bpf_obj_get_info_by_fd(prog_fd, info, ctypes.byref(size)) == 0
+    return insns.raw
+
+
+def test_counts_are_published_with_fully_ordered_atomics(bpf_groups: sched.KernelShardSampler) -> None:
+    """From 5.12, every sequence number and the ring's count move by a
+    fetching atomic (BPF_ATOMIC with BPF_FETCH: arm64's LDADDAL, fully
+    ordered), never a plain one (STADD, which orders nothing on arm64):
+    clang drops the fetch of an atomic whose result is unused
+    (sampler/kernel/memory_order.py)."""
+    if kernel_version_code(os.uname().release) < (5 << 16) + (12 << 8):
+        pytest.skip("no fetching atomics before 5.12: the programs keep x86's order")
+    programs = bpf_groups.programs.programs
+    for name in ("on_switch", "on_switch_raw", "on_tick", "on_sample"):
+        if name not in programs:
+            continue
+        code = translated_instructions(programs[name])
+        atomics = [(code[i + 1], int.from_bytes(code[i + 4 : i + 8], "little", signed=True))
+                   for i in range(0, len(code), 8) if code[i] == 0xDB]  # BPF_STX | BPF_ATOMIC | BPF_DW  # fmt: skip
+        fetching = [imm for _regs, imm in atomics if imm & 0x01]  # BPF_FETCH
+        assert len(fetching) >= 2, (name, atomics)  # a sequence's two moves; on_sample: its fences and its count
+    assert "on_sample" in programs or bpf_groups.ring is None

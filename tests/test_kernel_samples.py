@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -28,7 +29,7 @@ from sampler.kernel.headers import kernel_version_code
 from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
 from sampler.sources import procfs
 from sampler.window.sampler import WindowSampler
-from tests.conftest import AccuracyLog
+from tests.conftest import REQUIRE_BPF, AccuracyLog
 from tests.heartbeats import cores_of, cpu_of
 from tests.workloads import BURN_ONE_CORE, PROC, after_each_reading, process_cpu_seconds, start_group
 
@@ -309,6 +310,7 @@ def test_the_first_window_holds_its_own_samples_alone(ring: sched.KernelShardSam
     # hindsight view, and the two clocks read anew each window drifted 0.2 ms apart in an emulated guest.
     assert second.window.start == first.window.end
 
+
 @contextmanager
 def written_late(groups: sched.KernelShardSampler, seconds: float) -> Iterator[list[sched.KernelSamples]]:
     """The kernel's timer writes each sample `seconds` after its time, as an
@@ -365,3 +367,70 @@ def test_a_sample_due_at_the_window_s_end_and_written_late_is_the_window_s(
     taken_by_its_end = int(((at > primed_at) & (at <= window_from + 1.0)).sum())
     assert first.window.samples >= taken_by_its_end >= 9  # 9: a period the timer skipped
     assert second.window.start == first.window.end
+
+
+def out_of_order(at: np.ndarray, busy: np.ndarray, cpus: np.ndarray) -> int:
+    """Samples that cannot follow the one before in a ring read in order: a
+    time not after its predecessor's, or less busy time over the same CPUs (an
+    entry read from the ring's lap before the count said, or torn by a write)."""
+    same_cpus = cpus[1:] == cpus[:-1]
+    return int(np.count_nonzero(np.diff(at) <= 0) + np.count_nonzero((np.diff(busy) < 0) & same_cpus))
+
+
+def ring_reader(tmp_path: Path) -> Path:
+    """tests/ring_reader.c compiled here (the guests' images carry gcc for it)."""
+    binary = tmp_path / "ring_reader"
+    try:
+        source = Path(__file__).parent / "ring_reader.c"
+        subprocess.run(["gcc", "-O2", "-Wall", "-Werror", "-o", str(binary), str(source)], check=True,
+                       capture_output=True, text=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError) as e:
+        if REQUIRE_BPF:
+            pytest.fail(f"NODESAMPLER_REQUIRE_BPF=1 and tests/ring_reader.c does not compile: {e}")
+        pytest.skip(f"tests/ring_reader.c does not compile: {e}")
+    return binary
+
+
+def test_the_ring_s_publication_holds_at_its_highest_rate(
+    ring: sched.KernelShardSampler, group: list[subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    """The kernel writes a sample every 10 us (the cpu-clock's floor, the most
+    the ring takes) for 3 s while two readers read the ring as fast as they
+    can: the agent's own (Python: microseconds between its loads) and the same
+    steps in C (tests/ring_reader.c: nanoseconds, the window a publication out
+    of order would show in). Every sample either reads follows the one before
+    (none read before the kernel finished it, none torn by its next lap), and
+    every sample written is read or counted lost (bpf/sched_groups.bpf.c's
+    ordered_add, sampler/kernel/memory_order.py)."""
+    reader = ring_reader(tmp_path)
+    sampler_of(ring, busy_group(group), 1000).prime(0)  # a watched slot: its column read too
+    samples, maps = ring.ring, ring.programs.maps
+    assert samples is not None
+    samples.stop()
+    written_from = samples.written()
+    fds = (maps["sample_head"].fd, maps["sample_time"].fd)
+    fast = subprocess.Popen([str(reader), *map(str, fds), str(samples.ring_len), "3"], pass_fds=fds,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    samples.start(100_000)
+    reads = []
+    try:
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:
+            reads.append(samples.take(ring._slots))
+    finally:
+        samples.stop()
+    reads.append(samples.take(ring._slots))
+    written = samples.written() - written_from
+    fast_out, _ = fast.communicate(timeout=60)
+    assert fast.returncode == 0, fast_out
+    at, busy, cpus = (np.concatenate([getattr(r, name) for r in reads]) for name in ("at", "busy", "cpus"))
+    read, lost = len(at), sum(r.lost for r in reads)
+    print(f"publication: {written} samples written in 3 s; the agent's reader: {len(reads)} reads, {read} read, "
+          f"{lost} lost; C: {fast_out.strip()}")  # fmt: skip
+    assert out_of_order(at[::-1], busy[::-1], cpus[::-1]) > 0  # the count sees disorder where there is some
+    assert out_of_order(at, busy, cpus) == 0
+    assert read + lost == written
+    assert read > 10_000 and len(reads) > 1_000  # the writer and the reader raced, many times
+    fast_read, fast_lost, disorder, fast_reads = map(int, fast_out.split()[1::2])
+    assert disorder == 0
+    assert fast_read > 10_000 and fast_reads > 10_000

@@ -31,8 +31,10 @@ set -eu
 # for the pods test's kubelet over TLS (all Debian's, matched to the guest's
 # Python; python3-cffi-backend named because debootstrap does not resolve
 # the virtual package cryptography depends on); procps, util-linux and kmod
-# for the tests' own tools.
-PACKAGES="python3-bpfcc python3-numpy python3-prometheus-client python3-aiohttp python3-cryptography python3-cffi-backend python3-pytest python3-pytest-timeout python3-venv python3-pip python3-setuptools procps util-linux kmod"
+# for the tests' own tools; gcc and libc6-dev for the publication test's
+# reader in C (tests/ring_reader.c); libatomic1 for the agent's fence on a
+# weakly ordered CPU (sampler/kernel/memory_order.py).
+PACKAGES="python3-bpfcc python3-numpy python3-prometheus-client python3-aiohttp python3-cryptography python3-cffi-backend python3-pytest python3-pytest-timeout python3-venv python3-pip python3-setuptools procps util-linux kmod gcc libc6-dev libatomic1"
 
 # The archive's snapshot may be older than a Release's Valid-Until (unstable's
 # is a week): what it serves is taken as it is.
@@ -71,7 +73,8 @@ if [ -n "$kernel_from" ]; then
     fi
     apt-get update -q $apt_update
     updated=1
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "linux-image-amd64/$kernel_from"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        "linux-image-$(dpkg --print-architecture)/$kernel_from"
     kernel=$(ls /lib/modules)
     [ "$(echo "$kernel" | wc -w)" = 1 ] || { echo "provision: one kernel expected, found: $kernel" >&2; exit 1; }
 fi

@@ -2,14 +2,17 @@
 # `make vm-test`: the kernel test tier on real guest kernels, without Vagrant.
 #
 # For each kernel line (Debian 11: 5.10, 12: 6.1, 13: 6.12, and unstable: the
-# newest kernel Debian publishes): a Debian root made with debootstrap from
+# newest kernel Debian publishes; a line named SUITE-arm64 is that suite's
+# arm64 kernel and userland, emulated): a Debian root made with debootstrap from
 # vagrant/provision.sh's package list (its kernel, bcc and the test tools from
 # Debian; no kernel headers installed, their packages kept aside), provision.sh run
 # in it through chroot, packed into an ext4 image with `mkfs.ext4 -d` (no loop
 # devices) and cached by a hash of the package list, provision.sh and the
 # image's init (the images a run lacks are built side by side before the first
 # guest boots). Then its kernel and initrd are booted directly by QEMU under
-# TCG (no hardware virtualisation here). The init only mounts the checkout
+# TCG (no hardware virtualisation here; an arm64 line under
+# qemu-system-aarch64's `virt` machine, its root built through qemu-user and
+# binfmt_misc, which the harness registers where it is not). The init only mounts the checkout
 # (read-only 9p) and runs vagrant/guest-init.sh from it, which says which
 # backend the agent would load, runs the kernel test tier (the files marked
 # `pytestmark = pytest.mark.kernel`) with no kernel headers, then unpacks the
@@ -42,14 +45,33 @@ cpu_model=${NODESAMPLER_VM_CPU:-qemu64}
 boot_limit=${NODESAMPLER_VM_BOOT_SECONDS:-1200}
 mkdir -p "$cache"
 
+# A line: a Debian suite, amd64; SUITE-arm64: the suite's arm64 kernel and userland.
+suite_of() { echo "${1%-arm64}"; }
+arch_of() { case $1 in *-arm64) echo arm64 ;; *) echo amd64 ;; esac; }
+
 # What this harness needs on the host, installed by itself (debootstrap is not part of `make setup`).
+tools="debootstrap:debootstrap qemu-system-x86_64:qemu-system-x86 mkfs.ext4:e2fsprogs"
+case " $lines " in
+    *-arm64\ *) tools="$tools qemu-system-aarch64:qemu-system-arm qemu-aarch64-static:qemu-user-static" ;;
+esac
 missing=""
-for tool in debootstrap:debootstrap qemu-system-x86_64:qemu-system-x86 mkfs.ext4:e2fsprogs; do
+for tool in $tools; do
     command -v "${tool%%:*}" >/dev/null || missing="$missing ${tool##*:}"
 done
 if [ -n "$missing" ]; then
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
 fi
+
+# An arm64 root is built by running its programs (dpkg's scripts, provision.sh)
+# under qemu-user: binfmt_misc hands them to qemu-aarch64-static, registered
+# with Debian's own entry (its F flag opens the interpreter now, so it runs
+# inside the chroot too) where nothing registered it.
+arm64_binfmt() {
+    local misc=/proc/sys/fs/binfmt_misc
+    [ -e "$misc/register" ] || mount -t binfmt_misc binfmt_misc "$misc"
+    [ -e "$misc/qemu-aarch64" ] || cat /usr/lib/binfmt.d/qemu-aarch64.conf >"$misc/register"
+    [ "$(head -n 1 "$misc/qemu-aarch64")" = enabled ] || echo 1 >"$misc/qemu-aarch64"
+}
 
 packages=$(sh vagrant/provision.sh --packages)
 # What the guests need that Debian does not package: google-re2 (the agent's
@@ -58,16 +80,21 @@ packages=$(sh vagrant/provision.sh --packages)
 # guest has no network, and its minimal root no CA bundle): each image's build
 # installs the ones its Python takes.
 wheels_pin=$(grep -E '^(google-re2|msgspec)==' deploy/image-requirements.txt | tr '\n' ' ')
-wheels="$cache/wheels-$(echo "$wheels_pin" | sha256sum | cut -c1-12)"
-if [ ! -e "$wheels/.complete" ]; then
-    rm -rf "$wheels" && mkdir -p "$wheels"
-    for py in 3.11 3.12 3.13 3.14; do
-        "$root/.venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-            --python-version "$py" --platform manylinux_2_28_x86_64 -d "$wheels" $wheels_pin \
-            || echo "vm-test: no $wheels_pin wheel for Python $py" >&2
-    done
-    touch "$wheels/.complete"
-fi
+wheels_of() {  # arch -> the folder of its wheels, downloaded once
+    local arch=$1 machine
+    case $arch in arm64) machine=aarch64 ;; *) machine=x86_64 ;; esac
+    local dir="$cache/wheels-$arch-$(echo "$wheels_pin" | sha256sum | cut -c1-12)"
+    if [ ! -e "$dir/.complete" ]; then
+        rm -rf "$dir" && mkdir -p "$dir"
+        for py in 3.11 3.12 3.13 3.14; do
+            "$root/.venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+                --python-version "$py" --platform "manylinux_2_28_$machine" --platform "manylinux_2_17_$machine" \
+                -d "$dir" $wheels_pin || echo "vm-test: no $wheels_pin $arch wheel for Python $py" >&2
+        done
+        touch "$dir/.complete"
+    fi
+    echo "$dir"
+}
 # The image's whole init: everything else comes from the checkout at boot.
 init='#!/bin/sh
 mount -t proc proc /proc 2>/dev/null; mount -t sysfs sys /sys 2>/dev/null; mount -t tmpfs tmpfs /tmp
@@ -79,7 +106,7 @@ exec sh /src/vagrant/guest-init.sh'
 # Debian 11, whose Python (3.9) cannot run the agent (3.11 or newer). There the
 # agent runs from its image (Debian 12's userland and bcc) on the node's 5.10
 # kernel, and so does the guest: Debian 12's root with Debian 11's kernel.
-userland_of() { case $1 in bullseye) echo bookworm ;; *) echo "$1" ;; esac; }
+userland_of() { case $1 in bullseye) echo bookworm ;; *) suite_of "$1" ;; esac; }
 
 image_dir() {  # line -> where its image is cached
     echo "$cache/$1-$( (echo "$1 $(userland_of "$1") $packages $wheels_pin"; echo "$init"; cat vagrant/provision.sh) \
@@ -87,14 +114,16 @@ image_dir() {  # line -> where its image is cached
 }
 
 build_image() {  # line dir: rootfs.ext4, vmlinuz, initrd.img and build-seconds in dir
-    local line=$1 dir=$2
+    local line=$1 dir=$2 arch
+    arch=$(arch_of "$line")
     rm -rf "$dir" && mkdir -p "$dir"
     local t0=$SECONDS
-    debootstrap --variant=minbase --include="$packages" "$(userland_of "$line")" "$dir/root" "$mirror" \
+    [ "$arch" = amd64 ] || arm64_binfmt
+    debootstrap --arch "$arch" --variant=minbase --include="$packages" "$(userland_of "$line")" "$dir/root" "$mirror" \
         >"$dir/debootstrap.log" 2>&1 || { tail -20 "$dir/debootstrap.log" >&2; return 1; }
     cp vagrant/provision.sh "$dir/root/provision.sh"
-    mkdir -p "$dir/root/tmp/wheels" && cp "$wheels"/*.whl "$dir/root/tmp/wheels/"
-    chroot "$dir/root" env NODESAMPLER_WHEELS=/tmp/wheels sh /provision.sh --kernel-from "$line" --no-project \
+    mkdir -p "$dir/root/tmp/wheels" && cp "$(wheels_of "$arch")"/*.whl "$dir/root/tmp/wheels/"
+    chroot "$dir/root" env NODESAMPLER_WHEELS=/tmp/wheels sh /provision.sh --kernel-from "$(suite_of "$line")" --no-project \
         >>"$dir/debootstrap.log" 2>&1 || { tail -20 "$dir/debootstrap.log" >&2; return 1; }
     rm -rf "$dir/root/provision.sh" "$dir/root/tmp/wheels"
     cp "$dir"/root/boot/vmlinuz-* "$dir/vmlinuz"
@@ -106,13 +135,22 @@ build_image() {  # line dir: rootfs.ext4, vmlinuz, initrd.img and build-seconds 
     echo "$((SECONDS - t0))" >"$dir/build-seconds"
 }
 
-boot() {  # image dir, out dir -> the tests' exit code, or "hung"; the serial log in out dir
-    local dir=$1 out=$2
+boot() {  # line, image dir, out dir -> the tests' exit code, or "hung"; the serial log in out dir
+    local line=$1 dir=$2 out=$3
     local log=$out/serial.log
     rm -rf "$out" && mkdir -p "$out"
-    qemu-system-x86_64 -accel "$accel" -cpu "$cpu_model" -smp 2 -m 3072 -nographic -no-reboot \
+    # An arm64 guest: QEMU's `virt` board, a CPU with every feature QEMU
+    # emulates (LSE atomics among them, as Grace and Graviton have), pointer
+    # authentication by QEMU's own cheap algorithm (the architected one is
+    # most of an emulated arm64 CPU's time), one host thread per vCPU.
+    local machine=(qemu-system-x86_64 -accel "$accel" -cpu "$cpu_model") console=ttyS0
+    if [ "$(arch_of "$line")" = arm64 ]; then
+        machine=(qemu-system-aarch64 -M virt -accel tcg,thread=multi -cpu max,pauth-impdef=on)
+        console=ttyAMA0
+    fi
+    "${machine[@]}" -smp 2 -m 3072 -nographic -no-reboot \
         -kernel "$dir/vmlinuz" -initrd "$dir/initrd.img" \
-        -append "root=/dev/vda rw console=ttyS0 init=/init-tests panic=-1 $append" \
+        -append "root=/dev/vda rw console=$console init=/init-tests panic=-1 $append" \
         -drive "file=$dir/rootfs.ext4,format=raw,if=virtio,snapshot=on" \
         -virtfs "local,path=$root,mount_tag=src,security_model=none,readonly=on" \
         -virtfs "local,path=$out,mount_tag=out,security_model=none" \
@@ -161,28 +199,28 @@ done
 
 failed=0
 failed_lines=""
-printf '%-9s %-22s %-16s %-7s %-10s %-6s %s\n' line kernel bcc backend headers result \
+printf '%-13s %-22s %-16s %-7s %-10s %-6s %s\n' line kernel bcc backend headers result \
     "seconds: image (built side by side), boot, backend load, tests, all"
 for suite in $lines; do
     t0=$SECONDS
     dir=$(image_dir "$suite")
     built=cached
     if [ "${building[$suite]:-}" = failed ]; then
-        printf '%-9s %s\n' "$suite" "FAIL: no image"; sed 's/^/    /' "$cache/$suite.build.log"; failed=1
+        printf '%-13s %s\n' "$suite" "FAIL: no image"; sed 's/^/    /' "$cache/$suite.build.log"; failed=1
         failed_lines="$failed_lines $suite"; continue
     elif [ -n "${building[$suite]:-}" ]; then
         built=$(cat "$dir/build-seconds")
     fi
     out="$cache/$suite.out"
     log="$out/serial.log"
-    rc=$(boot "$dir" "$out")
+    rc=$(boot "$suite" "$dir" "$out")
     hung=""
     for retry in $(seq "$hang_retries"); do
         [ "$rc" = hung ] || break
         # Each hang reported on its own line; each hung boot's output kept.
         hung="$hung$(paste -s -d ';' "$out/hung.txt")|"
         rm -rf "$out.hung$retry" && mv "$out" "$out.hung$retry"
-        rc=$(boot "$dir" "$out")
+        rc=$(boot "$suite" "$dir" "$out")
     done
     kernel=$(tagged KERNEL "$log" | cut -d' ' -f1)
     bcc=$(tagged KERNEL "$log" | sed -n 's/.*BCC=//p')
@@ -191,7 +229,7 @@ for suite in $lines; do
     case ${rc:-x} in 0) result=pass ;; hung) result=HUNG ;; *) result=FAIL ;; esac
     [ "$result" = pass ] || { failed=1; failed_lines="$failed_lines $suite"; }
     stages=$(tagged UPTIME "$log" | awk '{ printf "%.0f ", $2 - prev; prev = $2 }')
-    printf '%-9s %-22s %-16s %-7s %-10s %-6s %s\n' "$suite" "${kernel:--}" "${bcc:--}" "${backend%%:*}" \
+    printf '%-13s %-22s %-16s %-7s %-10s %-6s %s\n' "$suite" "${kernel:--}" "${bcc:--}" "${backend%%:*}" \
         "${headers:--}" "$result" \
         "$built, ${stages:-- - - }$((SECONDS - t0))"
     [ "${backend%%:*}" = bpf ] || echo "    backend: ${backend:-none reported}"

@@ -54,11 +54,12 @@ def make_sampler(options: SamplerOptions) -> WindowSampler:
 def print_bpf(proc: Path) -> int:
     """What the kernel backend compiles: its flags, from this kernel's BTF, and its source."""
     from sampler.backend_unavailable import BackendUnavailable
-    from sampler.kernel import btf, build
+    from sampler.kernel import btf, build, memory_order
     from sampler.sources.cpu_lists import possible_cpus
 
     try:
-        flags = " ".join(build.compile_flags(btf.task_offsets(), build.read_pid_max(proc), possible_cpus()))
+        flags = " ".join(build.compile_flags(btf.task_offsets(), build.read_pid_max(proc), possible_cpus())
+                         + memory_order.program_flags())  # fmt: skip
     except (btf.BtfError, BackendUnavailable, OSError, ValueError) as e:
         flags = f"(unknown: {e})"
     print(f"// {build.SOURCE}\n// cflags: {flags}\n")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.kernel import btf, handoff, tp_btf
+from sampler.kernel import btf, handoff, memory_order, tp_btf
 from sampler.kernel.capabilities import check_capabilities
 from sampler.kernel.headers import find_kernel_headers
 from sampler.sources import procfs
@@ -173,7 +173,7 @@ def compile_and_attach(
         cpus = possible_cpus(Path(sysfs))
     except (OSError, ValueError) as e:
         raise BackendUnavailable(f"cannot tell which CPUs are possible: {e}") from None
-    cflags = compile_flags(offsets, pid_max, cpus) + headers.cflags
+    cflags = compile_flags(offsets, pid_max, cpus) + memory_order.program_flags() + headers.cflags
     notes = [f"kernel backend compiled against {headers.name}"]
     sample_error = None
     try:

@@ -17,14 +17,15 @@ from sampler.kernel.build import MAX_SLOTS
 log = logging.getLogger(__name__)
 
 # The program's struct cpu_run, one per CPU: the slice a CPU is running for a slot.
-CPU_RUN = np.dtype([("start", "<u8"), ("since", "<u8"), ("task", "<u8"), ("slot", "<u4"), ("seq", "<u4"),
-                    ("learnt", "<u4"), ("pad", "<u4"), ("spare", "<u8", 3)])  # fmt: skip
+CPU_RUN = np.dtype([("start", "<u8"), ("since", "<u8"), ("task", "<u8"), ("seq", "<u8"), ("slot", "<u4"),
+                    ("learnt", "<u4"), ("spare", "<u8", 3)])  # fmt: skip
 SNAPSHOT_TRIES = 3
 
 
 class SlotCounters:
-    def __init__(self, slot_ns_map: Any, cpu_run_map: Any, cpus: int, clock: Callable[[], float]) -> None:
-        self._clock = clock
+    def __init__(self, slot_ns_map: Any, cpu_run_map: Any, cpus: int, clock: Callable[[], float],
+                 fence: Callable[[], None]) -> None:  # fmt: skip
+        self._clock, self._fence = clock, fence
         self._slot_ns_map = mmap.mmap(slot_ns_map.fd, cpus * MAX_SLOTS * 16, mmap.MAP_SHARED, mmap.PROT_READ)
         self._slot_ns = np.frombuffer(self._slot_ns_map, dtype=np.uint64).reshape(cpus, MAX_SLOTS, 2)
         self._cpu_run_map = mmap.mmap(cpu_run_map.fd, cpus * CPU_RUN.itemsize, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -51,13 +52,15 @@ class SlotCounters:
         numbers are read before their entries and the totals, and again after:
         a CPU whose number moved in between (a switch) or was odd is read
         again, and after a few tries left out: its slice began or ended within
-        microseconds of the reading. (The order of the reads is the
-        program's: x86 does not reorder loads; arm64 would need barriers.)"""
+        microseconds of the reading. The fences keep the reads in that
+        order on a CPU that would reorder them (memory_order.py)."""
         for _ in range(SNAPSHOT_TRIES):
             seq = self._cpu_run["seq"].copy()
+            self._fence()
             running = self._cpu_run.copy()
             now = self._clock()
             credited = self._credited()
+            self._fence()
             steady = (self._cpu_run["seq"] == seq) & (seq % 2 == 0)
             if steady.all():
                 break

@@ -9,7 +9,9 @@ The agent says which slots to sample, in which order, through
 `sample_config` (a generation number, odd while it writes, then the list);
 each sample says which generation it was taken under. A ring entry is read
 only once the kernel counted it written, and dropped if the kernel may have
-written over it while it was read.
+written over it while it was read; fences keep the reads and the agent's
+writes of the list in their order on a CPU that would reorder them
+(memory_order.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import fcntl
 import logging
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +52,10 @@ class RingSamples:
 
 
 class SampleRing:
-    def __init__(self, maps: dict[str, Any], event_fd: int, ring_len: int, ring_slots: int) -> None:
+    def __init__(self, maps: dict[str, Any], event_fd: int, ring_len: int, ring_slots: int,
+                 fence: Callable[[], None]) -> None:  # fmt: skip
         self.ring_len, self.ring_slots = ring_len, ring_slots
+        self._fence = fence
         self._event = event_fd
         config_bytes = 8 + ring_slots + MAX_SLOTS
         self._config_map = mmap.mmap(maps["sample_config"].fd, config_bytes, mmap.MAP_SHARED,
@@ -77,12 +82,13 @@ class SampleRing:
     def start(self, hz: float) -> None:
         """Samples taken `hz` times a second from now on."""
         period = max(10_000, round(1e9 / hz))  # the kernel's floor for a cpu-clock period: 10 us
+        self._read = int(self._head[0])  # samples from before a stop are not this run's; from now on, all are
         fcntl.ioctl(self._event, PERF_EVENT_IOC_PERIOD, struct.pack("<Q", period))
         fcntl.ioctl(self._event, PERF_EVENT_IOC_ENABLE, 0)
         self.hz = hz
-        self._read = int(self._head[0])  # samples from before a stop are not this run's
 
     def stop(self) -> None:
+        """No sample written once this returns (the kernel waits for one being taken)."""
         fcntl.ioctl(self._event, PERF_EVENT_IOC_DISABLE, 0)
         self.hz = None
 
@@ -106,10 +112,12 @@ class SampleRing:
             return False
         gen = int(self._gen[0])
         self._gen[0] = gen + 1  # odd: a sample taken now holds no slot
+        self._fence()  # the odd gen seen before any of the list's new bytes
         self._position[:] = 0
         self._list[: len(slots)] = slots
         self._position[slots] = np.arange(1, len(slots) + 1, dtype=np.uint8)
         self._gen[1] = len(slots)
+        self._fence()  # the whole list seen before the even gen
         self._gen[0] = gen + 2
         self._lists[gen + 2] = np.array(slots, dtype=np.int64)
         for old in sorted(self._lists)[:-GENERATIONS_KEPT]:
@@ -120,6 +128,7 @@ class SampleRing:
         """The samples written since the last call, each slot of `slots` in
         that order."""
         written = int(self._head[0])
+        self._fence()  # the count read before the entries it counts
         start = max(self._read, written - self.ring_len + 1)
         index = np.arange(start, written) % self.ring_len
         times = self._time[index].copy()
@@ -137,6 +146,7 @@ class SampleRing:
                     totals[rows, k, :] = self._column(j)[index[rows], :]
                     held[rows, k] = True
         # An entry the kernel may have begun to write again while it was read is dropped.
+        self._fence()  # the entries read before the count again
         after = int(self._head[0])
         keep = np.arange(start, written) > after - self.ring_len
         lost = start - self._read + int(np.count_nonzero(~keep))

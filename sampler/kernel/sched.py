@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sampler.kernel import btf, handoff
+from sampler.kernel import btf, handoff, memory_order
 from sampler.kernel.build import MAX_SLOTS, SOURCE, TICK_NS
 from sampler.kernel.counters import SlotCounters
 from sampler.kernel.groups_run import GroupsRun, GroupTicks
@@ -42,7 +42,6 @@ from sampler.sources import procfs
 from sampler.sources.cgroup_view import unified_ids_below
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -96,13 +95,14 @@ def load(
     and benchmarks run it). `rq_from_tick`: the kernel's samples find each
     CPU's run queue by its tick even where the way from a task holds (7.2's
     way, as tests run it)."""
+    fence = memory_order.reader_fence()  # before anything is compiled: its absence refuses the backend
     headers = ["tree", str(kernel_headers)] if isinstance(kernel_headers, Path) else kernel_headers
     options = {"proc": str(proc), "kernel_headers": headers, "source": str(source), "btf_path": str(btf_path),
                "sysfs": str(sysfs), "raw_switch": raw_switch, "rq_from_tick": rq_from_tick}  # fmt: skip
     programs = handoff.load_programs(options)
     for note in programs.notes:
         log.info("%s", note)
-    return KernelShardSampler(programs, proc, clock, bpf_stats)
+    return KernelShardSampler(programs, proc, clock, bpf_stats, fence=fence)
 
 
 class KernelShardSampler:
@@ -115,7 +115,8 @@ class KernelShardSampler:
     """
 
     def __init__(self, programs: handoff.LoadedPrograms, proc: Path, clock: Callable[[], float] = time.monotonic,
-                 bpf_stats: bool = False) -> None:  # fmt: skip
+                 bpf_stats: bool = False, *, fence: Callable[[], None]) -> None:  # fmt: skip
+        """`fence`: called between the reads of what the kernel writes meanwhile (memory_order.py)."""
         self.programs, self.proc, self._clock = programs, proc, clock
         self.finest_hz: float | None = None  # nanoseconds, up to each sample
         self.tickless_cpus = programs.tickless_cpus  # CPUs without the cpu-clock tick (nohz_full, isolated)
@@ -127,7 +128,7 @@ class KernelShardSampler:
                              if "group_ticks" in programs.maps else None)  # fmt: skip
         self._following = False  # the tick follows the watched groups (the last discover said so)
         self._said_cgroups = Said()
-        self.counters = SlotCounters(programs.maps["slot_ns"], programs.maps["cpu_run"], programs.cpus, clock)
+        self.counters = SlotCounters(programs.maps["slot_ns"], programs.maps["cpu_run"], programs.cpus, clock, fence)
         self._closed = False
         self._dropped_table = programs.maps["dropped_forks"]
         self._specs: dict[str, _KernelShard] = {}
@@ -150,7 +151,7 @@ class KernelShardSampler:
         self._no_machine: str | None = None  # why the kernel's samples cannot read the machine's time, once seen
         if programs.sample_event is not None and programs.sample is not None:
             self.ring = SampleRing(programs.maps, programs.sample_event, programs.sample["ring_len"],
-                                   programs.sample["ring_slots"])  # fmt: skip
+                                   programs.sample["ring_slots"], fence)  # fmt: skip
             self.agent_samples_why = None
         self._machine_at: tuple[float, float, float, int] | None = None  # the last kernel sample: at, busy, steal, cpus
         self._machine_carry = (0.0, 0.0)  # busy and stolen ns beyond the samples' capacity, for the next
