@@ -303,6 +303,26 @@ def test_the_manifests_image_is_this_version(image: str) -> None:
     assert image == f"nodesampler:{__version__}"
 
 
+def test_the_image_is_one_name_for_both_platforms_and_runs_on_arm64(image: str) -> None:
+    """The manifest list names an amd64 and an arm64 image (a node pulls its
+    own), and the arm64 one runs the agent, here under qemu-user: its Python,
+    bcc's bindings, every wheel (numpy, google-re2, msgspec), and a window
+    sampled from /proc (emulation has no BPF to load)."""
+    listed = json.loads(subprocess.run(["podman", "manifest", "inspect", image], capture_output=True, text=True,
+                                       check=True).stdout)  # fmt: skip
+    assert sorted(m["platform"]["architecture"] for m in listed["manifests"]) == ["amd64", "arm64"]
+    r = subprocess.run(["podman", "run", "--rm", "--runtime", "runc", *pods.ULIMITS, "--platform", "linux/arm64",
+                        "--entrypoint", "sh", f"{image}-arm64", "-c",
+                        "uname -m && /opt/nodesampler/.venv/bin/python -c 'import bcc, numpy, re2, msgspec' "
+                        "&& nodesampler sample --backend proc --hz 10 --duration 1 --json"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    machine, summary = r.stdout.split("\n", 1)
+    assert machine == "aarch64"
+    window = json.loads(summary)
+    assert window["backend"] == "proc" and window["window"]["samples"] >= 9
+
+
 def test_two_nodes_each_speaking_for_itself(cluster: Cluster, engine: subprocess.Popen[str]) -> None:
     container_caps = pods.find("DaemonSet", "nodesampler-agent")["spec"]["template"]["spec"]["containers"][0][
         "securityContext"]["capabilities"]  # fmt: skip

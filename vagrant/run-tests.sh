@@ -22,7 +22,9 @@
 # named (vagrant/hung_guest.py) and booted again; so is one whose kernel died
 # (an Oops or a panic) before the tests ended.
 #
-# NODESAMPLER_VM_LINES (default "bullseye bookworm trixie sid"), NODESAMPLER_VM_CACHE
+# NODESAMPLER_VM_LINES (default "bullseye bookworm trixie-arm64 sid": one line a
+# kernel version and one an architecture, Debian 13's 6.12 on arm64; `trixie`
+# is its amd64 line), NODESAMPLER_VM_CACHE
 # (default .vm-cache), NODESAMPLER_DEBIAN_MIRROR, NODESAMPLER_VM_HANG_SECONDS
 # (360), NODESAMPLER_VM_HANG_RETRIES (2), NODESAMPLER_VM_APPEND (more of the
 # guest kernel's command line; `nodesampler.load_loop=N` loads the backend N
@@ -36,7 +38,7 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 cache=${NODESAMPLER_VM_CACHE:-$root/.vm-cache}
 mirror=${NODESAMPLER_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-lines=${NODESAMPLER_VM_LINES:-"bullseye bookworm trixie sid"}
+lines=${NODESAMPLER_VM_LINES:-"bullseye bookworm trixie-arm64 sid"}
 hang_after=${NODESAMPLER_VM_HANG_SECONDS:-360}
 hang_retries=${NODESAMPLER_VM_HANG_RETRIES:-2}
 append=${NODESAMPLER_VM_APPEND:-}
@@ -114,8 +116,13 @@ image_dir() {  # line -> where its image is cached
 }
 
 build_image() {  # line dir: rootfs.ext4, vmlinuz, initrd.img and build-seconds in dir
-    local line=$1 dir=$2 arch
+    local line=$1 dir=$2 arch old
     arch=$(arch_of "$line")
+    # The line's images built from other inputs go: a cache outside the
+    # checkout (CI's) would otherwise keep one of each for good.
+    for old in "$cache/$line"-*; do
+        if [[ $old =~ /$line-[0-9a-f]{12}$ ]]; then rm -rf "$old"; fi
+    done
     rm -rf "$dir" && mkdir -p "$dir"
     local t0=$SECONDS
     [ "$arch" = amd64 ] || arm64_binfmt
