@@ -94,19 +94,34 @@
  * the mapped arrays: sampler/kernel/memory_order.py). x86 keeps stores in
  * order and loads in order: the compiler's barrier is enough. arm64 does not,
  * and BPF has no fence instruction (load-acquire came in 6.15), but a
- * fetching atomic is fully ordered in every JIT (arm64: LDADDAL, or an LL/SC
- * loop ended by DMB ISH; x86: LOCK XADD). A plain atomic add orders nothing
- * on arm64 (STADD), and clang drops the fetch of one whose result is unused:
- * the result is kept, in a register the empty asm claims. Fetching atomics
- * came in 5.12 (FETCH_ATOMICS, set by the loader); on an older kernel the
- * source's order is kept, which is the memory's on x86 alone (the loader
- * refuses other CPUs there).
- * ordered_add: a full fence and an add, for a word a writer publishes by;
- * fence: a full fence, adding to a scratch word of the caller's CPU. */
+ * fetching atomic is fully ordered in every JIT (arm64: SWPAL, or an LL/SC
+ * loop ended by DMB ISH; x86: XCHG). A plain atomic add orders nothing on
+ * arm64 (STADD). Which fetching atomic: bcc 0.32 and later compile for BPF's
+ * first CPU version (v1), where LLVM 20 and later refuse a fetching add, with
+ * a fatal error ("Invalid usage of the XADD return value": Debian sid's bcc
+ * 0.37); an exchange is v1's (compiled and loaded with bcc 0.26 and LLVM 14,
+ * 0.31, and 0.37), and x86 runs it as one instruction, where a fetching or
+ * is a LOCK CMPXCHG loop (bench/switch_cost.py --against, this host: the or
+ * in on_sample's fences, 379 ns a sample against 290 with fetching adds; the
+ * exchange, 284 against 319, and 85 ns a watched switch against 84). Its result is
+ * kept, in a register an empty asm claims, so that clang cannot make it a
+ * plain store. Fetching atomics came in
+ * 5.12 (FETCH_ATOMICS, set by the loader); on an older kernel the source's
+ * order is kept, which is the memory's on x86 alone (the loader refuses other
+ * CPUs there).
+ * ordered_add: a full fence and an add, for a word a writer publishes by; the
+ * word's only writer adds (its CPU's row, or the one CPU that samples), so an
+ * exchange with the sum is the add.
+ * fence: a full fence, an exchange with a scratch word of the caller's CPU. */
 #ifdef FETCH_ATOMICS
 #define ordered_add(p, n)                                                                                              \
     do {                                                                                                               \
-        __typeof__(*(p)) was_ = __sync_fetch_and_add((p), (n));                                                        \
+        __typeof__(*(p)) was_ = __atomic_exchange_n((p), *(p) + (n), __ATOMIC_SEQ_CST);                                \
+        asm volatile("" : "+r"(was_)::"memory");                                                                       \
+    } while (0)
+#define fence(scratch)                                                                                                 \
+    do {                                                                                                               \
+        __typeof__(*(scratch)) was_ = __atomic_exchange_n((scratch), 1, __ATOMIC_SEQ_CST);                             \
         asm volatile("" : "+r"(was_)::"memory");                                                                       \
     } while (0)
 #else
@@ -116,8 +131,8 @@
         *(p) += (n);                                                                                                   \
         barrier();                                                                                                     \
     } while (0)
+#define fence(scratch) barrier()
 #endif
-#define fence(scratch) ordered_add((scratch), 1)
 
 /* tgid / 8 -> eight one-byte slots. BPF_F_MMAPABLE: userspace maps it. */
 BPF_F_TABLE("array", u32, u64, task_slot, (PID_MAX + 7) / 8, BPF_F_MMAPABLE);
@@ -688,7 +703,7 @@ BPF_F_TABLE("array", u32, struct sample_column, sample_slots, RING_SLOTS, BPF_F_
 /* The sample being summed, before it goes into the columns: one element per CPU */
 struct sample_sums {
     struct slot_time t[RING_SLOTS];
-    u64 fence; /* what on_sample's fences add to */
+    u64 fence; /* what on_sample's fences exchange with */
 };
 BPF_PERCPU_ARRAY(sample_sums, struct sample_sums, 1);
 static __always_inline u64 rq_of(u32 cpu, void *task, struct sample_head *head)

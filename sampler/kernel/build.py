@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sampler.backend_unavailable import BackendUnavailable
-from sampler.kernel import btf, handoff, memory_order, tp_btf
+from sampler.kernel import btf, memory_order, tp_btf
 from sampler.kernel.capabilities import check_capabilities
 from sampler.kernel.headers import find_kernel_headers
 from sampler.sources import procfs
@@ -61,33 +61,51 @@ def read_pid_max(proc: Path) -> int:
 
 
 def _compile(bpf_class: Any, source: Path, cflags: list[str], env: dict[str, str | None]) -> Any:
-    """BPF(src_file=...) with clang's diagnostics captured from fd 2, so a
-    failure's reason carries them instead of spilling onto the terminal."""
+    """BPF(src_file=...), with what clang said read back from fd 2 for a
+    failure's reason. fd 2 is not redirected: in the loader child it is the
+    agent's scratch file (handoff.py), so that what LLVM prints before a
+    fatal error's exit(1), with no exception to catch, still reaches the
+    agent."""
     saved_env = {k: os.environ.get(k) for k in env}
     for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    saved_fd = os.dup(2)
-    with handoff.scratch_file("clang-stderr") as err:
-        os.dup2(err.fileno(), 2)
-        try:
-            return bpf_class(src_file=str(source).encode(), cflags=cflags)
-        except Exception as e:
-            os.dup2(saved_fd, 2)
-            err.seek(0)
-            lines = [ln for ln in err.read().decode(errors="replace").splitlines() if "error" in ln]
-            detail = "; ".join(lines[:3]) or str(e).strip()
-            raise BackendUnavailable(f"compiling or attaching {source.name} failed: {detail}") from None
-        finally:
-            os.dup2(saved_fd, 2)
-            os.close(saved_fd)
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    said_from = _stderr_offset()
+    try:
+        return bpf_class(src_file=str(source).encode(), cflags=cflags)
+    except Exception as e:
+        lines = [ln for ln in _stderr_since(said_from).splitlines() if "error" in ln]
+        detail = "; ".join(lines[:3]) or str(e).strip()
+        raise BackendUnavailable(f"compiling or attaching {source.name} failed: {detail}") from None
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _stderr_offset() -> int | None:
+    """Where the next write to fd 2 lands, or None where it cannot be read back (a terminal, a pipe)."""
+    try:
+        return os.lseek(2, 0, os.SEEK_CUR)
+    except OSError:
+        return None
+
+
+def _stderr_since(offset: int | None) -> str:
+    """What was written to fd 2 from `offset` on: its last MiB at most
+    (clang's diagnostics for this source are a few KiB)."""
+    if offset is None:
+        return ""
+    try:
+        end = os.fstat(2).st_size
+        start = max(offset, end - (1 << 20))
+        return os.pread(2, end - start, start).decode(errors="replace")
+    except OSError:
+        return ""
 
 
 @dataclass

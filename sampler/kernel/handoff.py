@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -78,7 +79,10 @@ def load_programs(options: dict[str, Any]) -> LoadedPrograms:
     libbpf()  # what this process reads the maps with: missing, nothing is loaded
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one message, one read
     package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    # PYTHONFAULTHANDLER: a child that dies of a signal in bcc or LLVM still
+    # says where, in its stderr.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+               PYTHONFAULTHANDLER="1")  # fmt: skip
     # The child's stderr goes to a file, not a pipe: read only on failure, a
     # pipe it filled would stall the hand-off.
     with parent, scratch_file("loader-stderr") as err:
@@ -93,10 +97,11 @@ def load_programs(options: dict[str, Any]) -> LoadedPrograms:
             header, fds = _receive(parent)
         except (OSError, ValueError) as e:
             proc.kill()
-            proc.wait()
+            how = _how_it_ended(proc.wait())
             err.seek(0)
             detail = err.read().decode(errors="replace").strip().splitlines()[-3:]
-            raise BackendUnavailable(f"the loader process failed ({e}): {'; '.join(detail) or 'no output'}") from None
+            said = "; ".join(detail) or "no output"
+            raise BackendUnavailable(f"the loader process failed ({e}; {how}): {said}") from None
         finally:
             if proc.poll() is None:
                 try:
@@ -114,6 +119,16 @@ def load_programs(options: dict[str, Any]) -> LoadedPrograms:
     sample_event = attachments.pop() if sample is not None and "error" not in sample else None
     return LoadedPrograms(maps, programs, attachments, header["pid_max"], header["cpus"], header["tickless_cpus"],
                           header["notes"], header.get("peak_kib"), sample_event, sample)  # fmt: skip
+
+
+def _how_it_ended(returncode: int) -> str:
+    """A child's end in words: its exit status, or the signal that ended it
+    (ours, SIGKILL, when it was still running)."""
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+        return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
 
 
 def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:

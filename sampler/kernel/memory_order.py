@@ -11,11 +11,14 @@ CPU's and no instruction is needed. arm64 may make a CPU's stores visible in
 another order and perform a load before an earlier one: a reader could see a
 new count and old data. Each side then needs a fence between its steps.
 
-- The programs (bpf/sched_groups.bpf.c, `ordered_add`): BPF has no fence
-  instruction (load-acquire and store-release came in 6.15), but a fetching
-  atomic is fully ordered in every JIT (arm64's LDADDAL, or an LL/SC loop
-  ended by DMB ISH; x86's LOCK XADD), where a plain atomic add is not (arm64's
-  STADD orders nothing). Fetching atomics came in 5.12 (`FETCH_ATOMICS`); on
+- The programs (bpf/sched_groups.bpf.c, `ordered_add`, `fence`): BPF has no
+  fence instruction (load-acquire and store-release came in 6.15), but a
+  fetching atomic is fully ordered in every JIT (arm64's SWPAL, or an LL/SC
+  loop ended by DMB ISH; x86's XCHG), where a plain atomic add is not
+  (arm64's STADD orders nothing). The programs exchange, where a fetching
+  add would do as well: bcc 0.32 and later
+  compile for BPF's CPU v1, where LLVM 20 and later end the compile on a
+  fetching add. Fetching atomics came in 5.12 (`FETCH_ATOMICS`); on
   an older kernel the program keeps the source's order, which is enough on
   x86 alone, and `check_order` refuses the backend on any other CPU.
 - The agent (`fence`): Python emits no fence of its own. libatomic (GCC's
