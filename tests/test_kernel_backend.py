@@ -440,7 +440,8 @@ import os
 PerfSWConfig = PerfType = None
 class BPF:
     def __init__(self, src_file, cflags):
-        os.write(2, b"error: /virtual/main.c:380:5: in function on_switch i32 (ptr): Invalid usage of the XADD return value\\n")
+        os.write(2, b"error: /virtual/main.c:380:5: in function on_switch i32 (ptr): "
+                    b"Invalid usage of the XADD return value\\n")
         os._exit(1)  # LLVM's report_fatal_error: no exception, the process ends
 """
 
