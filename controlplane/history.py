@@ -15,7 +15,7 @@ import re
 import string
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -204,6 +204,12 @@ class _NodeRing:
                 del self.families[family]
         self.free.extend(sorted(gone, reverse=True))
 
+    def gpu_model(self) -> str:
+        """The model of the node's first card in the hour, "" for a node without."""
+        for entry in self.families.get("llmgw_gpu_utilization_percent", ()):
+            return label_pairs(cast(FlatLabels, entry[:-1])).get("gpu_model", "")
+        return ""
+
     def slots(self) -> tuple[np.ndarray, np.ndarray]:
         """The slots holding heartbeats, oldest first, and their times."""
         held = min(self.n, self.capacity)
@@ -242,6 +248,7 @@ class EmbeddedHistory:
     def __init__(self, interval: float = 5.0, span: float = HOUR_S, clock: Callable[[], float] = time.time,
                  stale_after: float = 60.0) -> None:  # fmt: skip
         self.capacity = max(2, math.ceil(span / interval) + 1)
+        self.interval = interval
         self.clock = clock
         self.stale_after = stale_after
         self._nodes: dict[str, _NodeRing] = {}
@@ -258,8 +265,30 @@ class EmbeddedHistory:
         with self._lock:
             self._nodes.pop(node, None)
 
+    def __len__(self) -> int:
+        return len(self._nodes)
+
     async def query(self, spec: ChartSpec, start: float, end: float, step: float) -> list[Series]:
         return self.query_now(spec, start, end, step)
+
+    def node_series(self, family: str, start: float, end: float) -> Iterator[tuple[str, str, np.ndarray, np.ndarray]]:
+        """Each node's series of a family in (start, end]: the node, its GPU
+        model ("" without), values[series, heartbeat] and the heartbeats'
+        times (empty where the node has none of the family). A node at a time
+        under the lock, copied: the caller works on it with the lock free."""
+        with self._lock:
+            nodes = list(self._nodes)
+        for node in nodes:
+            with self._lock:
+                ring = self._nodes.get(node)
+                if ring is None:
+                    continue
+                cols = [cast(int, entry[-1]) for entry in ring.families.get(family, ())]
+                slots, t = ring.slots()
+                keep = (t > start) & (t <= end) if cols else np.zeros(len(t), dtype=bool)
+                values = ring.values[cols][:, slots[keep]]
+                model = ring.gpu_model()
+            yield node, model, values, t[keep]
 
     def _columns(self, spec: ChartSpec) -> dict[tuple[str, ...], dict[str, list[int]]]:
         """The spec's series: by group, then by node (under the lock)."""

@@ -163,7 +163,8 @@ def test_pages_need_a_user_tls_serves_both_listeners_and_only_named_hosts_are_se
     # Nothing but /health without a user; a wrong password and a malformed header are the same 401.
     for headers in ({}, basic("ops", "guess"), basic("nobody", PASSWORD), {"Authorization": "Basic %%%"},
                     {"Authorization": "Bearer x"}, {"Authorization": "Basic é"}):  # fmt: skip (é: a byte not ASCII)
-        for path in ("/", "/node/n1", "/api/nodes", "/metrics", "/node/n1/live"):
+        for path in ("/", "/node/n1", "/api/nodes", "/metrics", "/node/n1/live", "/heatmap.png", "/api/heatmap",
+                     "/heatmap/cell"):  # fmt: skip
             status, h, _ = ask(fleet, "GET", path, headers)
             assert status == 401 and h["WWW-Authenticate"].startswith("Basic "), (path, headers, status)
     status, _, body = ask(fleet, "GET", "/health")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -41,6 +42,7 @@ from controlplane.pages_api import FLEET_CHART_PARTS, FLEET_ROWS
 from controlplane.state.registry import NodeRegistry, NodeState
 from controlplane.state.starvation import Verdict
 from web.charts import chart_note, columns, format_value, svg_chart
+from web.heatmap_view import add_heatmap, heatmap_context, heatmap_rows
 from wire.schema import Gpu, Machine, Shard
 
 PROMETHEUS_URL = web.AppKey("prometheus_url", str)
@@ -320,7 +322,7 @@ def _attention_first(v: dict[str, Any]) -> tuple[int, float, str]:
     return (0 if v["state"] == "stale" else 1, -(cpu if isinstance(cpu, (int, float)) else -1.0), v["node"])
 
 
-@shared("q", "state", "page", "fragment")
+@shared("q", "state", "page", "fragment", "measure")
 async def cluster_page(request: web.Request) -> web.Response:
     text = request.query.get("q", "")
     state = request.query.get("state", "")
@@ -354,6 +356,9 @@ async def cluster_page(request: web.Request) -> web.Response:
     summary, shown = await worker.run(_cluster_rows, rows, text, state)
     if not summary["gpus"]:  # the fleet charts are the GPUs': none drawn empty
         charts_drawn = [chart_note("GPU charts", "no GPUs on this fleet's fresh nodes")]
+    picture = heatmap_context(request, ("cpu", "gpu", "sm", "starved") if summary["gpus"] else ("cpu", "starved"))
+    if picture is not None:
+        await heatmap_rows(request, picture)
     pages = max(1, -(-len(shown) // PAGE_ROWS))
     page = min(page, pages)
     rows = shown[(page - 1) * PAGE_ROWS : page * PAGE_ROWS]
@@ -365,7 +370,8 @@ async def cluster_page(request: web.Request) -> web.Response:
     return await _render(request, "cluster.html", nodes=rows, matched=len(shown), summary=summary, q=text,
                          state=state, page=page, pages=pages, prev_link=link(page - 1) if page > 1 else None,
                          next_link=link(page + 1) if page < pages else None, charts=charts_drawn,
-                         history_errors=errors, silent_peers=[p for p in peers if not p["answered"]])  # fmt: skip
+                         history_errors=errors, silent_peers=[p for p in peers if not p["answered"]],
+                         picture=picture, with_peers=bool(peers))  # fmt: skip
 
 
 def _cluster_rows(rows: list[dict[str, Any]], text: str, state: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -378,7 +384,7 @@ def _cluster_rows(rows: list[dict[str, Any]], text: str, state: str) -> tuple[di
     return fleet_summary(rows), shown
 
 
-@shared("shard", "fragment")
+@shared("shard", "fragment", "at")
 async def node_page(request: web.Request) -> web.Response:
     registry: NodeRegistry = request.app[REGISTRY]
     # Only a node the registry knows reaches a history query.
@@ -390,6 +396,7 @@ async def node_page(request: web.Request) -> web.Response:
     shard = request.query.get("shard")
     if shard is not None and not (0 < len(shard) <= wire.MAX_NAME and shard.isprintable()):
         raise web.HTTPBadRequest(text=f"shard: must be printable text of 1-{wire.MAX_NAME} characters")
+    at = _moment(request.query.get("at"), time.time())
     shard_specs, shard_notes = _shard_specs(state.node, shard, view) if shard else ([], [])
     node_specs, node_notes = _node_specs(state.node, view)
     charts, errors = await _charts(request.app, shard_specs + node_specs, time.time())
@@ -401,7 +408,22 @@ async def node_page(request: web.Request) -> web.Response:
                      if HINDSIGHT in request.app and held is not None else None)  # fmt: skip
     incidents = _incidents(request.app[INCIDENTS].listed(state.node)) if INCIDENTS in request.app else None
     return await _render(request, "node.html", n=view, charts=charts, history_errors=errors, shard=shard,
-                         live_url=live_url, hindsight_url=hindsight_url, hindsight_held_s=held, incidents=incidents)
+                         live_url=live_url, hindsight_url=hindsight_url, hindsight_held_s=held, incidents=incidents,
+                         at=at, at_utc=None if at is None else time.strftime("%H:%M:%S UTC", time.gmtime(at)))
+
+
+def _moment(value: str | None, now: float) -> float | None:
+    """`?at=`: a moment of the last hour the page is opened at (the fleet's
+    picture links a cell so), in seconds since the epoch; 400 otherwise."""
+    if value is None:
+        return None
+    try:
+        at = float(value)
+    except ValueError:
+        at = math.nan
+    if not (math.isfinite(at) and now - SPAN_S - 60 <= at <= now + 60):
+        raise web.HTTPBadRequest(text="at: a moment of the last hour, in seconds since the epoch")
+    return at
 
 
 def _incidents(listed: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -440,4 +462,5 @@ def add_pages(app: web.Application, history: EmbeddedHistory | None, prometheus_
     app.on_cleanup.append(stop_summing)
     app.router.add_get("/", cluster_page)
     app.router.add_get("/node/{node}", node_page)
+    add_heatmap(app)
     app.router.add_static("/static", Path(__file__).parent / "static")

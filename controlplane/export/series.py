@@ -245,7 +245,7 @@ FAMILIES: tuple[Family, ...] = (
            "1 if the engine was CPU-starved (kind=cpu_starved), CPU-starved with idle GPUs (kind=host_bound), or"
            " queued behind a card held back by power or heat (kind=card_held_back) in the window, else 0; absent"
            " when not judged",
-           _starved),
+           _starved, charted=True),
     Family("llmgw_shard_runqueue_wait_seconds_total", "counter",
            "Time the engine's threads spent waiting for a CPU, since the agent started",
            _shards("runqueue_wait_seconds", "cumulative")),

@@ -160,6 +160,16 @@
       around.scrollIntoView({ block: "start" });
     });
 
+    // Opened at a moment (?at=, from the fleet's picture): every sample around
+    // it, asked at once while the node's ring still holds it.
+    if (around.dataset.at) {
+      const at = Number(around.dataset.at), held = Number(around.dataset.held);
+      input.value = local(at);
+      if (Date.now() / 1000 - at <= held) ask(at);
+      else status.textContent = `The node keeps its last ${(held / 60).toFixed(1)} minutes of samples; ` +
+        `${clock(at)} is older. The charts of the hour show that moment.`;
+    }
+
     async function ask(at) {
       const mine = ++asking;
       status.textContent = `Asking the node for every sample from ${clock(at - AROUND_S)} to ${clock(at + AROUND_S)}…`;

@@ -1,0 +1,226 @@
+"""The fleet as one picture: a row per node, a column per window of the
+last hour, each cell coloured by the window's highest figure.
+
+Drawn from the embedded history (controlplane/history.py): each node's
+heartbeats in the hour, binned into columns a heartbeat interval wide, the
+largest of its series (its cards, its engines) in each. Rows are grouped by
+GPU model (CPU nodes last), the busiest group and node first; a fleet of
+more nodes than `MAX_ROWS` has its rows merged into bands of consecutive
+nodes of one group, a band's cell the worst of its nodes (so a burst on one
+node in ten thousand still colours its band's cell), and the node that was
+worst is what a click on the cell opens (`Heatmap.cell`).
+
+The answer is a palette PNG, one pixel a cell: at most `MAX_ROWS` plus a
+row per group by 720 columns, whatever the fleet (30 to 60 KiB at 10,000
+nodes: bench/heatmap.py). The page scales it; the click's cell is asked of
+the server, which keeps the picture's rows for it.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+import threading
+import weakref
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from controlplane.history import HOUR_S, EmbeddedHistory
+
+MAX_ROWS = 200  # a picture an operator sees without scrolling, at 2 px a row and up
+MAX_COLUMNS = 720  # an hour at the default 5 s heartbeat
+LEVELS = 250  # colour levels for values; 255: nothing measured (absent is not zero)
+ABSENT = 255
+
+
+@dataclass(frozen=True)
+class Measure:
+    """What a cell's colour says: the highest of a family's series on a node
+    in the window, against `full_scale` (the top colour)."""
+
+    key: str
+    title: str
+    family: str
+    full_scale: float
+    unit: str  # "percent": the value times 100 / full_scale reads as a percentage
+
+
+MEASURES = {
+    m.key: m
+    for m in (
+        Measure("cpu", "CPU busy, the window's highest sample", "llmgw_node_cpu_utilization_max_percent", 100.0,
+                "percent"),
+        Measure("gpu", "GPU utilisation, the busiest card's window", "llmgw_gpu_utilization_percent", 100.0,
+                "percent"),
+        Measure("sm", "SMs busy (GPM), the busiest card's window", "llmgw_gpu_sm_active_ratio", 1.0, "percent"),
+        Measure("starved", "Engines starved: any in the window", "llmgw_shard_starved", 1.0, "percent"),
+    )
+}  # fmt: skip
+
+
+def palette() -> bytes:
+    """LEVELS colours from pale to dark (ColorBrewer's YlOrRd, interpolated:
+    sequential, and read in grey and by the common colour blindnesses as
+    light to dark), then grey for what was not measured."""
+    stops = np.array([(255, 255, 204), (254, 217, 118), (253, 141, 60), (227, 26, 28), (128, 0, 38)], dtype=float)
+    at = np.linspace(0, len(stops) - 1, LEVELS)
+    low = np.minimum(at.astype(int), len(stops) - 2)
+    frac = (at - low)[:, None]
+    colours = np.rint(stops[low] * (1 - frac) + stops[low + 1] * frac).astype(np.uint8)
+    table = np.full((256, 3), 224, dtype=np.uint8)  # 250-255 grey: absent
+    table[:LEVELS] = colours
+    return table.tobytes()
+
+
+PALETTE = palette()
+
+
+def level_colour(level: int) -> tuple[int, int, int]:
+    r, g, b = PALETTE[3 * level : 3 * level + 3]
+    return r, g, b
+
+
+@dataclass
+class Row:
+    """A row of the picture: one node, or a band of a group's nodes."""
+
+    group: str
+    nodes: list[str]
+    levels: np.ndarray  # uint8 per column
+    worst: np.ndarray  # int16 per column: which of `nodes` was worst; -1 where none was measured
+
+
+@dataclass
+class Heatmap:
+    measure: Measure
+    start: float  # column c covers (start + c * step, start + (c + 1) * step]
+    step: float
+    columns: int
+    rows: list[Row]
+    nodes: int
+
+    def cell(self, row: int, column: int) -> tuple[str, float] | None:
+        """The node worst in a cell and the middle of its window; None where the
+        cell is outside the picture or nothing was measured there."""
+        if not (0 <= row < len(self.rows) and 0 <= column < self.columns):
+            return None
+        r = self.rows[row]
+        worst = int(r.worst[column])
+        if worst < 0:
+            return None
+        return r.nodes[worst], self.start + (column + 0.5) * self.step
+
+    def png(self) -> bytes:
+        """One pixel a cell, in `PALETTE`'s colours."""
+        height = max(1, len(self.rows))
+        pixels = np.full((height, self.columns + 1), ABSENT, dtype=np.uint8)
+        pixels[:, 0] = 0  # each scanline's filter byte: none
+        for i, r in enumerate(self.rows):
+            pixels[i, 1:] = r.levels
+        header = struct.pack(">IIBBBBB", self.columns, height, 8, 3, 0, 0, 0)  # 8-bit palette
+        return b"".join([b"\x89PNG\r\n\x1a\n", _chunk(b"IHDR", header), _chunk(b"PLTE", PALETTE),
+                         _chunk(b"IDAT", zlib.compress(pixels.tobytes(), 6)), _chunk(b"IEND", b"")])  # fmt: skip
+
+    def legend(self) -> dict[str, object]:
+        """What the page's script names a cell under the pointer with: each
+        row's group and nodes, its levels (a byte a column) and which of its
+        nodes was worst in each (two bytes a column, little-endian), in
+        base64: about 0.5 MB at 10,000 nodes (bench/heatmap.py)."""
+        return {
+            "measure": self.measure.key, "title": self.measure.title, "unit": self.measure.unit,
+            "levels": LEVELS, "absent": ABSENT, "start": self.start, "step": self.step, "columns": self.columns,
+            "nodes": self.nodes,
+            "rows": [{"group": r.group, "nodes": r.nodes, "levels": base64.b64encode(r.levels.tobytes()).decode(),
+                      "worst": base64.b64encode(r.worst.astype("<i2").tobytes()).decode()} for r in self.rows],
+        }  # fmt: skip
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def column_grid(end: float, interval: float, span: float = HOUR_S) -> tuple[float, float, int]:
+    """(start, step, columns): a column a heartbeat interval wide, `MAX_COLUMNS` at most, ending at `end`."""
+    columns = max(1, min(MAX_COLUMNS, math.ceil(span / interval)))
+    step = span / columns
+    return end - span, step, columns
+
+
+def node_maxima(history: EmbeddedHistory, family: str, start: float, step: float,
+                columns: int) -> tuple[list[str], list[str], np.ndarray]:  # fmt: skip
+    """Each node's highest value of the family in each column (NaN: none
+    measured), with its group: (nodes, groups, values[node, column])."""
+    names: list[str] = []
+    groups: list[str] = []
+    out = np.full((len(history), columns), np.nan, dtype=np.float32)
+    for node, model, values, t in history.node_series(family, start, start + columns * step):
+        if len(names) == len(out):  # nodes came while reading
+            out = np.vstack([out, np.full((len(out) + 1, columns), np.nan, dtype=np.float32)])
+        if len(t) and len(values):
+            highest = np.fmax.reduce(values, axis=0)  # over the node's series: NaN only where all are
+            at = np.minimum(np.ceil((t - start) / step).astype(np.int64) - 1, columns - 1)
+            np.fmax.at(out[len(names)], at, highest)
+        names.append(node)
+        groups.append(model)
+    return names, groups, out[: len(names)]
+
+
+def build(measure: Measure, names: list[str], groups: list[str], values: np.ndarray, start: float, step: float,
+          columns: int) -> Heatmap:  # fmt: skip
+    """The picture's rows: grouped, busiest first, banded past MAX_ROWS."""
+    levels = np.where(np.isnan(values), ABSENT,
+                      np.clip(np.rint(values / measure.full_scale * (LEVELS - 1)), 0, LEVELS - 1)).astype(np.uint8)
+    measured = ~np.isnan(values)
+    counts = measured.sum(axis=1)
+    # A node's hour: the mean of its windows' figures; one with none, -1 (last of its group).
+    score = np.where(counts > 0, np.where(measured, values, 0.0).sum(axis=1) / np.maximum(counts, 1), -1.0)
+    by_group: dict[str, list[int]] = {}
+    for i, g in enumerate(groups):
+        by_group.setdefault(g, []).append(i)
+    for members in by_group.values():
+        members.sort(key=lambda i: (-score[i], names[i]))
+    order = sorted(by_group, key=lambda g: (g == "", -score[by_group[g][0]], g))  # CPU nodes ("") last
+    band = max(1, math.ceil(len(names) / MAX_ROWS))
+    rows = []
+    ranked = np.where(levels == ABSENT, -1, levels.astype(np.int16))
+    for g in order:
+        members = by_group[g]
+        for first in range(0, len(members), band):
+            part = members[first : first + band]
+            worst = ranked[part].argmax(axis=0).astype(np.int16)
+            top = ranked[part][worst, np.arange(columns)]
+            rows.append(Row(g or "CPU nodes", [names[i] for i in part], np.where(top < 0, ABSENT, top).astype(np.uint8),
+                            np.where(top < 0, -1, worst).astype(np.int16)))  # fmt: skip
+    return Heatmap(measure, start, step, columns, rows, len(names))
+
+
+# Pictures kept by history, measure and end: every view within a column's
+# width is answered from one (as the fleet charts' parts are).
+_kept: weakref.WeakKeyDictionary[EmbeddedHistory, dict[tuple[str, float], Heatmap]] = weakref.WeakKeyDictionary()
+_kept_lock = threading.Lock()
+
+
+def heatmap(history: EmbeddedHistory, measure: Measure, end: float, interval: float) -> Heatmap:
+    """The picture ending at `end` (a whole column, `column_end`), kept for the next views."""
+    key = (measure.key, end)
+    with _kept_lock:
+        kept = _kept.setdefault(history, {})
+        if (found := kept.get(key)) is not None:
+            return found
+    start, step, columns = column_grid(end, interval)
+    made = build(measure, *node_maxima(history, measure.family, start, step, columns), start, step, columns)
+    with _kept_lock:
+        kept[key] = made
+        while len(kept) > 2 * len(MEASURES):
+            del kept[next(iter(kept))]  # the oldest
+    return made
+
+
+def column_end(now: float, interval: float) -> float:
+    """The picture's last instant: `now` down to a whole column, so that the
+    views within a column share one picture and its cells' addresses."""
+    step = column_grid(now, interval)[1]
+    return math.floor(now / step) * step
