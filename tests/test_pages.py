@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from html.parser import HTMLParser
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from controlplane.state.registry import NodeRegistry
 from tests.fakeclock_registry import fleet_registry
 from tests.fakeproc import FakeClock
 from tests.heartbeats import held, registration
-from web.charts import bin_columns, svg_chart
+from web.charts import WIDTHS, bin_columns, columns, svg_chart
 from web.pages import add_pages
 
 VOID = {"meta", "link", "br", "img", "input", "hr", "path", "rect", "line", "polygon"}
@@ -615,3 +616,25 @@ def test_an_axis_holds_its_data_with_no_tick_repeated(top: float, unit: str) -> 
     got, ticks = value_axis(top, unit)
     assert top <= got <= 2.5 * top or (unit == "bytes" and got == 2.0)  # above the data, not far
     assert len({label for _, label in ticks}) == 3 and ticks[-1][0] == got
+
+
+async def test_charts_are_drawn_at_the_width_asked_for_and_only_those(aiohttp_client: Any) -> None:
+    """`?width=` (the pages' script asks for its column's): every chart of the
+    page drawn that wide, its columns binned for it; a width not offered is a
+    400, and the script offers the server's widths."""
+    registry, _ = fleet_registry()
+    history = a_minute_of(registry, "gpu-1", lambda hb, k: None)
+    client = await pages_client(aiohttp_client, registry, history)
+    for width in WIDTHS:
+        page = await (await client.get(f"/node/gpu-1?width={width}&fragment=1")).text()
+        widths = set(re.findall(r'<svg class="chart" viewBox="0 0 (\d+) ', page))
+        assert widths == {str(width)}, (width, widths)
+        frames = set(re.findall(r'<rect x="56" y="8" width="(\d+)"', page))
+        assert frames == {str(columns(width))}
+    for bad in ("801", "-1", "1e3", "", "560.0"):
+        r = await client.get(f"/node/gpu-1?width={bad}")
+        assert r.status == 400 and "width: one of" in await r.text(), bad
+        assert (await client.get(f"/?width={bad}")).status == 400
+    script = (Path(__file__).resolve().parent.parent / "web" / "static" / "charts.js").read_text()
+    found = re.search(r"const WIDTHS = \[([\d, ]+)\]", script)
+    assert found is not None and tuple(int(w) for w in found.group(1).split(",")) == WIDTHS

@@ -29,6 +29,10 @@ from controlplane.history import Series
 PALETTE = ("#332288", "#DDCC77", "#117733", "#CC6677", "#88CCEE", "#882255", "#44AA99", "#999933", "#AA4499",
            "#000000")  # fmt: skip
 WIDTH, HEIGHT = 560, 150
+# The widths a chart is drawn at (`?width=`): the pages' script asks for the
+# one nearest its column's, and redraws on resize (web/static/charts.js); a
+# handful, so that views share their renders (controlplane/page_worker.py).
+WIDTHS = (400, 480, 560, 640, 800, 960, 1200, 1600)
 LEFT, RIGHT, TOP, BOTTOM = 56, 8, 8, 20
 
 

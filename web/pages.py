@@ -41,7 +41,7 @@ from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, s
 from controlplane.pages_api import FLEET_CHART_PARTS, FLEET_ROWS
 from controlplane.state.registry import NodeRegistry, NodeState
 from controlplane.state.starvation import Verdict
-from web.charts import chart_note, columns, format_value, svg_chart
+from web.charts import WIDTH, WIDTHS, chart_note, columns, format_value, svg_chart
 from web.heatmap_view import add_heatmap, heatmap_context, heatmap_rows
 from wire.schema import Gpu, Machine, Shard
 
@@ -151,24 +151,36 @@ def _labelled(series: list[Series], label: str) -> list[Series]:
     return series
 
 
-def _embedded_charts(history: EmbeddedHistory, specs: Specs, now: float) -> tuple[list[str], list[str]]:
+def _embedded_charts(history: EmbeddedHistory, specs: Specs, now: float, width: int) -> tuple[list[str], list[str]]:
     """On the page thread: the embedded history read and drawn."""
+    step = SPAN_S / columns(width)
     read = [(title, [s for spec, label in parts
-                     for s in _labelled(history.query_now(spec, now - SPAN_S, now, SPAN_S / columns()), label)],
+                     for s in _labelled(history.query_now(spec, now - SPAN_S, now, step), label)],
              unit, y_max) for title, parts, unit, y_max in specs]  # fmt: skip
-    return _draw(read, now), []
+    return _draw(read, now, width), []
 
 
-def _draw(read: list[tuple[str, list[Series], str, float | None]], now: float) -> list[str]:
-    return [svg_chart(title, series, now - SPAN_S, now, unit, y_max) for title, series, unit, y_max in read]
+def _draw(read: list[tuple[str, list[Series], str, float | None]], now: float, width: int = WIDTH) -> list[str]:
+    return [svg_chart(title, series, now - SPAN_S, now, unit, y_max, width=width)
+            for title, series, unit, y_max in read]  # fmt: skip
 
 
-async def _charts(app: web.Application, specs: Specs, now: float) -> tuple[list[str], list[str]]:
+def chart_width(request: web.Request) -> int:
+    """`?width=`: the width the page's script draws its charts at (one of WIDTHS); 400 otherwise."""
+    value = request.query.get("width")
+    if value is None:
+        return WIDTH
+    if value not in {str(w) for w in WIDTHS}:
+        raise web.HTTPBadRequest(text=f"width: one of {', '.join(map(str, WIDTHS))}")
+    return int(value)
+
+
+async def _charts(app: web.Application, specs: Specs, now: float, width: int = WIDTH) -> tuple[list[str], list[str]]:
     """SVG for each chart; the reasons history could not be read, if any. The
     drawing, and the embedded history's reading, are done on the page thread."""
     history = app[HISTORY]
     if isinstance(history, EmbeddedHistory):
-        return await app[PAGE_WORKER].run(_embedded_charts, history, specs, now)
+        return await app[PAGE_WORKER].run(_embedded_charts, history, specs, now, width)
     read, errors = [], []
     for title, parts, unit, y_max in specs:
         series: list[Series] = []
@@ -176,13 +188,13 @@ async def _charts(app: web.Application, specs: Specs, now: float) -> tuple[list[
             for spec, label in parts:
                 # One point a column: no finer than the chart can draw (a
                 # Prometheus range query answers every step from its lookback).
-                series += _labelled(await history.query(spec, now - SPAN_S, now, SPAN_S / columns()), label)
+                series += _labelled(await history.query(spec, now - SPAN_S, now, SPAN_S / columns(width)), label)
         except HistoryError as e:
             if str(e) not in errors:
                 errors.append(str(e))
             continue
         read.append((title, series, unit, y_max))
-    return await app[PAGE_WORKER].run(_draw, read, now), errors
+    return await app[PAGE_WORKER].run(_draw, read, now, width), errors
 
 
 def _shard_specs(node: str, shard: str, view: dict[str, Any]) -> tuple[Specs, list[str]]:
@@ -296,16 +308,19 @@ class FleetChartsKept:
 FLEET_CHARTS_KEPT = web.AppKey("fleet_charts_kept", FleetChartsKept)
 
 
-async def _fleet_charts(app: web.Application, history: EmbeddedHistory, now: float) -> tuple[list[str], list[str]]:
+async def _fleet_charts(app: web.Application, history: EmbeddedHistory, now: float,
+                       width: int = WIDTH) -> tuple[list[str], list[str]]:  # fmt: skip
     """The fleet charts with peers and the embedded history: each replica's
-    totals for its own nodes, added; a peer whose totals did not come named."""
+    totals for its own nodes, added; a peer whose totals did not come named.
+    Their grid is the default width's whatever the page's (peers keep one
+    grid a step); a wider chart draws its columns wider."""
     step = SPAN_S / columns()
     end, (parts, missing) = await app[FLEET_CHARTS_KEPT].newest(app, history, chart_end(now, step), step)
     grid = step_grid(end - SPAN_S, end, step)
     read = [(title, combine(spec, grid, [part[i] for part in parts]), unit, y_max)
             for i, (title, [(spec, _)], unit, y_max) in enumerate(FLEET_SPECS)]  # fmt: skip
     errors = [f"the charts leave out the nodes of replica {why}" for why in missing]
-    return await app[PAGE_WORKER].run(_draw, read, end), errors
+    return await app[PAGE_WORKER].run(_draw, read, end, width), errors
 
 
 async def _render(request: web.Request, template: str, **context: Any) -> web.Response:
@@ -322,8 +337,9 @@ def _attention_first(v: dict[str, Any]) -> tuple[int, float, str]:
     return (0 if v["state"] == "stale" else 1, -(cpu if isinstance(cpu, (int, float)) else -1.0), v["node"])
 
 
-@shared("q", "state", "page", "fragment", "measure")
+@shared("q", "state", "page", "fragment", "measure", "width")
 async def cluster_page(request: web.Request) -> web.Response:
+    width = chart_width(request)
     text = request.query.get("q", "")
     state = request.query.get("state", "")
     if len(text) > 200 or not text.isprintable():
@@ -348,8 +364,8 @@ async def cluster_page(request: web.Request) -> web.Response:
 
     async def charts() -> tuple[list[str], list[str]]:
         if isinstance(history, EmbeddedHistory) and FLEET_CHART_PARTS in request.app:
-            return await _fleet_charts(request.app, history, time.time())
-        return await _charts(request.app, FLEET_SPECS, time.time())
+            return await _fleet_charts(request.app, history, time.time(), width)
+        return await _charts(request.app, FLEET_SPECS, time.time(), width)
 
     # The rows and the charts at once: each asks the peers, which answer on their own threads.
     (rows, peers), (charts_drawn, errors) = await asyncio.gather(fleet_rows(), charts())
@@ -384,7 +400,7 @@ def _cluster_rows(rows: list[dict[str, Any]], text: str, state: str) -> tuple[di
     return fleet_summary(rows), shown
 
 
-@shared("shard", "fragment", "at")
+@shared("shard", "fragment", "at", "width")
 async def node_page(request: web.Request) -> web.Response:
     registry: NodeRegistry = request.app[REGISTRY]
     # Only a node the registry knows reaches a history query.
@@ -399,7 +415,7 @@ async def node_page(request: web.Request) -> web.Response:
     at = _moment(request.query.get("at"), time.time())
     shard_specs, shard_notes = _shard_specs(state.node, shard, view) if shard else ([], [])
     node_specs, node_notes = _node_specs(state.node, view)
-    charts, errors = await _charts(request.app, shard_specs + node_specs, time.time())
+    charts, errors = await _charts(request.app, shard_specs + node_specs, time.time(), chart_width(request))
     charts += shard_notes + node_notes
     live_url = f"/node/{quote(state.node, safe='')}/live" if LIVE in request.app else None
     # Every sample around a moment of the hour, from the node's ring: where its agent keeps one.

@@ -7,6 +7,26 @@
 (() => {
   "use strict";
   const SVG = "http://www.w3.org/2000/svg";
+
+  // Drawn for their column: the server draws a chart at one of a few widths
+  // (web/charts.py's WIDTHS, `?width=`); on load and after a resize, a page
+  // whose charts were drawn for another than the one nearest their column's
+  // asks for <main> again at that one (base.html's refresh), so a chart's
+  // columns are the screen's, not a narrow chart's stretched.
+  const WIDTHS = [400, 480, 560, 640, 800, 960, 1200, 1600];
+  function fitCharts() {
+    const figure = document.querySelector("main .charts > figure.chart");
+    const svg = figure && figure.querySelector("svg.chart");
+    if (!svg || !window.nodesamplerRefresh) return;
+    const w = figure.getBoundingClientRect().width;
+    const best = WIDTHS.reduce((a, b) => (Math.abs(b - w) < Math.abs(a - w) ? b : a));
+    window.nodesamplerChartWidth = best;
+    if (svg.viewBox.baseVal.width !== best) window.nodesamplerRefresh();
+  }
+  let resized = null;
+  window.addEventListener("resize", () => { clearTimeout(resized); resized = setTimeout(fitCharts, 200); });
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", fitCharts);
+  else fitCharts();
   const columnsOf = new WeakMap(); // a series' path -> its columns' values
 
   // As web/charts.py's format_value, a digit finer: a readout, not a tick.
