@@ -3,10 +3,12 @@
 
 Measured in one process, on the page thread as the app runs it:
 - the picture made cold (every node's hour read and binned, the rows
-  grouped, ordered and banded), for each measure, and warm (kept: a view
-  within a column's width);
+  grouped, ordered and banded), for each measure, and from parts kept (the
+  combining alone; a view within a column's width takes the kept picture);
 - the PNG's and the legend's sizes as sent (the legend also gzipped, for
   a proxy that compresses), and their encoding time;
+- what a peer sends of it (`/v1/peer/heatmap`: the part of a replica
+  holding every node, the most one can send);
 - beside them, in the same run, the fleet charts' parts of the same
   history (controlplane/cluster_view.py: the cluster page's other reader of
   every node's hour), as the reference the ratio is taken against.
@@ -27,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controlplane.cluster_view import chart_parts  # noqa: E402
-from controlplane.heatmap import MEASURES, _kept, heatmap  # noqa: E402
+from controlplane.heatmap import MEASURES, _kept, column_grid, heatmap, own_part, part_json  # noqa: E402
 from tests.heatmap_fleet import fleet_with_history, node_name  # noqa: E402
 
 
@@ -47,7 +49,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
     t = time.perf_counter()
-    _, history, now = fleet_with_history(args.nodes, args.heartbeats, {node_name(args.nodes // 2): 100})
+    _, history, now = fleet_with_history(args.nodes, args.heartbeats, {node_name(args.nodes // 2): 100}, varied=True)
     print(f"{args.nodes} nodes x {args.heartbeats} heartbeats recorded in {time.perf_counter() - t:.0f} s")
     end = (now // 5 + 1) * 5
 
@@ -63,12 +65,18 @@ def main() -> None:
         png_ms, png = timed(picture.png, args.runs)  # type: ignore[attr-defined]
         legend_ms, legend = timed(lambda picture=picture: json.dumps(picture.legend()).encode(), args.runs)
         assert isinstance(png, bytes) and isinstance(legend, bytes)
-        print(f"{key:8} picture cold {made:5.0f} ms ({made / reference:.2f} x reference), warm {warm:.3f} ms; "
+        print(f"{key:8} picture cold {made:5.0f} ms ({made / reference:.2f} x reference), "
+              f"from kept parts {warm:.0f} ms; "
               f"PNG {len(png) / 1024:.0f} KiB in {png_ms:.1f} ms; legend {len(legend) / 1024:.0f} KiB "
               f"({len(gzip.compress(legend)) / 1024:.0f} KiB gzipped) in {legend_ms:.0f} ms; "
               f"a cold request: {made + max(png_ms, legend_ms):.0f} ms, "
               f"at most {max(len(png), len(legend)) / 2**20:.2f} MB; "
               f"{len(picture.rows)} rows")  # type: ignore[attr-defined]  # fmt: skip
+        grid = column_grid(end, history.interval)[2]
+        sent_ms, sent = timed(lambda key=key, grid=grid: part_json(own_part(history, MEASURES[key], end, grid)),
+                              args.runs)  # fmt: skip
+        assert isinstance(sent, bytes)
+        print(f"{'':8} a peer's part of {args.nodes} nodes: {len(sent) / 2**20:.2f} MB, {sent_ms:.0f} ms warm")
 
 
 _asked = [0.0]

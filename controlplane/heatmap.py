@@ -19,6 +19,7 @@ the server, which keeps the picture's rows for it.
 from __future__ import annotations
 
 import base64
+import json
 import math
 import struct
 import threading
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from controlplane.history import HOUR_S, EmbeddedHistory
+from wire.limits import NODE_ID
 
 MAX_ROWS = 200  # a picture an operator sees without scrolling, at 2 px a row and up
 MAX_COLUMNS = 720  # an hour at the default 5 s heartbeat
@@ -168,15 +170,48 @@ def node_maxima(history: EmbeddedHistory, family: str, start: float, step: float
     return names, groups, out[: len(names)]
 
 
-def build(measure: Measure, names: list[str], groups: list[str], values: np.ndarray, start: float, step: float,
-          columns: int) -> Heatmap:  # fmt: skip
-    """The picture's rows: grouped, busiest first, banded past MAX_ROWS."""
-    levels = np.where(np.isnan(values), ABSENT,
-                      np.clip(np.rint(values / measure.full_scale * (LEVELS - 1)), 0, LEVELS - 1)).astype(np.uint8)
-    measured = ~np.isnan(values)
+@dataclass
+class Part:
+    """A replica's nodes in the picture: their names, groups (GPU model, ""
+    for none) and levels[node, column] (what `build` combines, and what a
+    peer sends: `part_json`)."""
+
+    names: list[str]
+    groups: list[str]
+    levels: np.ndarray  # uint8
+
+
+def levels_of(measure: Measure, values: np.ndarray) -> np.ndarray:
+    """Values as colour levels: 0 to LEVELS - 1 over the measure's scale, ABSENT where none was measured."""
+    scaled = np.clip(np.rint(values * ((LEVELS - 1) / measure.full_scale)), 0, LEVELS - 1)  # NaN stays NaN
+    return np.where(np.isnan(values), ABSENT, scaled).astype(np.uint8)
+
+
+def build(measure: Measure, parts: list[Part], end: float, columns: int) -> Heatmap:
+    """The picture's rows from every replica's part: a node in two parts (it
+    moved in the hour) one row, each cell the higher; grouped, busiest first,
+    banded past MAX_ROWS."""
+    start, step = end - HOUR_S, HOUR_S / columns
+    index: dict[str, int] = {}
+    names: list[str] = []
+    groups: list[str] = []
+    ranked = np.full((sum(len(p.names) for p in parts), columns), -1, dtype=np.int16)  # -1: not measured
+    for part in parts:
+        theirs = np.where(part.levels == ABSENT, -1, part.levels.astype(np.int16))
+        for name, group, row in zip(part.names, part.groups, theirs, strict=True):
+            at = index.get(name)
+            if at is None:
+                at = index[name] = len(names)
+                names.append(name)
+                groups.append(group)
+            elif not groups[at]:
+                groups[at] = group
+            np.maximum(ranked[at], row, out=ranked[at])
+    ranked = ranked[: len(names)]
+    measured = ranked >= 0
     counts = measured.sum(axis=1)
-    # A node's hour: the mean of its windows' figures; one with none, -1 (last of its group).
-    score = np.where(counts > 0, np.where(measured, values, 0.0).sum(axis=1) / np.maximum(counts, 1), -1.0)
+    # A node's hour: the mean of its windows' levels; one with none, -1 (last of its group).
+    score = np.where(counts > 0, np.where(measured, ranked, 0).sum(axis=1) / np.maximum(counts, 1), -1.0)
     by_group: dict[str, list[int]] = {}
     for i, g in enumerate(groups):
         by_group.setdefault(g, []).append(i)
@@ -185,38 +220,80 @@ def build(measure: Measure, names: list[str], groups: list[str], values: np.ndar
     order = sorted(by_group, key=lambda g: (g == "", -score[by_group[g][0]], g))  # CPU nodes ("") last
     band = max(1, math.ceil(len(names) / MAX_ROWS))
     rows = []
-    ranked = np.where(levels == ABSENT, -1, levels.astype(np.int16))
     for g in order:
         members = by_group[g]
         for first in range(0, len(members), band):
-            part = members[first : first + band]
-            worst = ranked[part].argmax(axis=0).astype(np.int16)
-            top = ranked[part][worst, np.arange(columns)]
-            rows.append(Row(g or "CPU nodes", [names[i] for i in part], np.where(top < 0, ABSENT, top).astype(np.uint8),
+            banded = members[first : first + band]
+            worst = ranked[banded].argmax(axis=0).astype(np.int16)
+            top = ranked[banded][worst, np.arange(columns)]
+            rows.append(Row(g or "CPU nodes", [names[i] for i in banded],
+                            np.where(top < 0, ABSENT, top).astype(np.uint8),
                             np.where(top < 0, -1, worst).astype(np.int16)))  # fmt: skip
     return Heatmap(measure, start, step, columns, rows, len(names))
 
 
-# Pictures kept by history, measure and end: every view within a column's
-# width is answered from one (as the fleet charts' parts are).
-_kept: weakref.WeakKeyDictionary[EmbeddedHistory, dict[tuple[str, float], Heatmap]] = weakref.WeakKeyDictionary()
+# Parts kept by history, measure and grid: every view within a column's
+# width, and every peer's ask, is answered from one (as the fleet charts' parts are).
+_kept: weakref.WeakKeyDictionary[EmbeddedHistory, dict[tuple[str, float, int], Part]] = weakref.WeakKeyDictionary()
 _kept_lock = threading.Lock()
 
 
-def heatmap(history: EmbeddedHistory, measure: Measure, end: float, interval: float) -> Heatmap:
-    """The picture ending at `end` (a whole column, `column_end`), kept for the next views."""
-    key = (measure.key, end)
+def own_part(history: EmbeddedHistory, measure: Measure, end: float, columns: int) -> Part:
+    """This replica's nodes on the grid of `columns` ending at `end`, kept for the next asks."""
+    key = (measure.key, end, columns)
     with _kept_lock:
         kept = _kept.setdefault(history, {})
         if (found := kept.get(key)) is not None:
             return found
-    start, step, columns = column_grid(end, interval)
-    made = build(measure, *node_maxima(history, measure.family, start, step, columns), start, step, columns)
+    step = HOUR_S / columns
+    names, groups, values = node_maxima(history, measure.family, end - HOUR_S, step, columns)
+    made = Part(names, groups, levels_of(measure, values))
     with _kept_lock:
         kept[key] = made
         while len(kept) > 2 * len(MEASURES):
             del kept[next(iter(kept))]  # the oldest
     return made
+
+
+def heatmap(history: EmbeddedHistory, measure: Measure, end: float, interval: float) -> Heatmap:
+    """One replica's picture ending at `end` (a whole column, `column_end`)."""
+    columns = column_grid(end, interval)[2]
+    return build(measure, [own_part(history, measure, end, columns)], end, columns)
+
+
+MAX_PART_NODES = 100_000  # a peer's part: more nodes than any replica holds is refused
+
+
+def part_json(part: Part) -> bytes:
+    """A part as a peer sends it: the levels zlib-compressed (a row of an idle
+    node is a few bytes of 720), in base64."""
+    packed = base64.b64encode(zlib.compress(part.levels.tobytes(), 6)).decode()
+    return json.dumps({"nodes": part.names, "groups": part.groups, "levels": packed}).encode()
+
+
+def parse_part(value: object, columns: int) -> Part:
+    """A peer's part, checked: ValueError unless it is node names and groups
+    of the same length and exactly their levels on a grid of `columns`."""
+    if not isinstance(value, dict):
+        raise ValueError("not a part of the picture")
+    names, groups, packed = value.get("nodes"), value.get("groups"), value.get("levels")
+    if not (isinstance(names, list) and isinstance(groups, list) and isinstance(packed, str)):
+        raise ValueError("nodes, groups and levels: two lists and a string")
+    if len(names) != len(groups) or len(names) > MAX_PART_NODES:
+        raise ValueError(f"as many groups as nodes, at most {MAX_PART_NODES}")
+    if not all(isinstance(n, str) and NODE_ID.fullmatch(n) for n in names):
+        raise ValueError("a node's name is not a node id")
+    if not all(isinstance(g, str) and len(g) <= 256 and g.isprintable() for g in groups):
+        raise ValueError("a group is not printable text of at most 256 characters")
+    want = len(names) * columns
+    inflate = zlib.decompressobj()
+    raw = inflate.decompress(base64.b64decode(packed, validate=True), want + 1)  # no more than the grid holds
+    if len(raw) != want or inflate.unconsumed_tail or not inflate.eof:
+        raise ValueError(f"levels: not {len(names)} rows of {columns}")
+    levels = np.frombuffer(raw, dtype=np.uint8).reshape(len(names), columns)
+    if ((levels >= LEVELS) & (levels != ABSENT)).any():
+        raise ValueError("a level out of range")
+    return Part(names, groups, levels)
 
 
 def column_end(now: float, interval: float) -> float:

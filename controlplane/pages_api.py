@@ -19,6 +19,7 @@ from prometheus_client import generate_latest
 from controlplane import hindsight
 from controlplane.export.exposition import FleetExposition
 from controlplane.export.own_metrics import ControlPlaneMetrics
+from controlplane.heatmap import Part
 from controlplane.hindsight import HINDSIGHT, HindsightFetches
 from controlplane.history import EmbeddedHistory, GridPart
 from controlplane.incidents import Incidents
@@ -72,6 +73,14 @@ class FleetChartParts(Protocol):
 
 
 FLEET_CHART_PARTS = web.AppKey("fleet_chart_parts", FleetChartParts)
+
+
+# ... and the peers' parts of the fleet's picture (controlplane/heatmap.py), with why any did not come.
+class HeatmapParts(Protocol):
+    def __call__(self, measure: str, end: float, columns: int) -> Awaitable[tuple[list[Part], list[str]]]: ...
+
+
+HEATMAP_PARTS = web.AppKey("heatmap_parts", HeatmapParts)
 
 
 @shared("here")

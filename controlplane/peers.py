@@ -26,6 +26,7 @@ so the same `--peer` list serves every replica, itself included.
 from __future__ import annotations
 
 import asyncio
+import binascii
 import functools
 import json
 import logging
@@ -33,6 +34,7 @@ import math
 import secrets
 import ssl
 import urllib.parse
+import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -41,6 +43,7 @@ import aiohttp
 from aiohttp import web
 
 from controlplane.cluster_view import chart_grid, chart_parts, chart_parts_json, cluster_json, parse_chart_parts
+from controlplane.heatmap import MAX_COLUMNS, MEASURES, Part, own_part, parse_part, part_json
 from controlplane.hindsight import Refused as IncidentsRefused
 from controlplane.history import EmbeddedHistory, GridPart
 from controlplane.incidents import INCIDENTS
@@ -63,6 +66,9 @@ ROWS_TIMEOUT_S = 2.0  # a page waits this long for a peer's rows, then names it 
 MAX_ROWS_BYTES = 64 * 2**20  # 10,000 GPU nodes' rows, with room
 ROWS_SHARED_S = 1.0  # one fetch of the peers' rows serves every page view for this long
 MAX_CHART_BYTES = 4 * 2**20  # the fleet charts' totals: a few groups of a few hundred instants
+# The fleet's picture's part: a name and a zlib-packed row of 720 levels a node (10 to 400 bytes in
+# base64: an idle node's row is all alike, a busy one's is not), at 10,000 nodes a few MB at most.
+MAX_HEATMAP_BYTES = 16 * 2**20
 
 
 @dataclass(eq=False)  # one a replica: each is itself (and a key)
@@ -338,6 +344,44 @@ async def fleet_chart_parts(peers: Peers, end: float, span: float, step: float
     return [g for g in got if not isinstance(g, str)], [g for g in got if isinstance(g, str)]
 
 
+async def heatmap_parts(peers: Peers, measure: str, end: float, columns: int) -> tuple[list[Part], list[str]]:
+    """Every other peer's part of the fleet's picture (its own nodes' levels on
+    the grid), fetched at once and bounded like its rows; and, for each peer
+    whose part did not come, why."""
+    query = urllib.parse.urlencode({"measure": measure, "end": repr(end), "columns": columns})
+
+    async def one(peer: Peer) -> Part | str:
+        if peers.session is None:
+            return f"{peer.url}: not asked: the control plane is starting"
+        try:
+            body = await peers._get(peers.session, f"{peer.url}/v1/peer/heatmap?{query}", MAX_HEATMAP_BYTES,
+                                    ROWS_TIMEOUT_S)  # fmt: skip
+            return await asyncio.get_running_loop().run_in_executor(None, lambda: parse_part(json.loads(body), columns))
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, TypeError, binascii.Error, zlib.error) as e:
+            return f"{peer.url}: {type(e).__name__}: {e}"[:300]
+
+    got = await asyncio.gather(*(one(p) for p in peers.peers if not p.is_us))
+    return [g for g in got if not isinstance(g, str)], [g for g in got if isinstance(g, str)]
+
+
+async def heatmap_part(request: web.Request) -> web.Response:
+    """GET /v1/peer/heatmap?measure=M&end=T&columns=C, for a peer: this
+    replica's own nodes in the fleet's picture (controlplane/heatmap.py)."""
+    if (refused := _refused(request)) is not None:
+        return refused
+    try:
+        measure = MEASURES[request.query["measure"]]
+        end, columns = float(request.query["end"]), int(request.query["columns"])
+        if not math.isfinite(end) or not 1 <= columns <= MAX_COLUMNS:
+            raise ValueError(f"end: finite; columns: 1 to {MAX_COLUMNS}")
+    except (KeyError, ValueError) as e:
+        return web.json_response({"error": f"{type(e).__name__}: {e}"[:200]}, status=400)
+    history = request.app[PEER_HISTORY]
+    body = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: part_json(own_part(history, measure, end, columns)))
+    return web.Response(body=body, content_type="application/json")
+
+
 async def fleet_charts(request: web.Request) -> web.Response:
     """GET /v1/peer/fleet-charts?end=T&span=S&step=D, for a peer: this
     replica's own nodes' totals of each fleet chart (controlplane/cluster_view.py)."""
@@ -467,6 +511,7 @@ def add_routes(app: web.Application, peers: Peers, secret: bytes, own_rows: OwnR
     if history is not None:
         app[PEER_HISTORY] = history
         app.router.add_get("/v1/peer/fleet-charts", fleet_charts)
+        app.router.add_get("/v1/peer/heatmap", heatmap_part)
 
 
 async def polled(peers: Peers) -> AsyncIterator[None]:

@@ -41,7 +41,7 @@ from controlplane.listen.page_access import PageAccess, listen_admin_socket, rem
 from controlplane.listen.tls_files import ReloadingServerTLS
 from controlplane.listen.web_config import ReloadingWebConfig
 from controlplane.live import LiveSamples
-from controlplane.peers import Peers, fleet_chart_parts, merged_rows, polled
+from controlplane.peers import Peers, fleet_chart_parts, heatmap_parts, merged_rows, polled
 from controlplane.peers import add_routes as add_peer_routes
 from controlplane.state.registry import MAX_SHARDS_PER_NODE, NodeRegistry
 from controlplane.state.starvation import StarvationRules
@@ -158,6 +158,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
         pages[pages_api.FLEET_ROWS] = fleet_rows
         if history is not None:  # the fleet charts: each replica's totals for its own nodes (with Prometheus: its)
             pages[pages_api.FLEET_CHART_PARTS] = functools.partial(fleet_chart_parts, replicas)
+            pages[pages_api.HEATMAP_PARTS] = functools.partial(heatmap_parts, replicas)
         pages[HOLDERS] = replicas
         # A node's pages, live view, spans and incidents from the replica that holds it (controlplane/forward.py).
         replicas.pages = ("https" if pages_tls else "http", split_address(pages_listen)[1])

@@ -40,11 +40,14 @@ def _body(node: str, cpu_max: float, model: str | None) -> dict[str, Any]:
 
 
 def fleet_with_history(nodes: int, heartbeats: int, bursts: dict[str, int] | None = None, interval: float = 5.0,
-                       now: float | None = None, gpus: bool = True) -> tuple[NodeRegistry, EmbeddedHistory, float]:
+                       now: float | None = None, gpus: bool = True,
+                       varied: bool = False) -> tuple[NodeRegistry, EmbeddedHistory, float]:  # fmt: skip
     """`nodes` nodes, each with `heartbeats` heartbeats `interval` apart up to
     `now` (the last at `now`), registered and fresh; `bursts`: node -> which
     heartbeat, counted back from the last (0), was at 100% CPU. Returns the
-    registry, the history and `now`. `gpus=False`: no node has a card."""
+    registry, the history and `now`. `gpus=False`: no node has a card;
+    `varied`: each window's figure 0-19 points above the node's idle one (a
+    picture as a busy fleet's compresses, not as an idle one's)."""
     now = time.time() if now is None else now
     bursts = bursts or {}
     registry = NodeRegistry(stale_after=60, clock=time.monotonic)
@@ -62,6 +65,6 @@ def fleet_with_history(nodes: int, heartbeats: int, bursts: dict[str, int] | Non
         registry.heartbeat(wire.decode_heartbeat(json.dumps(_body(node, idle_cpu(i), model)).encode()).heartbeat)
         burst_at = bursts.get(node)
         for k in range(heartbeats - 1, -1, -1):
-            cpu = 100.0 if k == burst_at else idle_cpu(i)
+            cpu = 100.0 if k == burst_at else idle_cpu(i) + ((k * 7 + i * 13) % 20 if varied else 0)
             history.record(node, received(cpu, model), at=now - k * interval)
     return registry, history, now

@@ -6,6 +6,8 @@ grouped by GPU model, the busiest first; bad asks refused, changing nothing."""
 from __future__ import annotations
 
 import base64
+import binascii
+import json
 import math
 import re
 import struct
@@ -202,3 +204,105 @@ async def test_with_prometheus_the_page_has_no_picture(aiohttp_client: Any) -> N
     assert 'class="heatmap"' not in page
     r = await client.get(f"/heatmap.png?measure=cpu&end={column_end(history.clock(), INTERVAL)}")
     assert r.status == 404
+
+
+def test_three_replicas_parts_draw_what_one_history_of_every_node_draws() -> None:
+    """Each replica's part, sent as a peer sends it and combined, is the
+    picture one history of every node draws: the same rows, levels and
+    worst nodes; a node that moved in the hour is one row with the windows
+    of both replicas."""
+    from controlplane.heatmap import build, column_grid, own_part, parse_part, part_json
+
+    now = 1_000_000.0
+    whole = EmbeddedHistory(interval=INTERVAL)
+    replicas = [EmbeddedHistory(interval=INTERVAL) for _ in range(3)]
+    for i in range(240):
+        for k in range(30, -1, -1):
+            hb = held({"machine": {"cpu_percent": {"mean": 1.0, "p95": 1.0, "max": float((i * 7 + k) % 101)}},
+                       "gpus": [{"index": 0, "uuid": "GPU-0", "name": model_of(i), "utilization_percent": 1.0}]
+                       if model_of(i) else []})  # fmt: skip
+            # Node 5 moved from replica 2 to replica 0 half way through.
+            at = replicas[(0 if k < 15 else 2) if i == 5 else i % 3]
+            whole.record(node_name(i), hb, at=now - k * INTERVAL)
+            at.record(node_name(i), hb, at=now - k * INTERVAL)
+    end = covering(now)
+    columns = column_grid(end, INTERVAL)[2]
+    sent = [parse_part(json.loads(part_json(own_part(r, MEASURES["cpu"], end, columns))), columns) for r in replicas]
+    got = build(MEASURES["cpu"], sent, end, columns)
+    expected = heatmap(whole, MEASURES["cpu"], end, INTERVAL)
+    assert got.nodes == expected.nodes == 240 and len(got.rows) == len(expected.rows)
+    assert [r.nodes for r in got.rows] == [r.nodes for r in expected.rows]
+    for g, e in zip(got.rows, expected.rows, strict=True):
+        assert (g.levels == e.levels).all() and (g.worst == e.worst).all()
+    # The moved node's own windows: both halves, from the two replicas (31 heartbeats, 31 columns).
+    whole_part = own_part(whole, MEASURES["cpu"], end, columns)
+    moved = [part.levels[part.names.index(node_name(5))] for part in sent if node_name(5) in part.names]
+    assert len(moved) == 2 and all(0 < (m != ABSENT).sum() < 31 for m in moved)
+    both = np.where(moved[0] != ABSENT, moved[0], moved[1])
+    assert (both == whole_part.levels[whole_part.names.index(node_name(5))]).all()
+
+
+def packed(levels: bytes) -> str:
+    return base64.b64encode(zlib.compress(levels)).decode()
+
+
+@pytest.mark.parametrize(("part", "why"), [
+    ([], "not a part"),
+    ({"nodes": ["a"], "groups": [], "levels": packed(b"\0" * 4)}, "as many groups as nodes"),
+    ({"nodes": ["a b"], "groups": [""], "levels": packed(b"\0" * 4)}, "not a node id"),
+    ({"nodes": ["a"], "groups": ["\x1b[2J"], "levels": packed(b"\0" * 4)}, "printable"),
+    ({"nodes": ["a"], "groups": [""], "levels": packed(b"\0" * 3)}, "not 1 rows of 4"),
+    ({"nodes": ["a"], "groups": [""], "levels": packed(b"\0" * 50_000_000)}, "not 1 rows of 4"),  # a zip bomb
+    ({"nodes": ["a"], "groups": [""], "levels": packed(b"\0\0\0\xfb")}, "out of range"),
+    ({"nodes": ["a"], "groups": [""], "levels": "%%%"}, ""),
+])  # fmt: skip
+def test_a_peers_part_is_checked_before_anything_is_drawn(part: Any, why: str) -> None:
+    from controlplane.heatmap import parse_part
+
+    with pytest.raises((ValueError, binascii.Error, zlib.error), match=why or None):
+        parse_part(part, 4)
+
+
+async def test_a_peers_ask_for_its_part_is_checked(aiohttp_client: Any) -> None:
+    """A replica's part is a peer's alone (its token); an ask that is no
+    picture's (a measure not offered, an end not finite, columns out of
+    range) is 400; an answer is the replica's nodes."""
+    from controlplane import peers
+    from controlplane.heatmap import parse_part
+    from controlplane.ingest import agent_api, tokens
+
+    secret = b"s3cret-s3cret-s3cret-s3cret"
+    registry, history, now = fleet_with_history(4, 3)
+    app = agent_api.create_app(registry, secret)
+    peers.add_routes(app, peers.Peers([], secret, registry, lambda node: None), secret,
+                     lambda: pages_api.nodes_json(registry), history)  # fmt: skip
+    client = await aiohttp_client(app)
+    auth = {"Authorization": f"Bearer {tokens.peer_token(secret)}"}
+    ask = f"/v1/peer/heatmap?measure=cpu&end={covering(now)}&columns=720"
+    assert (await client.get(ask)).status == 401
+    r = await client.get(ask, headers=auth)
+    part = parse_part(await r.json(), 720)
+    assert r.status == 200 and sorted(part.names) == [node_name(i) for i in range(4)]
+    assert ((part.levels != ABSENT).sum(axis=1) == 3).all()
+    for bad in ("measure=disk&end=1e9&columns=720", "measure=cpu&end=nan&columns=720", "measure=cpu&end=1e9&columns=0",
+                "measure=cpu&end=1e9&columns=721", "measure=cpu&end=1e9"):  # fmt: skip
+        assert (await client.get(f"/v1/peer/heatmap?{bad}", headers=auth)).status == 400, bad
+
+
+async def test_a_peer_whose_part_did_not_come_is_named_and_the_rest_drawn(aiohttp_client: Any) -> None:
+    from controlplane.heatmap import Part
+    from controlplane.pages_api import HEATMAP_PARTS
+
+    registry, history, _ = fleet_with_history(3, 3)
+    app = pages_api.create_app(registry, history=history)
+    add_pages(app, history)
+    other = Part([node_name(99)], [""], np.full((1, 720), 200, dtype=np.uint8))
+
+    async def peers_parts(measure: str, end: float, columns: int) -> tuple[list[Part], list[str]]:
+        return [other], ["http://cp-2:8080: TimeoutError: "]
+
+    app[HEATMAP_PARTS] = peers_parts
+    client = await aiohttp_client(app)
+    page = await (await client.get("/")).text()
+    assert "The picture leaves out the nodes of replica http://cp-2:8080: TimeoutError" in page
+    assert "4 nodes" in page  # this replica's three and the answering peer's one

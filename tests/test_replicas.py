@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import html
 import json
 import os
 import re
@@ -619,6 +620,14 @@ def test_a_fleet_over_three_replicas_survives_one_killed_and_its_return(replicas
     try:
         wait_until(at_first_choices, 60, "every node at its first choice")
         assert all(0.25 < sum(u == r.url for u in first.values()) / 300 < 0.42 for r in replicas)
+        # The fleet's picture on any replica is the whole fleet's: each replica's part, asked of it.
+        for r in replicas:
+            with urllib.request.urlopen(f"{r.pages_url}/", timeout=30) as page:
+                legend = re.search(r'data-legend="([^"]+)"', page.read().decode())
+            assert legend is not None
+            with urllib.request.urlopen(r.pages_url + html.unescape(legend.group(1)), timeout=30) as answer:
+                rows = json.loads(answer.read())["rows"]
+            assert sorted(n for row in rows for n in row["nodes"]) == sorted(fleet.nodes)
         victim = replicas[1]
         victims = {n for n, u in first.items() if u == victim.url}
         victim.kill()  # SIGKILL: no goodbye, its state file as it was last written

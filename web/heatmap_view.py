@@ -8,6 +8,7 @@ happened between, and a view within a column's width reuses the picture.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -16,10 +17,11 @@ from urllib.parse import quote, urlencode
 
 from aiohttp import web
 
-from controlplane.heatmap import MEASURES, Heatmap, Measure, column_end, column_grid, heatmap
+from controlplane.heatmap import MEASURES, Heatmap, Measure, Part, build, column_end, column_grid, own_part
 from controlplane.history import HOUR_S, EmbeddedHistory
 from controlplane.keys import HISTORY
 from controlplane.page_worker import PAGE_WORKER, shared
+from controlplane.pages_api import HEATMAP_PARTS
 
 DEFAULT_MEASURE = "cpu"
 ROW_PX = (2, 12)  # a row's height on the page: the picture fits about 480 px, its rows readable
@@ -53,10 +55,49 @@ def _history(request: web.Request) -> EmbeddedHistory:
     return history
 
 
+class PicturesKept:
+    """The fleet's pictures by measure and end, each made once (this
+    replica's part and its peers', combined on the page thread) and kept for
+    the next views of that column: the page, its image, its legend and a
+    click's cell ask for the same one. A picture whose making failed is
+    not kept."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[str, float], asyncio.Task[tuple[Heatmap, list[str]]]] = {}
+
+    async def get(self, app: web.Application, history: EmbeddedHistory, measure: Measure,
+                  end: float) -> tuple[Heatmap, list[str]]:  # fmt: skip
+        key = (measure.key, end)
+        task = self._made.get(key)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._made[key] = asyncio.create_task(self._make(app, history, measure, end))
+            while len(self._made) > 2 * len(MEASURES):
+                del self._made[next(iter(self._made))]  # the oldest
+        return await asyncio.shield(task)
+
+    async def _make(self, app: web.Application, history: EmbeddedHistory, measure: Measure,
+                    end: float) -> tuple[Heatmap, list[str]]:  # fmt: skip
+        columns = column_grid(end, history.interval)[2]
+        worker = app[PAGE_WORKER]
+        ask_peers = app.get(HEATMAP_PARTS)
+        own, (theirs, missing) = await asyncio.gather(
+            worker.run(own_part, history, measure, end, columns),
+            ask_peers(measure.key, end, columns) if ask_peers is not None else _none())
+        return await worker.run(build, measure, [own, *theirs], end, columns), missing
+
+
+async def _none() -> tuple[list[Part], list[str]]:
+    return [], []
+
+
+PICTURES_KEPT = web.AppKey("pictures_kept", PicturesKept)
+
+
 async def _picture(request: web.Request) -> Heatmap:
     history = _history(request)
     measure, end = _measure(request), _end(request, history)
-    return await request.app[PAGE_WORKER].run(heatmap, history, measure, end, history.interval)
+    picture, _ = await request.app[PICTURES_KEPT].get(request.app, history, measure, end)
+    return picture
 
 
 @shared("measure", "end")
@@ -103,13 +144,14 @@ def heatmap_context(request: web.Request, measures: tuple[str, ...]) -> dict[str
 
 
 async def heatmap_rows(request: web.Request, context: dict[str, Any]) -> None:
-    """The picture's size, for the page to lay it out: its rows and their groups."""
+    """The picture's size, for the page to lay it out: its rows and their
+    groups; and the peers whose nodes it lacks, with why."""
     history = _history(request)
-    picture = await request.app[PAGE_WORKER].run(heatmap, history, context["measure"], context["end"],
-                                                 history.interval)  # fmt: skip
+    picture, missing = await request.app[PICTURES_KEPT].get(request.app, history, context["measure"], context["end"])
     rows = len(picture.rows)
     context["rows"] = rows
     context["nodes"] = picture.nodes
+    context["missing"] = missing
     context["row_px"] = max(ROW_PX[0], min(ROW_PX[1], 480 // max(1, rows)))
     context["band"] = max((len(r.nodes) for r in picture.rows), default=1)
     groups: list[dict[str, Any]] = []
@@ -123,6 +165,7 @@ async def heatmap_rows(request: web.Request, context: dict[str, Any]) -> None:
 
 
 def add_heatmap(app: web.Application) -> None:
+    app[PICTURES_KEPT] = PicturesKept()
     app.router.add_get("/heatmap.png", heatmap_png)
     app.router.add_get("/api/heatmap", heatmap_legend)
     app.router.add_get("/heatmap/cell", heatmap_cell)

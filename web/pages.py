@@ -387,7 +387,7 @@ async def cluster_page(request: web.Request) -> web.Response:
                          state=state, page=page, pages=pages, prev_link=link(page - 1) if page > 1 else None,
                          next_link=link(page + 1) if page < pages else None, charts=charts_drawn,
                          history_errors=errors, silent_peers=[p for p in peers if not p["answered"]],
-                         picture=picture, with_peers=bool(peers))  # fmt: skip
+                         picture=picture)  # fmt: skip
 
 
 def _cluster_rows(rows: list[dict[str, Any]], text: str, state: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
