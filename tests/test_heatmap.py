@@ -201,7 +201,7 @@ async def test_with_prometheus_the_page_has_no_picture(aiohttp_client: Any) -> N
     add_pages(app, None, prometheus_url="http://127.0.0.1:9")
     client = await aiohttp_client(app)
     page = await (await client.get("/")).text()
-    assert 'class="heatmap"' not in page
+    assert 'class="heatmap"' not in page and "which <code>--prometheus</code> replaces" in page  # said, not empty
     r = await client.get(f"/heatmap.png?measure=cpu&end={column_end(history.clock(), INTERVAL)}")
     assert r.status == 404
 
