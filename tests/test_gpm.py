@@ -92,6 +92,35 @@ def test_ticks_faster_than_10_hz_never_pair_samples_closer_than_100_ms() -> None
     assert got["pcie_tx_bytes_per_second"] == pytest.approx(512 * 2**20)  # NVML's MiB a second, in bytes
 
 
+def test_slow_calls_in_a_tick_never_pair_samples_closer_than_100_ms() -> None:
+    """Each sample call takes 30 ms (a loaded machine, a slow driver): the
+    later cards of a tick are sampled late in it, and early in the next tick
+    if that tick's calls were quick. Pairs are judged by when each sample was
+    taken, not by when the tick began: none closer than NVML takes."""
+    clock = FakeClock()
+    nvml = FakeNvml([FakeCard(i) for i in range(4)], clock=clock)
+    slow = {"on": True}
+    take = nvml._take_gpm
+
+    def slow_take(counted: Any, sample: Any) -> Any:
+        if slow["on"]:
+            clock.advance(0.03)
+        return take(counted, sample)
+
+    nvml._take_gpm = slow_take  # type: ignore[method-assign, assignment]
+    monitor = monitor_of(nvml, clock)
+    for card in nvml.cards:
+        card.set_gpm_rates(clock.t, {SM: 40.0})
+    for k in range(40):  # a tick every 100 ms of its start; every other tick's calls are slow
+        slow["on"] = k % 2 == 0
+        start = clock.t
+        monitor.tick()
+        clock.advance(max(0.0, 0.1 - (clock.t - start)))
+    assert nvml.gpm_pairs_too_close == 0
+    for i in range(4):
+        assert monitor.take(i)["sm_activity_percent"] == pytest.approx(40.0)
+
+
 def test_a_card_without_gpm_beside_one_with_it_is_absent_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
     nvml = FakeNvml([FakeCard(0), FakeCard(1, name="NVIDIA A100-SXM4-80GB", gpm=False)], clock=clock)

@@ -81,6 +81,17 @@ def test_a_span_read_back_is_exactly_the_samples_that_fell_in_it(
                               np.array([v for *_, v in want], dtype=np.float32), equal_nan=True)  # fmt: skip
 
 
+def test_a_sample_beginning_exactly_at_a_span_s_end_is_not_in_it() -> None:
+    """Bounds are whole microseconds, as the samples' lengths are: a span
+    [210, 220) us holds the sample [0, 220) and not [220, 264), though in
+    float seconds at 1.8e9 s the second's begin (its end less 44 us) can
+    round below 220 (hypothesis' counterexample)."""
+    ring = HindsightRing(minutes=2 / 60, mib=64, hz=1.0, rows=4)
+    assert ring.keep("machine", (BASE_US + 264) / 1e6, np.array([220, 44]) / 1e6, np.array([1.0, 2.0]))
+    assert read_back(ring, "machine", BASE_US + 210, BASE_US + 220) == [(BASE_US, BASE_US + 220, 1.0)]
+    assert read_back(ring, "machine", BASE_US + 220, BASE_US + 221) == [(BASE_US + 220, BASE_US + 264, 2.0)]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.0005, 0.3), st.one_of(st.none(), st.floats(0, 8))), min_size=1, max_size=200))
 def test_a_windows_span_averages_to_its_summarys_mean(samples: list[tuple[float, float | None]]) -> None:

@@ -155,8 +155,8 @@ class CardMonitor:
             self._tick_clock_events(card, now)
             if card.gpm is None:
                 card.gpm = self._supports_gpm(card)
-            if card.gpm and (card.last_at is None or now - card.last_at >= MIN_INTERVAL_S - 1e-6):  # float sums
-                self._tick_gpm(card, now)
+            if card.gpm:
+                self._tick_gpm(card)
 
     def _supports_gpm(self, card: _CardState) -> bool:
         nv = self._nv
@@ -179,14 +179,25 @@ class CardMonitor:
                      "(Hopper and later have it)", card.name)  # fmt: skip
         return supported
 
-    def _tick_gpm(self, card: _CardState, now: float) -> None:
+    def _tick_gpm(self, card: _CardState) -> None:
+        """A GPM sample of the card, paired with its last. The pair's times are
+        the clock read after each call (NVML stamps a sample within its call):
+        a sample is taken only when the clock before the call is
+        MIN_INTERVAL_S past the last one's after, so the two NVML pairs are
+        that far apart whatever the calls before it in the tick took (a tick
+        read the clock once for every card: a MIG card's later instances,
+        sampled late in a slow tick and early in the next, were paired 80 ms
+        apart, which NVML refuses)."""
         nv = self._nv
+        if card.last_at is not None and self._clock() - card.last_at < MIN_INTERVAL_S - 1e-6:  # float sums
+            return
         newest, older = card.buffers[1], card.buffers[0]  # the older of the two is written over
         try:
             if card.gpu_instance is None:
                 nv.nvmlGpmSampleGet(card.handle, newest)
             else:
                 nv.nvmlGpmMigSampleGet(card.handle, card.gpu_instance, newest)
+            now = self._clock()
         except nv.NVMLError as e:
             if self._first(f"gpm sample {card.name} {e}"):
                 log.info("%s: a GPM sample failed (%s): that interval is left out", card.name, e)
