@@ -160,7 +160,7 @@ async def heatmap_rows(request: web.Request, context: dict[str, Any]) -> None:
             groups[-1]["rows"] += 1
             groups[-1]["nodes"] += len(r.nodes)
         else:
-            groups.append({"group": r.group, "rows": 1, "nodes": len(r.nodes), "first": r.nodes[0]})
+            groups.append({"group": r.group, "rows": 1, "nodes": len(r.nodes)})
     context["groups"] = groups
 
 
