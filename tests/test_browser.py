@@ -299,6 +299,9 @@ def test_every_sample_around_a_past_burst(fleet: Fleet, group: list[subprocess.P
     shot = ARTIFACTS / "hindsight-around.png"
     with browser_page(1000, 1400) as (page, _):
         page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
+        # The charts redrawn for their column first (charts.js swaps <main> once on load): a click is on them.
+        page.wait_for_function("() => window.nodesamplerChartWidth && document.querySelector('main svg.chart')"
+                               ".viewBox.baseVal.width === window.nodesamplerChartWidth")  # fmt: skip
         section = page.locator("#hindsight")
         chart = page.locator("main svg.chart[data-from]").first
 
