@@ -60,13 +60,29 @@ def browser_page(width: int, height: int) -> Iterator[tuple[Any, list[str]]]:
             browser.close()
 
 
+# Waits for the charts drawn for their column: charts.js asks for <main> once
+# more on load when the server drew them for another width, and a pointer
+# placed on the first drawing can land on that swap (CI saw both a click lost
+# and a readout of an empty column).
+CHARTS_FITTED = """() => {
+    const svg = document.querySelector('main .charts > figure.chart svg.chart');
+    return !svg || svg.viewBox.baseVal.width === window.nodesamplerChartWidth;
+}"""
+
+
+def open_page(page: Any, url: str) -> None:
+    """Goes to `url` and returns once its charts are the ones drawn for their column."""
+    page.goto(url)
+    page.wait_for_function(CHARTS_FITTED)
+
+
 def test_node_page_refreshes_in_place(fleet: Fleet) -> None:
     fleet.start_control_plane()
     fleet.start_agent()
     fleet.wait_for(fresh_with_seq)
     ARTIFACTS.mkdir(exist_ok=True)
     with browser_page(1000, 500) as (page, navigations):
-        page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
+        open_page(page, f"http://127.0.0.1:{fleet.pages_port}/node/n1")
         assert page.locator("h1").inner_text().startswith("n1")
         # Every chart of the hour drawn, or one line saying why it has nothing (no engine's queue here).
         assert page.locator("main svg.chart").count() >= 3
@@ -86,7 +102,7 @@ def test_node_page_refreshes_in_place(fleet: Fleet) -> None:
         assert page.locator("main svg.chart").count() >= 3
         assert page.locator("main .charts > figure.chart, main .charts > p.chart-none").count() >= 6
         page.screenshot(path=str(ARTIFACTS / "node-page.png"), full_page=True)
-        page.goto(f"http://127.0.0.1:{fleet.pages_port}/")
+        open_page(page, f"http://127.0.0.1:{fleet.pages_port}/")
         page.screenshot(path=str(ARTIFACTS / "cluster-page.png"), full_page=True)
     assert (ARTIFACTS / "node-page.png").stat().st_size > 10_000
 
@@ -102,7 +118,7 @@ def test_charts_fill_their_column_at_any_width(fleet: Fleet) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     for width, columns in ((1400, 2), (800, 1)):
         with browser_page(width, 900) as (page, _):
-            page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
+            open_page(page, f"http://127.0.0.1:{fleet.pages_port}/node/n1")
             # Redrawn for the column: drawn at the server's width nearest the column's (640 for a
             # 1,400 px page's half, 800 for a narrow page's whole), not the default 560 stretched.
             page.wait_for_function("w => document.querySelector('main svg.chart').viewBox.baseVal.width === w",
@@ -157,7 +173,7 @@ def test_the_pointer_reads_each_series_value_in_its_unit(fleet: Fleet) -> None:
     body["window"] = {"start": now - 5, "end": now, "samples": 50}
     assert post_as(fleet, "h1", "/v1/heartbeat", body) == 200
     with browser_page(1400, 900) as (page, _):
-        page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/h1")
+        open_page(page, f"http://127.0.0.1:{fleet.pages_port}/node/h1")
         cpu = page.locator("main svg.chart[aria-label^='CPU']")
         # The column that holds the heartbeat (its last point), in the page's pixels.
         where = cpu.evaluate("""svg => {
@@ -176,6 +192,14 @@ def test_the_pointer_reads_each_series_value_in_its_unit(fleet: Fleet) -> None:
         figure.locator(".legend .key", has_text="max").click()
         page.mouse.move(where["x"], where["y"] + 1)
         assert "max: 100.0%" not in tip.inner_text() and "mean: 37.5%" in tip.inner_text()
+        # A refresh draws <main> anew: the series stays hidden, the readout is the new drawing's.
+        before = page.evaluate("document.querySelector('main').dataset.renderedAt")
+        page.evaluate("window.nodesamplerRefresh()")
+        assert page.evaluate("document.querySelector('main').dataset.renderedAt") != before
+        assert figure.locator(".legend .key.off", has_text="max").count() == 1
+        assert figure.locator("svg.chart path[data-v]").evaluate_all(
+            "paths => paths.map(p => p.style.display)") == ["", "none"]  # fmt: skip
+        assert tip.is_visible() and "mean: 37.5%" in tip.inner_text() and "max:" not in tip.inner_text()
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "pointer-readout.png"))
 
@@ -189,7 +213,7 @@ def test_the_live_view_draws_every_sample_as_it_arrives(fleet: Fleet) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "live-view.png"
     with browser_page(1000, 900) as (page, navigations):
-        page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
+        open_page(page, f"http://127.0.0.1:{fleet.pages_port}/node/n1")
         toggle = page.locator("#live-toggle")
         assert toggle.is_visible()
         toggle.click()
@@ -247,7 +271,7 @@ def test_a_starved_engine_beside_a_healthy_one(fleet: Fleet, cpu_cgroup: CpuCgro
         # (this browser starting) delayed the healthy engine is starved too: load again.
         for _ in range(30):
             seq = fleet.nodes()[0]["heartbeat"]["seq"]
-            page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
+            open_page(page, f"http://127.0.0.1:{fleet.pages_port}/node/n1")
             if marked.count() == 1 and "throttled" in marked.inner_text():
                 break
             fleet.wait_for(lambda nodes: fresh_with_seq(nodes, seq))  # noqa: B023 (called here, at once)
@@ -298,10 +322,7 @@ def test_every_sample_around_a_past_burst(fleet: Fleet, group: list[subprocess.P
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "hindsight-around.png"
     with browser_page(1000, 1400) as (page, _):
-        page.goto(f"http://127.0.0.1:{fleet.pages_port}/node/n1")
-        # The charts redrawn for their column first (charts.js swaps <main> once on load): a click is on them.
-        page.wait_for_function("() => window.nodesamplerChartWidth && document.querySelector('main svg.chart')"
-                               ".viewBox.baseVal.width === window.nodesamplerChartWidth")  # fmt: skip
+        open_page(page, f"http://127.0.0.1:{fleet.pages_port}/node/n1")
         section = page.locator("#hindsight")
         chart = page.locator("main svg.chart[data-from]").first
 

@@ -22,7 +22,7 @@ from controlplane.heatmap import LEVELS, MEASURES, heatmap, level_colour
 from controlplane.history import EmbeddedHistory
 from controlplane.state.registry import NodeRegistry
 from tests.heatmap_fleet import fleet_with_history, node_name
-from tests.test_browser import ARTIFACTS, browser_page
+from tests.test_browser import ARTIFACTS, browser_page, open_page
 from web.pages import add_pages
 
 pytestmark = pytest.mark.live
@@ -55,7 +55,7 @@ def test_a_burst_on_one_node_in_a_thousand_is_seen_and_opened() -> None:
     registry, history, _ = fleet_with_history(1000, 60, {BURST: 3})
     ARTIFACTS.mkdir(exist_ok=True)
     with serving(registry, history) as port, browser_page(1400, 1000) as (page, navigations):
-        page.goto(f"http://127.0.0.1:{port}/")
+        open_page(page, f"http://127.0.0.1:{port}/")
         img = page.locator("main #heatmap img.heatmap")
         img.evaluate("img => img.decode()")
         end = float(parse_qs(urlparse(img.get_attribute("src") or "").query)["end"][0])
@@ -90,7 +90,7 @@ def test_a_burst_on_one_node_in_a_thousand_is_seen_and_opened() -> None:
         assert picture.start + column * picture.step < at < picture.start + (column + 1) * picture.step
         assert len(navigations) == 2  # the cluster page, then the node's (the cell's 303 followed)
     with serving(registry, history) as port, browser_page(800, 1000) as (page, _):
-        page.goto(f"http://127.0.0.1:{port}/")
+        open_page(page, f"http://127.0.0.1:{port}/")
         img = page.locator("main #heatmap img.heatmap")
         img.evaluate("img => img.decode()")
         box, section = img.bounding_box(), page.locator("main #heatmap").bounding_box()
@@ -101,7 +101,7 @@ def test_a_burst_on_one_node_in_a_thousand_is_seen_and_opened() -> None:
 def test_a_fleet_without_gpus_has_no_gpu_picture_or_chart() -> None:
     registry, history, _ = fleet_with_history(50, 10, gpus=False)
     with serving(registry, history) as port, browser_page(1400, 900) as (page, _):
-        page.goto(f"http://127.0.0.1:{port}/?measure=gpu")
+        open_page(page, f"http://127.0.0.1:{port}/?measure=gpu")
         text = page.locator("main").inner_text()
         assert "GPU charts: no GPUs on this fleet's fresh nodes" in text
         assert "GPU utilisation" not in text and "SMs busy" not in text

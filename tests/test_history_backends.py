@@ -187,7 +187,7 @@ async def test_pages_from_prometheus_draw_lines_at_5_and_15_s_scrapes(tmp_path: 
 def _lines_have_length(pages: dict[int, int]) -> None:
     from playwright.sync_api import sync_playwright
 
-    from tests.test_browser import ARTIFACTS, CHROMIUM_ARGS
+    from tests.test_browser import ARTIFACTS, CHROMIUM_ARGS, open_page
 
     chromium = shutil.which("chromium")
     assert chromium is not None, "chromium missing: make setup installs Debian's chromium"
@@ -197,7 +197,7 @@ def _lines_have_length(pages: dict[int, int]) -> None:
         try:
             page = browser.new_page(viewport={"width": 1000, "height": 700})
             for scrape, port in pages.items():
-                page.goto(f"http://127.0.0.1:{port}/node/n1")
+                open_page(page, f"http://127.0.0.1:{port}/node/n1")
                 lengths = page.evaluate("[...document.querySelectorAll('svg.chart path')].map(p => p.getTotalLength())")
                 assert lengths and all(n > 0 for n in lengths), (scrape, lengths)
                 page.screenshot(path=str(ARTIFACTS / f"node-page-prometheus-{scrape}s.png"), full_page=True)

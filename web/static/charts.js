@@ -90,12 +90,15 @@
     crosshairs(null);
   }
 
-  document.addEventListener("pointermove", (e) => {
-    const svg = e.target.closest && e.target.closest("main svg.chart[data-from]");
+  // The readout for the pointer at (x, y) over `target`.
+  let pointer = null;
+  function readout(target, x, y) {
+    pointer = { x, y };
+    const svg = target && target.closest && target.closest("main svg.chart[data-from]");
     if (!svg) { hide(); return; }
     const box = svg.getBoundingClientRect(), scale = box.width / svg.viewBox.baseVal.width;
     const x0 = Number(svg.dataset.x0), x1 = Number(svg.dataset.x1);
-    const col = Math.floor((e.clientX - box.left) / scale - x0);
+    const col = Math.floor((x - box.left) / scale - x0);
     if (col < 0 || col >= x1 - x0) { hide(); return; }
     const from = Number(svg.dataset.from), to = Number(svg.dataset.to);
     const at = from + ((col + 1) / (x1 - x0)) * (to - from); // a column ends at its last instant
@@ -111,18 +114,36 @@
     const t = tipBox();
     t.textContent = lines.join("\n");
     t.hidden = false;
-    t.style.left = `${Math.min(e.clientX + 12, window.innerWidth - t.offsetWidth - 4)}px`;
-    t.style.top = `${e.clientY + 12}px`;
+    t.style.left = `${Math.min(x + 12, window.innerWidth - t.offsetWidth - 4)}px`;
+    t.style.top = `${y + 12}px`;
     crosshairs((col + 0.5) / (x1 - x0));
-  });
-  document.addEventListener("pointerleave", hide);
+  }
+  document.addEventListener("pointermove", (e) => readout(e.target, e.clientX, e.clientY));
+  document.addEventListener("pointerleave", () => { pointer = null; hide(); });
 
-  document.addEventListener("click", (e) => {
-    const key = e.target.closest && e.target.closest("figure.chart .legend .key[data-series]");
-    if (!key) return;
-    const off = key.classList.toggle("off");
+  // The series a reader hid, by chart and series: a refresh draws <main>
+  // anew and they stay hidden (base.html says when, "nodesampler-main").
+  const hidden = new Set();
+  const nameOf = (key) => `${key.closest("figure").querySelector("figcaption").textContent}\u0000${key.dataset.series}`;
+  function show(key, off) {
+    key.classList.toggle("off", off);
     for (const drawn of key.closest("figure").querySelectorAll(`svg [data-series="${key.dataset.series}"]`)) {
       drawn.style.display = off ? "none" : "";
     }
+  }
+  document.addEventListener("click", (e) => {
+    const key = e.target.closest && e.target.closest("figure.chart .legend .key[data-series]");
+    if (!key) return;
+    const off = !key.classList.contains("off");
+    if (off) hidden.add(nameOf(key)); else hidden.delete(nameOf(key));
+    show(key, off);
+  });
+  // <main> drawn anew: the hidden series stay hidden, and a reader's readout
+  // is read again from the new drawing under the pointer.
+  document.addEventListener("nodesampler-main", () => {
+    for (const key of document.querySelectorAll("main figure.chart .legend .key[data-series]")) {
+      if (hidden.has(nameOf(key))) show(key, true);
+    }
+    if (pointer && tip && !tip.hidden) readout(document.elementFromPoint(pointer.x, pointer.y), pointer.x, pointer.y);
   });
 })();
