@@ -437,12 +437,21 @@ def test_a_webhook_to_any_replica_captures_each_node_where_it_is_held(replicas: 
         assert answer["started"] is None and answer["forwarded"][holder.pages_url]["nodes"] == ["n1"], answer
         started = answer["forwarded"][holder.pages_url]["started"]
         with urllib.request.urlopen(f"http://127.0.0.1:{holder.pages_port}/api/incidents", timeout=10) as r:
-            assert [i["id"] for i in json.loads(r.read())["incidents"]] == [started]
+            assert started_by(r, "alertmanager") == [started]
         with urllib.request.urlopen(f"http://127.0.0.1:{other.pages_port}/api/incidents", timeout=10) as r:
             assert json.loads(r.read())["incidents"] == []
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=30)
+
+
+def started_by(answer: Any, source: str) -> list[str]:
+    """The incidents of an /api/incidents answer that `source` started. The
+    agent here watches this machine's busiest groups, and on a loaded machine
+    one may be judged starved and start an incident of its own (CI saw one)."""
+    incidents = json.loads(answer.read())["incidents"]
+    assert all(i["source"] in (source, "starvation") for i in incidents), incidents
+    return [i["id"] for i in incidents if i["source"] == source]
 
 
 def live_windows(replica: Replica, node: str, count: int) -> list[dict[str, Any]]:
@@ -507,9 +516,9 @@ def test_a_node_held_elsewhere_is_read_through_any_replica(replicas: list[Replic
         assert status == 202, body
         incident = json.loads(body)["id"]
         with urllib.request.urlopen(f"http://127.0.0.1:{holder.pages_port}/api/incidents", timeout=10) as r:
-            assert [i["id"] for i in json.loads(r.read())["incidents"]] == [incident]
+            assert started_by(r, "operator") == [incident]
         with urllib.request.urlopen(f"{pages}/api/incidents?node=n1", timeout=10) as r:
-            assert [i["id"] for i in json.loads(r.read())["incidents"]] == [incident]
+            assert started_by(r, "operator") == [incident]
         with urllib.request.urlopen(f"{pages}/api/incidents/{incident}", timeout=10) as r:
             assert json.loads(r.read())["id"] == incident
         with pytest.raises(urllib.error.HTTPError) as missing:
