@@ -32,6 +32,11 @@ def model_of(i: int) -> str | None:
     return MODELS[i % 3]
 
 
+def cpu_at(i: int, k: int, burst_at: int | None, varied: bool) -> float:
+    """Node i's CPU peak in its heartbeat k back from the last."""
+    return 100.0 if k == burst_at else idle_cpu(i) + ((k * 7 + i * 13) % 20 if varied else 0)
+
+
 def _body(node: str, cpu_max: float, model: str | None) -> dict[str, Any]:
     gpus = [{"index": 0, "uuid": f"GPU-{node}", "name": model, "utilization_percent": cpu_max / 2}] if model else []
     return {"node": node, "seq": 1, "backend": "bpf", "window": {"start": 0.0, "end": 5.0, "samples": 50},
@@ -65,6 +70,28 @@ def fleet_with_history(nodes: int, heartbeats: int, bursts: dict[str, int] | Non
         registry.heartbeat(wire.decode_heartbeat(json.dumps(_body(node, idle_cpu(i), model)).encode()).heartbeat)
         burst_at = bursts.get(node)
         for k in range(heartbeats - 1, -1, -1):
-            cpu = 100.0 if k == burst_at else idle_cpu(i) + ((k * 7 + i * 13) % 20 if varied else 0)
+            cpu = cpu_at(i, k, burst_at, varied)
             history.record(node, received(cpu, model), at=now - k * interval)
     return registry, history, now
+
+
+def openmetrics(nodes: int, heartbeats: int, bursts: dict[str, int], interval: float, now: float,
+                varied: bool = False, gpus: bool = True) -> str:  # fmt: skip
+    """The same fleet's figures as the control plane exports them
+    (`llmgw_node_up`, the CPU's window max, each card's utilisation), each
+    heartbeat a sample at its time: what Prometheus would have scraped,
+    for `promtool tsdb create-blocks-from openmetrics`."""
+    out = []
+    for family in ("llmgw_node_up", "llmgw_node_cpu_utilization_max_percent", "llmgw_gpu_utilization_percent"):
+        out.append(f"# TYPE {family} gauge")
+        for i in range(nodes):
+            labels, scale = f'node="{node_name(i)}"', 1.0
+            if family == "llmgw_gpu_utilization_percent":
+                if not gpus or model_of(i) is None:
+                    continue
+                labels, scale = labels + f',gpu="0",gpu_model="{model_of(i)}"', 0.5  # as _body's card
+            for k in range(heartbeats - 1, -1, -1):
+                value = 1.0 if family == "llmgw_node_up" else cpu_at(i, k, bursts.get(node_name(i)), varied) * scale
+                out.append(f"{family}{{{labels}}} {value} {now - k * interval:.3f}")
+    out.append("# EOF")
+    return "\n".join(out) + "\n"

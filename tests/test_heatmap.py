@@ -11,6 +11,7 @@ import json
 import math
 import re
 import struct
+import time
 import zlib
 from typing import Any
 
@@ -132,6 +133,34 @@ def test_the_gpu_measure_takes_the_busiest_card_and_cpu_nodes_have_none() -> Non
             assert len(measured) == 3 and set(measured) == {round(idle_cpu(int(node[5:])) / 2 / 100 * (LEVELS - 1))}
 
 
+def test_a_node_s_busiest_card_in_each_window_and_its_ring_wrapped() -> None:
+    """Two cards, each missing in some windows: a cell is the busier card
+    measured there, grey only where neither was; and a node whose ring has
+    wrapped (more heartbeats than an hour holds, read in the ring's order)
+    has each window's own figure, the hour's first included."""
+    history = EmbeddedHistory(interval=INTERVAL)
+    now = 1_000_000.0 - INTERVAL / 2
+    for k in range(800, -1, -1):  # 801 heartbeats: the ring holds 721
+        cards = [{"index": i, "uuid": f"GPU-{i}", "name": "H100", "utilization_percent": float(u)}
+                 for i, u in ((0, k % 50), (1, (k * 3) % 70)) if not (i == 0 and k % 4 == 0 or i == 1 and k % 3 == 0)]
+        history.record("n1", held({"machine": {"cpu_percent": {"mean": 1.0, "p95": 1.0, "max": float(k % 90)}},
+                                   "gpus": cards}), at=now - k * INTERVAL)  # fmt: skip
+    end = covering(now)
+
+    def busiest_card(k: int) -> int | None:
+        return max([u for u, off in ((k % 50, k % 4 == 0), ((k * 3) % 70, k % 3 == 0)) if not off], default=None)
+
+    def cpu(k: int) -> int | None:
+        return k % 90
+
+    for key, expected in (("cpu", cpu), ("gpu", busiest_card)):
+        [row] = heatmap(history, MEASURES[key], end, INTERVAL).rows
+        for column in range(len(row.levels)):
+            k = len(row.levels) - 1 - column  # the heartbeat in that window
+            want = expected(k)
+            assert row.levels[column] == (ABSENT if want is None else round(want * (LEVELS - 1) / 100)), (key, k)
+
+
 async def pages(aiohttp_client: Any, nodes: int, heartbeats: int, bursts: dict[str, int] | None = None) -> Any:
     registry, history, _ = fleet_with_history(nodes, heartbeats, bursts)
     app = pages_api.create_app(registry, history=history)
@@ -195,15 +224,19 @@ async def test_a_cell_outside_or_unmeasured_is_404_and_bad_coordinates_400(aioht
     assert (await client.get("/node/node-00000?at=12", allow_redirects=False)).status == 400
 
 
-async def test_with_prometheus_the_page_has_no_picture(aiohttp_client: Any) -> None:
+async def test_a_prometheus_that_does_not_answer_leaves_a_reason_not_a_picture(aiohttp_client: Any) -> None:
+    """With --prometheus the picture is Prometheus' (tests/test_heatmap_prometheus.py);
+    one that cannot be reached is said where the picture would be, and its image is a 502."""
     registry, history, _ = fleet_with_history(2, 2)
     app = pages_api.create_app(registry, history=history)
     add_pages(app, None, prometheus_url="http://127.0.0.1:9")
     client = await aiohttp_client(app)
     page = await (await client.get("/")).text()
-    assert 'class="heatmap"' not in page and "which <code>--prometheus</code> replaces" in page  # said, not empty
-    r = await client.get(f"/heatmap.png?measure=cpu&end={column_end(history.clock(), INTERVAL)}")
-    assert r.status == 404
+    assert '<img class="heatmap"' not in page
+    assert re.search(r'id="heatmap-error">No picture: Prometheus at http://127.0.0.1:9: ClientConnectorError', page)
+    end = column_end(time.time(), 15.0)
+    r = await client.get(f"/heatmap.png?measure=cpu&end={end}")
+    assert r.status == 502 and "Prometheus at http://127.0.0.1:9" in await r.text()
 
 
 def test_three_replicas_parts_draw_what_one_history_of_every_node_draws() -> None:
@@ -250,6 +283,7 @@ def packed(levels: bytes) -> str:
     ([], "not a part"),
     ({"nodes": ["a"], "groups": [], "levels": packed(b"\0" * 4)}, "as many groups as nodes"),
     ({"nodes": ["a b"], "groups": [""], "levels": packed(b"\0" * 4)}, "not a node id"),
+    ({"nodes": ["a", "a"], "groups": ["", ""], "levels": packed(b"\0" * 8)}, "a node twice"),
     ({"nodes": ["a"], "groups": ["\x1b[2J"], "levels": packed(b"\0" * 4)}, "printable"),
     ({"nodes": ["a"], "groups": [""], "levels": packed(b"\0" * 3)}, "not 1 rows of 4"),
     ({"nodes": ["a"], "groups": [""], "levels": packed(b"\0" * 50_000_000)}, "not 1 rows of 4"),  # a zip bomb
@@ -306,3 +340,60 @@ async def test_a_peer_whose_part_did_not_come_is_named_and_the_rest_drawn(aiohtt
     page = await (await client.get("/")).text()
     assert "The picture leaves out the nodes of replica http://cp-2:8080: TimeoutError" in page
     assert "4 nodes" in page  # this replica's three and the answering peer's one
+
+
+def _vector(*results: tuple[dict[str, str], object]) -> bytes:
+    return json.dumps({"status": "success", "data": {"resultType": "vector", "result": [
+        {"metric": m, "value": [1.0, v]} for m, v in results]}}).encode()  # fmt: skip
+
+
+def test_a_bad_series_in_prometheus_answer_costs_that_series_alone() -> None:
+    """Prometheus may hold series our exporter never wrote (another job's
+    `node` label, a card's model of control characters, NaN): each is left
+    out or absent, the rest drawn; an answer that is not a success is an error."""
+    from controlplane.heatmap_prometheus import _results, picture, scores_and_groups
+    from controlplane.history import HistoryError
+
+    scores = _vector(({"node": "a"}, "50"), ({"node": "b c"}, "60"), ({"node": "d"}, "NaN"), ({}, "1"),
+                     ({"node": "e"}, "Inf"))  # fmt: skip
+    groups = _vector(({"node": "a", "gpu_model": "H100"}, "1"), ({"node": "a", "gpu_model": "A100"}, "1"),
+                     ({"node": "f", "gpu_model": "bad\x07"}, "1"), ({"node": "../g"}, "1"))  # fmt: skip
+    names, models, score = scores_and_groups(scores, groups)
+    assert names == ["a", "d", "e", "f"] and models == ["A100", "", "", ""] and score == [50.0, -1.0, -1.0, -1.0]
+    matrix = json.dumps({"status": "success", "data": {"resultType": "matrix", "result": [
+        {"metric": {"node": "a"}, "values": [[1000.0 + 15 * 240, "50"], ["x", "1"], [1000.0 + 15, "oops"], 7]},
+        {"metric": {"node": "zz"}, "values": [[1000.0 + 15, "99"]]},
+        {"metric": {"node": "f"}, "values": "not points"}]}}).encode()  # fmt: skip
+    drawn = picture(MEASURES["cpu"], 1000.0 + 3600, 240, names, models, score, [matrix])
+    [a] = [r for r in drawn.rows if r.nodes == ["a"]]
+    assert a.levels[-1] == round(50 * (LEVELS - 1) / 100) and (a.levels[:-1] == ABSENT).all()
+    assert all((r.levels == ABSENT).all() for r in drawn.rows if r.nodes != ["a"])
+    for body in (b"<html>", b'{"status": "error", "error": "parse error at char 3"}', b"[]",
+                 b'{"status": "success", "data": {"resultType": "scalar", "result": [1, "2"]}}'):
+        with pytest.raises(HistoryError):
+            _results(body, "matrix")
+
+
+async def test_an_answer_over_its_bound_is_refused_unread(aiohttp_server: Any) -> None:
+    """A Prometheus (or what answers at its URL) that sends more than the
+    bound is cut off there: an error, not memory."""
+    import aiohttp
+    from aiohttp import web
+
+    from controlplane.history import HistoryError, PrometheusHistory
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for _ in range(64):
+            await response.write(b" " * 65536)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/api/v1/query", endless)
+    server = await aiohttp_server(app)
+    async with aiohttp.ClientSession() as session:
+        prometheus = PrometheusHistory(f"http://127.0.0.1:{server.port}", session)
+        with pytest.raises(HistoryError, match="an answer over 1000000 bytes"):
+            await prometheus.ask("query", {"query": "up"}, 1_000_000)
+        assert (await prometheus.ask("query", {"query": "up"}, 8 << 20)).strip() == b""

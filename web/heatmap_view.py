@@ -1,5 +1,6 @@
-"""The cluster page's picture of the fleet (controlplane/heatmap.py): the
-image, what its script needs to name a cell, and a cell's node at its moment.
+"""The cluster page's picture of the fleet (controlplane/heatmap.py; with
+`--prometheus`, controlplane/heatmap_prometheus.py): the image, what its
+script needs to name a cell, and a cell's node at its moment.
 
 Every view names the picture it was drawn from by its last instant (`end`,
 a whole column): the image, its legend and a click's cell agree whatever
@@ -18,7 +19,8 @@ from urllib.parse import quote, urlencode
 from aiohttp import web
 
 from controlplane.heatmap import MEASURES, Heatmap, Measure, Part, build, column_end, column_grid, own_part
-from controlplane.history import HOUR_S, EmbeddedHistory
+from controlplane.heatmap_prometheus import prometheus_heatmap
+from controlplane.history import HOUR_S, EmbeddedHistory, HistoryError, PrometheusHistory
 from controlplane.keys import HISTORY
 from controlplane.page_worker import PAGE_WORKER, shared
 from controlplane.pages_api import HEATMAP_PARTS
@@ -34,7 +36,10 @@ def _measure(request: web.Request) -> Measure:
     return MEASURES[key]
 
 
-def _end(request: web.Request, history: EmbeddedHistory) -> float:
+Drawn = EmbeddedHistory | PrometheusHistory  # the histories a picture is drawn from
+
+
+def _end(request: web.Request, history: Drawn) -> float:
     """The picture's end as asked: a whole column of the last hour (an older
     picture would show an hour the history no longer holds whole)."""
     now = history.clock()
@@ -48,24 +53,24 @@ def _end(request: web.Request, history: EmbeddedHistory) -> float:
     return round(end / step) * step
 
 
-def _history(request: web.Request) -> EmbeddedHistory:
+def _history(request: web.Request) -> Drawn:
     history = request.app[HISTORY]
-    if not isinstance(history, EmbeddedHistory):
-        raise web.HTTPNotFound(text="the fleet's picture is drawn from the embedded history (no --prometheus)")
+    if not isinstance(history, EmbeddedHistory | PrometheusHistory):
+        raise web.HTTPNotFound(text="no history to draw the fleet's picture from")
     return history
 
 
 class PicturesKept:
     """The fleet's pictures by measure and end, each made once (this
-    replica's part and its peers', combined on the page thread) and kept for
-    the next views of that column: the page, its image, its legend and a
-    click's cell ask for the same one. A picture whose making failed is
-    not kept."""
+    replica's part and its peers', combined on the page thread; or
+    Prometheus' answers, which hold the whole fleet) and kept for the next
+    views of that column: the page, its image, its legend and a click's cell
+    ask for the same one. A picture whose making failed is not kept."""
 
     def __init__(self) -> None:
         self._made: dict[tuple[str, float], asyncio.Task[tuple[Heatmap, list[str]]]] = {}
 
-    async def get(self, app: web.Application, history: EmbeddedHistory, measure: Measure,
+    async def get(self, app: web.Application, history: Drawn, measure: Measure,
                   end: float) -> tuple[Heatmap, list[str]]:  # fmt: skip
         key = (measure.key, end)
         task = self._made.get(key)
@@ -75,10 +80,12 @@ class PicturesKept:
                 del self._made[next(iter(self._made))]  # the oldest
         return await asyncio.shield(task)
 
-    async def _make(self, app: web.Application, history: EmbeddedHistory, measure: Measure,
+    async def _make(self, app: web.Application, history: Drawn, measure: Measure,
                     end: float) -> tuple[Heatmap, list[str]]:  # fmt: skip
         columns = column_grid(end, history.interval)[2]
         worker = app[PAGE_WORKER]
+        if isinstance(history, PrometheusHistory):
+            return await prometheus_heatmap(history, worker, measure, end, columns), []
         ask_peers = app.get(HEATMAP_PARTS)
         own, (theirs, missing) = await asyncio.gather(
             worker.run(own_part, history, measure, end, columns),
@@ -96,7 +103,10 @@ PICTURES_KEPT = web.AppKey("pictures_kept", PicturesKept)
 async def _picture(request: web.Request) -> Heatmap:
     history = _history(request)
     measure, end = _measure(request), _end(request, history)
-    picture, _ = await request.app[PICTURES_KEPT].get(request.app, history, measure, end)
+    try:
+        picture, _ = await request.app[PICTURES_KEPT].get(request.app, history, measure, end)
+    except HistoryError as e:
+        raise web.HTTPBadGateway(text=f"the fleet's picture: {e}") from None
     return picture
 
 
@@ -130,9 +140,9 @@ async def heatmap_cell(request: web.Request) -> web.Response:
 
 
 def heatmap_context(request: web.Request, measures: tuple[str, ...]) -> dict[str, Any] | None:
-    """What the cluster page draws the picture with; None with no embedded history."""
+    """What the cluster page draws the picture with; None with no history to draw it from."""
     history = request.app[HISTORY]
-    if not isinstance(history, EmbeddedHistory):
+    if not isinstance(history, EmbeddedHistory | PrometheusHistory):
         return None
     key = request.query.get("measure", DEFAULT_MEASURE)
     measure = MEASURES[key] if key in measures else MEASURES[DEFAULT_MEASURE]
@@ -140,14 +150,21 @@ def heatmap_context(request: web.Request, measures: tuple[str, ...]) -> dict[str
     query = urlencode({"measure": measure.key, "end": f"{end:.3f}"})
     return {"measure": measure, "measures": [MEASURES[k] for k in measures], "end": end,
             "png": f"/heatmap.png?{query}", "legend": f"/api/heatmap?{query}", "cell": f"/heatmap/cell?{query}",
-            "until": time.strftime("%H:%M", time.localtime(end))}  # fmt: skip
+            "until": time.strftime("%H:%M", time.localtime(end)), "error": None}  # fmt: skip
 
 
 async def heatmap_rows(request: web.Request, context: dict[str, Any]) -> None:
     """The picture's size, for the page to lay it out: its rows and their
-    groups; and the peers whose nodes it lacks, with why."""
+    groups; and the peers whose nodes it lacks, with why; or why there is
+    no picture (Prometheus did not answer)."""
     history = _history(request)
-    picture, missing = await request.app[PICTURES_KEPT].get(request.app, history, context["measure"], context["end"])
+    try:
+        picture, missing = await request.app[PICTURES_KEPT].get(request.app, history, context["measure"],
+                                                                context["end"])  # fmt: skip
+    except HistoryError as e:
+        context["error"] = str(e)
+        context["nodes"] = 0
+        return
     rows = len(picture.rows)
     context["rows"] = rows
     context["nodes"] = picture.nodes
