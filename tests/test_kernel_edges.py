@@ -325,7 +325,13 @@ def test_processes_moved_into_or_out_of_a_watched_cgroup_are_followed_within_a_t
     """Mid-window, with no walk between: a process moved into the watched
     cgroup (cgroup.procs) is counted from its first tick there, one moved out
     stops being counted (the walk would see either at the next window: here
-    0.5 cores too few in the first window, 0.5 too many in the second)."""
+    0.5 cores too few in the first window, 0.5 too many in the second).
+    The move happens somewhere within the write to cgroup.procs, which on a
+    loaded guest can take tens of ms (the kernel's migration waits for RCU):
+    the truth is the range between the processes' CPU times read before and
+    after the write, and the figure is checked against the nearest in it
+    (CI's bullseye line, with the next line's image built beside it: 5.29%
+    off a truth read before the write)."""
     inside, outside = start_group(BURN_ONE_CORE), start_group(BURN_ONE_CORE)
     group += [inside, outside]
     (container_cgroup / "cgroup.procs").write_text(str(inside.pid))
@@ -336,7 +342,7 @@ def test_processes_moved_into_or_out_of_a_watched_cgroup_are_followed_within_a_t
     root = CGROUP / "cgroup.procs"
     plan: list[tuple[int, Path]] = [(outside.pid, container_cgroup / "cgroup.procs"), (inside.pid, root)]
     edges: list[tuple[float, float, float]] = []  # (when, inside's CPU, outside's CPU) at each reading
-    moved: list[tuple[float, float]] = []  # (inside's CPU, outside's CPU) at each move
+    moved: list[tuple[tuple[float, float], tuple[float, float]]] = []  # (inside's, outside's CPU) before and after
     move_at = math.inf
 
     def truth() -> None:
@@ -345,8 +351,9 @@ def test_processes_moved_into_or_out_of_a_watched_cgroup_are_followed_within_a_t
         if edges[-1][0] >= move_at:
             move_at = math.inf
             pid, to = plan.pop(0)
-            moved.append((process_cpu_seconds(inside.pid), process_cpu_seconds(outside.pid)))
+            before = (process_cpu_seconds(inside.pid), process_cpu_seconds(outside.pid))
             to.write_text(str(pid))
+            moved.append((before, (process_cpu_seconds(inside.pid), process_cpu_seconds(outside.pid))))
 
     moves_before = tick_moves(bpf_groups)
     with after_each_reading(bpf_groups, truth):
@@ -359,13 +366,15 @@ def test_processes_moved_into_or_out_of_a_watched_cgroup_are_followed_within_a_t
             windows.append((edges[start - 1], edges[-1], cores_of(summary.shards[0]).mean))
     assert not plan, "both moves were made"
     # First window: inside all along, outside from its move in; second: outside all along, inside until its move out.
+    # The truth's range: outside counted from some moment of its move in, inside until some moment of its move out.
     (t0, in0, _), (t1, _, out1), first = windows[0]
-    expected_first = ((windows[0][1][1] - in0) + (out1 - moved[0][1])) / (t1 - t0)
+    first_truths = [((windows[0][1][1] - in0) + (out1 - moved[0][k][1])) / (t1 - t0) for k in (1, 0)]
     (t0, in0, out0), (t1, _, out1), second = windows[1]
-    expected_second = ((moved[1][0] - in0) + (out1 - out0)) / (t1 - t0)
-    accuracy.record("a process moved into a watched cgroup, 2 s", first, expected_first, 0.05)
-    accuracy.record("a process moved out of a watched cgroup, 2 s", second, expected_second, 0.05)
-    assert first == pytest.approx(expected_first, rel=0.05)
-    assert second == pytest.approx(expected_second, rel=0.05)
+    second_truths = [((moved[1][k][0] - in0) + (out1 - out0)) / (t1 - t0) for k in (0, 1)]
+    for check, measured, (low, high) in (("a process moved into a watched cgroup, 2 s", first, first_truths),
+                                         ("a process moved out of a watched cgroup, 2 s", second, second_truths)):
+        nearest = min(max(measured, low), high)
+        accuracy.record(check, measured, nearest, 0.05)
+        assert measured == pytest.approx(nearest, rel=0.05), (check, low, high)
     joined, left = (after - before for after, before in zip(tick_moves(bpf_groups), moves_before, strict=True))
     assert joined >= 1 and left >= 1
