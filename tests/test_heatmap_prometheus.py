@@ -147,7 +147,7 @@ async def test_the_page_serves_prometheus_picture_and_a_cell_opens_its_node(tmp_
         add_pages(app, None, prometheus_url=base)
         client = await aiohttp_client(app)
         page = await (await client.get("/")).text()
-        assert '<img class="heatmap"' in page and "40 nodes" in page
+        assert '<img class="heatmap"' in page and "40 nodes" in page and "a column per 15 s of Prometheus" in page
         r = await client.get(f"/heatmap.png?measure=cpu&end={end:.3f}")
         assert r.status == 200
         width, height, _, pixels = decode_png(await r.read())

@@ -148,9 +148,10 @@ def heatmap_context(request: web.Request, measures: tuple[str, ...]) -> dict[str
     measure = MEASURES[key] if key in measures else MEASURES[DEFAULT_MEASURE]
     end = column_end(history.clock(), history.interval)
     query = urlencode({"measure": measure.key, "end": f"{end:.3f}"})
+    column = "window" if isinstance(history, EmbeddedHistory) else f"{history.interval:g} s of Prometheus' scrapes"
     return {"measure": measure, "measures": [MEASURES[k] for k in measures], "end": end,
             "png": f"/heatmap.png?{query}", "legend": f"/api/heatmap?{query}", "cell": f"/heatmap/cell?{query}",
-            "until": time.strftime("%H:%M", time.localtime(end)), "error": None}  # fmt: skip
+            "until": time.strftime("%H:%M", time.localtime(end)), "error": None, "column": column}  # fmt: skip
 
 
 async def heatmap_rows(request: web.Request, context: dict[str, Any]) -> None:

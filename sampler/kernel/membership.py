@@ -139,8 +139,13 @@ class TaskSlots:
         if not in_range.all():
             log.warning("pids above pid_max at load time not counted: %s", pids[~in_range][:5].tolist())
         pids, values = pids[in_range], values[in_range]
-        added = pids[slots[pids] != values]
-        slots[pids] = values
+        # Only the slots that change are written: a member whose slot was right
+        # when read may exit before a write of every wanted pid, and that write
+        # would put back the slot its exit cleared, unchecked (CI's fork storm
+        # left one so: a pid in the map no process had).
+        differ = slots[pids] != values
+        added = pids[differ]
+        slots[added] = values[differ]
         # A process that exited between the walk and this write had its exit
         # seen while it had no slot: clear it ourselves, or a new process given
         # that pid would be credited to this shard.
