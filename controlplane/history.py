@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import string
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -391,18 +392,10 @@ def _string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-# RE2's metacharacters outside a class: escaped, and nothing else. Prometheus
-# looks a matcher of escaped literals joined by `|` up as a set of values (its
-# `findSetMatches`), but gives up on any other escape (`\-`, `\_`) and runs
-# the regex against every value of the label (Prometheus 2.42, 3,000 nodes:
-# a band of 15 nodes' query of the fleet's picture, 1.4 ms escaped so, 1.1 ms).
-RE2_META = frozenset("\\.+*?()|[]{}^$")
-
-
 def regex_alternatives(values: tuple[str, ...]) -> str:
-    """An RE2 regex matching exactly these values: RE2's metacharacters
-    escaped, the rest as it is."""
-    return "|".join("".join("\\" + c if c in RE2_META else c for c in v) for v in values)
+    """An RE2 regex matching exactly these values: every ASCII punctuation
+    character escaped (RE2 takes `\\` before punctuation only), the rest as it is."""
+    return "|".join("".join("\\" + c if c in string.punctuation else c for c in v) for v in values)
 
 
 def promql(spec: ChartSpec) -> str:

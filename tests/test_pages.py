@@ -272,14 +272,14 @@ def test_promql_is_built_not_parsed() -> None:
 @given(st.lists(st.text(st.characters(codec="utf-8", exclude_characters="\n"), min_size=1, max_size=12),
                 min_size=1, max_size=5, unique=True), st.text(min_size=1, max_size=12))  # fmt: skip
 def test_a_regex_of_values_matches_them_and_nothing_else(values: list[str], other: str) -> None:
-    """RE2's metacharacters escaped (Python's re reads them alike), the rest
-    left as it is: `node-1` stays a literal Prometheus looks up as a set."""
+    """Punctuation escaped (Python's re reads it as RE2 does), the rest left
+    as it is: a regex of node names or replica ids matches them alone."""
     from controlplane.history import regex_alternatives
 
     pattern = re.compile(regex_alternatives(tuple(values)))
     assert all(pattern.fullmatch(v) for v in values)
     assert (pattern.fullmatch(other) is not None) == (other in values)
-    assert regex_alternatives(("node-00001", "a_b.c")) == "node-00001|a_b\\.c"
+    assert regex_alternatives(("r.1", "r+2")) == "r\\.1|r\\+2"
 
 
 def test_downsampling_keeps_a_spike() -> None:
