@@ -88,13 +88,15 @@ async def test_an_agent_follows_the_record_to_a_replica_added_above_its_own(tmp_
         await server.start_server()
         servers.append(server)
     ports = {name: int(s.port or 0) for name, s in zip("abc", servers, strict=True)}
-    # Host names (each 127.0.0.1 here) such that the third replica ranks first for n1.
-    host = {"a": "localhost-a.test", "b": "localhost-b.test"}
+    # Host names (each 127.0.0.1 here) such that the third replica ranks first for n1: all three
+    # named anew each try (1 in 3 then; renaming the third alone could not beat a first with a
+    # weight of 0.9975, as CI's ports gave once: a try in 400).
     for k in range(100):
-        host["c"] = f"localhost-c{k}.test"
+        host = {n: f"localhost-{n}{k}.test" for n in "abc"}
         url = {n: f"http://{host[n]}:{ports[n]}" for n in "abc"}
         if ranked("n1", list(url.values()))[0] == url["c"]:
             break
+    assert ranked("n1", list(url.values()))[0] == url["c"]
     dns_server = FakeDns()
     resolver = await dns_server.start()
     dns_server.records[RECORD] = [(host[n], ports[n]) for n in "ab"]
