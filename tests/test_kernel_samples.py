@@ -296,7 +296,9 @@ def test_the_first_window_holds_its_own_samples_alone(ring: sched.KernelShardSam
     windows = (first.window, second.window)
     if backend == "proc":  # the agent's loop takes each sample at its time
         assert [w.samples for w in windows] == [10, 10]
-        assert [w.end - w.start for w in windows] == pytest.approx([1.0, 1.0], abs=0.05)
+        # A window ends at its last sample, which a slow loop takes late (74 ms on CI's
+        # emulated arm64 guest): by less than a period, or its slot would have been skipped.
+        assert all(1.0 - 0.05 <= w.end - w.start < 1.0 + 0.1 for w in windows), windows
     else:
         # Each window holds what the kernel wrote after the one before, and
         # nothing of the wait before it: 10 samples in 1 s, or 9 where the
