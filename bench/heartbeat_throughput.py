@@ -26,7 +26,7 @@ rate at k replicas against k times one replica's, in the same run (#46's
 target: at least 0.9).
 
 With `--peers N` the measured control plane is one of N+1 replicas
-(controlplane/peers.py): N more, on CPU 1, poll it every 5 s for the nodes
+(controlplane/fleet/peers.py): N more, on CPU 1, poll it every 5 s for the nodes
 it holds (all of them) and are polled by it. The cost of peering is this
 run's ratio against one without (#46's target: at most 5% less).
 

@@ -10,7 +10,7 @@ Measured in one process, on the page thread as the app runs it:
 - what a peer sends of it (`/v1/peer/heatmap`: the part of a replica
   holding every node, the most one can send);
 - beside them, in the same run, the fleet charts' parts of the same
-  history (controlplane/cluster_view.py: the cluster page's other reader of
+  history (controlplane/fleet/cluster_view.py: the cluster page's other reader of
   every node's hour), as the reference the ratio is taken against.
 
     PYTHONPATH=. .venv/bin/python bench/heatmap.py [--nodes 10000] [--runs 5]
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controlplane.cluster_view import chart_parts  # noqa: E402
+from controlplane.fleet.cluster_view import chart_parts  # noqa: E402
 from controlplane.heatmap import MEASURES, _kept, column_grid, heatmap, own_part, part_json  # noqa: E402
 from tests.heatmap_fleet import fleet_with_history, node_name  # noqa: E402
 

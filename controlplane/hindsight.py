@@ -49,6 +49,7 @@ import numpy as np
 from aiohttp import web
 
 from controlplane.keys import REGISTRY
+from controlplane.listen.bodies import request_body
 from controlplane.page_worker import PAGE_WORKER
 from wire.checks import Json
 from wire.hindsight import MAX_SPAN_S, SpanRequest
@@ -531,7 +532,7 @@ async def ask_span(request: web.Request) -> web.Response:
     fetches = request.app[HINDSIGHT]
     held = state.hindsight_held_seconds()
     try:
-        body = json.loads(await request.content.read(MAX_ASK_BODY))
+        body = json.loads(await request_body(request, MAX_ASK_BODY))
         if not isinstance(body, dict):
             raise ValueError("not a JSON object")
         if "at" in body:

@@ -361,7 +361,7 @@ class EmbeddedHistory:
     def grid_parts(self, spec: ChartSpec, grid: np.ndarray) -> dict[str, GridPart]:
         """Each group's running totals on `grid` (its label values, joined):
         what a replica adds to a peer's chart of the whole fleet
-        (controlplane/peers.py), combined there as its own are (`combine`)."""
+        (controlplane/fleet/peers.py), combined there as its own are (`combine`)."""
         with self._lock:
             groups = self._columns(spec)
         parts = {" ".join(key): self._on_grid(by_node, grid) for key, by_node in sorted(groups.items())}

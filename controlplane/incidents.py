@@ -58,6 +58,7 @@ from aiohttp import web
 
 from controlplane.hindsight import Fetch, HindsightFetches, Refused
 from controlplane.keys import REGISTRY
+from controlplane.listen.bodies import request_body
 from controlplane.listen.page_access import may_change_fleet
 from controlplane.state.registry import NodeRegistry
 from controlplane.state.registry_state import write
@@ -116,6 +117,16 @@ class Incident:
                    dropped=[str(n) for n in body.get("dropped", [])], bytes=dict(body.get("bytes", {})))  # fmt: skip
 
 
+def is_own(st: os.stat_result) -> bool:
+    """A directory no other user may write: this process's, writable by
+    nobody else, or by a group this process is in. The kubelet makes a claim
+    group-writable and setgid for the pod's fsGroup at every mount (mode
+    2770, `fsGroupChangePolicy: Always`): that group is the pod's own."""
+    if st.st_uid != os.geteuid() or st.st_mode & 0o002:
+        return False
+    return not st.st_mode & 0o020 or st.st_gid == os.getegid() or st.st_gid in os.getgroups()
+
+
 class Incidents:
     def __init__(self, directory: Path, fetches: HindsightFetches, registry: NodeRegistry,
                  max_bytes: int = MAX_BYTES, per_node_bytes: int = PER_NODE_BYTES, before_s: float = BEFORE_S,
@@ -141,10 +152,11 @@ class Incidents:
         plane stopped is said interrupted. A file that is not one is left alone."""
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         owned = self.directory.stat()
-        if owned.st_uid != os.geteuid() or owned.st_mode & 0o022:
-            raise OSError(f"{self.directory} is not the control plane's own (owned by uid {owned.st_uid}, "
-                          f"mode {owned.st_mode & 0o777:o}): incidents are kept in a directory no other user "
-                          "may write")  # fmt: skip
+        if not is_own(owned):
+            raise OSError(f"{self.directory} is not the control plane's own (owned by uid {owned.st_uid}, group "
+                          f"{owned.st_gid}, mode {owned.st_mode & 0o7777:o}): incidents are kept in a directory no "
+                          "other user may write (group-writable only by a group of this process's, as a pod's "
+                          "fsGroup makes it)")  # fmt: skip
         for path in sorted(self.directory.glob("*.json")):
             if not ID.fullmatch(path.stem):
                 continue
@@ -437,7 +449,7 @@ def to_csv(parts: Iterable[tuple[str, bytes]]) -> bytes:
 INCIDENTS = web.AppKey("incidents", Incidents)
 
 
-# A body read already (controlplane/forward.py splits an incident's nodes by the replica
+# A body read already (controlplane/fleet/forward.py splits an incident's nodes by the replica
 # that holds each, and this replica's share is what it starts).
 BODY_READ = web.RequestKey("body_read", bytes)
 
@@ -445,7 +457,7 @@ BODY_READ = web.RequestKey("body_read", bytes)
 async def _json_body(request: web.Request) -> Any:
     if request.content_type != "application/json":
         raise web.HTTPUnsupportedMediaType(text="a JSON body, please\n")
-    data = request[BODY_READ] if BODY_READ in request else await request.content.read(MAX_BODY + 1)
+    data = request[BODY_READ] if BODY_READ in request else await request_body(request, MAX_BODY)
     if len(data) > MAX_BODY:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=len(data))
     try:
@@ -462,7 +474,7 @@ def _may_start_incidents(request: web.Request, route: str) -> None:
 
 
 class Holders(Protocol):
-    """The replicas a node may be held by instead of this one (controlplane/peers.py)."""
+    """The replicas a node may be held by instead of this one (controlplane/fleet/peers.py)."""
 
     def holder(self, node: str) -> str | None: ...
 
@@ -562,7 +574,7 @@ async def read_incident(request: web.Request) -> web.StreamResponse:
     form = request.query.get("format", "json")
     if form not in ("json", "csv"):
         raise web.HTTPBadRequest(text="format: json or csv\n")
-    if request.method == "HEAD":  # whether it is here (a peer asks, controlplane/forward.py): no export
+    if request.method == "HEAD":  # whether it is here (a peer asks, controlplane/fleet/forward.py): no export
         return web.Response(content_type="text/csv" if form == "csv" else "application/json")
     if incidents._exports.locked():
         raise web.HTTPTooManyRequests(text=f"{MAX_EXPORTS} incidents are being read already; try again\n",

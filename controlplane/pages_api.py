@@ -56,7 +56,7 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "nodes": len(request.app[REGISTRY])})
 
 
-# The fleet beyond this replica (controlplane/peers.py), when it has peers: given this
+# The fleet beyond this replica (controlplane/fleet/peers.py), when it has peers: given this
 # replica's rows, the whole fleet's, with the peers whose rows did not come named
 # (`view`: "nodes", rows as /api/nodes lists them; "cluster", as the cluster page does).
 class FleetRows(Protocol):
@@ -66,7 +66,7 @@ class FleetRows(Protocol):
 FLEET_ROWS = web.AppKey("fleet_rows", FleetRows)
 
 
-# ... and the peers' parts of the fleet charts (controlplane/cluster_view.py), with why any did not come.
+# ... and the peers' parts of the fleet charts (controlplane/fleet/cluster_view.py), with why any did not come.
 class FleetChartParts(Protocol):
     def __call__(self, end: float, span: float, step: float
                  ) -> Awaitable[tuple[list[list[dict[str, GridPart]]], list[str]]]: ...  # fmt: skip
@@ -91,11 +91,12 @@ async def nodes(request: web.Request) -> web.Response:
     worker = request.app[PAGE_WORKER]
     fleet = request.app.get(FLEET_ROWS)
     if fleet is None or request.query.get("here") == "1":
-        body = await worker.run(nodes_json, request.app[REGISTRY], watched)
+        body = (await worker.run(nodes_json, request.app[REGISTRY], watched)).encode()
     else:
         own = await worker.run(node_rows, request.app[REGISTRY], watched)
-        body = await worker.run(json.dumps, await fleet(own))
-    return web.Response(text=body, content_type="application/json")
+        # msgspec: a peer's rows hold what its nodes measured as it sent it (msgspec.Raw, controlplane/fleet/peers.py).
+        body = await worker.run(msgspec.json.encode, await fleet(own))
+    return web.Response(body=body, content_type="application/json")
 
 
 def nodes_json(registry: NodeRegistry, watched: dict[str, dict[str, Any] | None] | None = None) -> str:

@@ -23,7 +23,9 @@ from controlplane import pages_api
 from controlplane.export.own_metrics import ControlPlaneMetrics
 from controlplane.export.peer_metrics import PeersCollector
 from controlplane.export.surface_metrics import SurfacesCollector
-from controlplane.forward import FORWARDER, Forwarder, to_holder
+from controlplane.fleet.forward import FORWARDER, Forwarder, to_holder
+from controlplane.fleet.peers import Peers, fleet_chart_parts, heatmap_parts, merged_rows, polled
+from controlplane.fleet.peers import add_routes as add_peer_routes
 from controlplane.hindsight import HindsightFetches
 from controlplane.history import EmbeddedHistory
 from controlplane.incidents import AFTER_S, BEFORE_S, HOLDERS, Incidents
@@ -37,12 +39,10 @@ from controlplane.listen.connection_limits import (
     end_turn_when_answering,
     within_deadline,
 )
-from controlplane.listen.page_access import PageAccess, listen_admin_socket, remove_admin_socket
+from controlplane.listen.page_access import AdminSocketInUse, PageAccess, listen_admin_socket, remove_admin_socket
 from controlplane.listen.tls_files import ReloadingServerTLS
 from controlplane.listen.web_config import ReloadingWebConfig
 from controlplane.live import LiveSamples
-from controlplane.peers import Peers, fleet_chart_parts, heatmap_parts, merged_rows, polled
-from controlplane.peers import add_routes as add_peer_routes
 from controlplane.state.registry import MAX_SHARDS_PER_NODE, NodeRegistry
 from controlplane.state.starvation import StarvationRules
 
@@ -60,6 +60,10 @@ PAGES_AT_ONCE = 8
 # must not make a replica look down to its peers, which would then not let go.
 FIRST_IN_LINE = (b"GET /metrics ", b"GET /metrics?", b"GET /health ", b"GET /health?", b"GET /v1/peer/",
                  b"POST /v1/peer/")  # fmt: skip
+
+
+class StartError(Exception):
+    """What keeps the control plane from starting, in one line that names it."""
 
 
 def split_address(text: str) -> tuple[str, int]:
@@ -120,7 +124,10 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     if incidents_dir is not None:
         incidents = Incidents(incidents_dir, fetches, registry, incidents_bytes, before_s=incident_span[0],
                               after_s=incident_span[1])  # fmt: skip
-        log.info("incidents kept in %s: %d there", incidents_dir, incidents.load())
+        try:
+            log.info("incidents kept in %s: %d there", incidents_dir, incidents.load())
+        except OSError as e:
+            raise StartError(f"--incidents-dir {incidents_dir}: {e}") from e
     else:
         log.info("no incidents kept: --incidents-dir, or --state-file, names where")
     own.prometheus.register(SurfacesCollector(fetches, incidents, access.checker if web_config is not None else None))
@@ -134,7 +141,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     admin_made: tuple[int, int] | None = None  # the admin socket's identity, once made
     agents = agent_api.create_app(registry, auth, own, history, live, heartbeat_rate, fetches, incidents)
     peer_urls = list(peers)
-    if peer_urls:  # replicas sharing the fleet (controlplane/peers.py): only then is the route there
+    if peer_urls:  # replicas sharing the fleet (controlplane/fleet/peers.py): only then is the route there
         secret = peer_secret or auth.secret
         if secret is None:
             raise ValueError("--peer: peers show each other a token made from --peer-secret-file's secret")
@@ -147,9 +154,9 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
                 fetches.forget(node, "the node moved to another replica: the rest was not fetched")
 
         replicas = Peers(peer_urls, secret, registry, let_go, peer_ssl)
-        # On the pages listener, which --peer names (DESIGN), and the agent listener (as peering first did).
-        for app in (pages, agents):
-            add_peer_routes(app, replicas, secret, functools.partial(pages_api.nodes_json, registry), history)
+        # On the pages listener alone, which --peer names (DESIGN): the agents' port, open to every
+        # node, serves no peer route.
+        add_peer_routes(pages, replicas, functools.partial(pages_api.nodes_json, registry), history)
         agents[agent_api.ON_REGISTERED] = replicas.arrived
 
         async def fleet_rows(own: list[dict[str, Any]], view: str = "nodes") -> dict[str, Any]:
@@ -160,9 +167,8 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
             pages[pages_api.FLEET_CHART_PARTS] = functools.partial(fleet_chart_parts, replicas)
             pages[pages_api.HEATMAP_PARTS] = functools.partial(heatmap_parts, replicas)
         pages[HOLDERS] = replicas
-        # A node's pages, live view, spans and incidents from the replica that holds it (controlplane/forward.py).
-        replicas.pages = ("https" if pages_tls else "http", split_address(pages_listen)[1])
-        access.peer_secret = secret
+        # A node's pages, live view, spans and incidents from the replica that holds it (controlplane/fleet/forward.py).
+        access.peer_auth = replicas.auth
         forwarder = pages[FORWARDER] = Forwarder(replicas)
         pages.middlewares.append(to_holder)
         pages.cleanup_ctx.append(lambda app: polled(replicas))  # after the pages' own: the state file is in
@@ -186,12 +192,20 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
             runners.append(runner)
             host, port = split_address(address)
             assert runner.server is not None  # set up
-            servers.append(await loop.create_server(guard.protocol_factory(runner.server), host, port))
+            try:
+                servers.append(await loop.create_server(guard.protocol_factory(runner.server), host, port))
+            except OSError as e:  # said with what failed: the CLI's one line names it
+                raise StartError(f"cannot listen on {address} ({name}): {e.strerror or e}") from e
         if peer_urls:
             replicas.serving = True
             replicas.listening.set()
         if admin_socket is not None:  # the pages' routes to the operator (listen/page_access.py)
-            admin_server, admin_made = await listen_admin_socket(runners[1], admin_socket)
+            try:
+                admin_server, admin_made = await listen_admin_socket(runners[1], admin_socket)
+            except AdminSocketInUse as e:
+                raise StartError(str(e)) from e  # it names the flag and path
+            except OSError as e:
+                raise StartError(f"--admin-socket {admin_socket}: {e}") from e
             servers.append(admin_server)
         if auth.service_accounts is not None:
             await auth.service_accounts.keys.refresh()  # a failure is logged; tokens are refused until keys load

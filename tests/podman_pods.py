@@ -24,6 +24,7 @@ import itertools
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -290,6 +291,20 @@ def _expand(text: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), text)
 
 
+
+def kubelet_ownership(root: Path, gid: int) -> None:
+    """What the kubelet does to a volume at every mount for the pod's fsGroup
+    (`fsGroupChangePolicy: Always`, the default; pkg/volume/volume_linux.go):
+    each file and directory given to the group, files made group-readable
+    and -writable, directories group-writable and setgid (2770 at least)."""
+    for path in (root, *root.rglob("*")):
+        if path.is_symlink():
+            continue
+        st = path.lstat()
+        os.chown(path, -1, gid)
+        mode = stat.S_IMODE(st.st_mode) | (0o2770 if path.is_dir() else 0o660)
+        path.chmod(mode)
+
 def podman_run(pod: dict[str, Any], played: PlayedPod, name: str, work: Path, image: str,
                extra: Iterable[str] = ()) -> list[str]:  # fmt: skip
     """`podman run -d ...` for the pod's one container, as the pod spec says."""
@@ -355,11 +370,15 @@ def podman_run(pod: dict[str, Any], played: PlayedPod, name: str, work: Path, im
         if m.get("mountPropagation") == "HostToContainer":
             options.append("rslave")
         if "claim" in spec:
-            # A fresh volume, as a provisioner makes it, given to the pod's fsGroup as the kubelet does.
+            # A volume as a provisioner makes it (root's, 755), then given to the pod's fsGroup at
+            # this mount and every later one, with what it holds, as the kubelet does.
             source = spec["claim"]
-            source.mkdir(parents=True, exist_ok=True)
-            os.chown(source, 0, pod_sc.get("fsGroup", 0))
-            source.chmod(0o2775 if "fsGroup" in pod_sc else 0o755)
+            if not source.exists():
+                source.mkdir(parents=True)
+                os.chown(source, 0, 0)
+                source.chmod(0o755)
+            if "fsGroup" in pod_sc:
+                kubelet_ownership(source, pod_sc["fsGroup"])
         elif "hostPath" in spec:
             source = Path(spec["hostPath"]["path"])
             assert spec["hostPath"].get("type", "Directory") == "Directory" and source.is_dir(), spec

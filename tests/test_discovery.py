@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -153,7 +154,7 @@ async def test_a_replicas_peers_follow_the_record() -> None:
     """`--peer dnssrv+...`: the peers are what the record names, read again
     at a poll once `REFRESH_S` has passed; a peer still named keeps what it
     said, one gone is asked no more."""
-    from controlplane.peers import Peers
+    from controlplane.fleet.peers import Peers
     from controlplane.state.registry import NodeRegistry
     from tests.test_replicas import Clock
 
@@ -183,6 +184,26 @@ async def test_a_replicas_peers_follow_the_record() -> None:
 def test_a_process_given_urls_alone_needs_no_dnspython() -> None:
     """dnspython is loaded where a record is read: the kernel tests' guests,
     and any agent given URLs, run without it (it is no Debian package there)."""
-    script = ("import sys, nodesampler.cli.sample, sampler.agent.run, controlplane.peers; "
+    script = ("import sys, nodesampler.cli.sample, sampler.agent.run, controlplane.fleet.peers; "
               "assert not any(m == 'dns' or m.startswith('dns.') for m in sys.modules), 'dns imported'")  # fmt: skip
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+
+
+async def test_a_records_target_that_is_no_host_name_is_left_out_and_too_many_are_said(caplog: Any) -> None:
+    """An SRV target is a URL's host only when it is a host name: a `/` or
+    `@` in it (DNS labels may hold any byte) would move the URL elsewhere.
+    More records than MAX_RECORDS: the first, sorted, and a warning with the count."""
+    dns_server = FakeDns()
+    resolver = await dns_server.start()
+    try:
+        dns_server.records[RECORD] = [(f"ok-0.{PODS}", 8081), ("evil.example/x", 8081), ("user@evil.example", 8081),
+                                      ("evil.example:99", 8081)]  # fmt: skip
+        replicas = Replicas([f"dnssrv+{RECORD}"], resolver)
+        assert await replicas.refresh()
+        assert replicas.urls == [f"https://ok-0.{PODS}:8081"]
+        assert "3 SRV targets are not host names" in caplog.text
+        dns_server.records[RECORD] = [(f"r-{i:03d}.{PODS}", 8081) for i in range(discovery.MAX_RECORDS + 6)]
+        assert await replicas.refresh() and len(replicas.urls) == discovery.MAX_RECORDS
+        assert f"names {discovery.MAX_RECORDS + 6} replicas" in caplog.text
+    finally:
+        dns_server.close()

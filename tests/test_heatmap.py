@@ -301,26 +301,27 @@ async def test_a_peers_ask_for_its_part_is_checked(aiohttp_client: Any) -> None:
     """A replica's part is a peer's alone (its token); an ask that is no
     picture's (a measure not offered, an end not finite, columns out of
     range) is 400; an answer is the replica's nodes."""
-    from controlplane import peers
+    from controlplane.fleet import peers
     from controlplane.heatmap import parse_part
-    from controlplane.ingest import agent_api, tokens
+    from controlplane.ingest import agent_api
+    from tests.peer_requests import SignedPeer
 
     secret = b"s3cret-s3cret-s3cret-s3cret"
     registry, history, now = fleet_with_history(4, 3)
     app = agent_api.create_app(registry, secret)
-    peers.add_routes(app, peers.Peers([], secret, registry, lambda node: None), secret,
-                     lambda: pages_api.nodes_json(registry), history)  # fmt: skip
+    peers.add_routes(app, peers.Peers([], secret, registry, lambda node: None), lambda: pages_api.nodes_json(registry),
+                     history)  # fmt: skip
     client = await aiohttp_client(app)
-    auth = {"Authorization": f"Bearer {tokens.peer_token(secret)}"}
+    peer = SignedPeer(client, secret)
     ask = f"/v1/peer/heatmap?measure=cpu&end={covering(now)}&columns=720"
     assert (await client.get(ask)).status == 401
-    r = await client.get(ask, headers=auth)
+    r = await peer.request("GET", ask)
     part = parse_part(await r.json(), 720)
     assert r.status == 200 and sorted(part.names) == [node_name(i) for i in range(4)]
     assert ((part.levels != ABSENT).sum(axis=1) == 3).all()
     for bad in ("measure=disk&end=1e9&columns=720", "measure=cpu&end=nan&columns=720", "measure=cpu&end=1e9&columns=0",
                 "measure=cpu&end=1e9&columns=721", "measure=cpu&end=1e9"):  # fmt: skip
-        assert (await client.get(f"/v1/peer/heatmap?{bad}", headers=auth)).status == 400, bad
+        assert (await peer.request("GET", f"/v1/peer/heatmap?{bad}")).status == 400, bad
 
 
 async def test_a_peer_whose_part_did_not_come_is_named_and_the_rest_drawn(aiohttp_client: Any) -> None:

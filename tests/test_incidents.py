@@ -11,6 +11,7 @@ import asyncio
 import csv
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -135,6 +136,32 @@ async def test_a_restart_while_capturing_says_so(tmp_path: Path, registry: NodeR
     [listed] = again.listed()
     assert listed["id"] == incident.id and listed["state"] == "interrupted"
     assert listed["missing"]["n1"][0]["why"] == "the control plane stopped while capturing"
+
+
+async def test_a_claim_the_kubelet_gave_to_the_pods_group_is_its_own_and_no_other(tmp_path: Path,
+                                                                                  registry: NodeRegistry) -> None:  # fmt: skip
+    """The kubelet makes a claim's directories group-writable and setgid for
+    the pod's fsGroup at every mount (2770): a group this process is in is
+    its own, and the incidents come back. Writable by another group or by
+    anyone: refused, with the mode said."""
+    from tests.podman_pods import kubelet_ownership
+
+    incidents, _ = incidents_at(tmp_path, registry)
+    incident = incidents.start("a test", "operator", ["n1"], at=T0 + 60)
+    await incidents.close()
+    directory = incidents.directory
+    kubelet_ownership(tmp_path, os.getegid())  # remounted: every directory 2770, the process's group
+    assert directory.stat().st_mode & 0o7777 == 0o2770
+    again, _ = incidents_at(tmp_path, registry)
+    assert [i["id"] for i in again.listed()] == [incident.id]
+    others = max(os.getgroups() + [os.getegid()]) + 1000  # a group this process is not in
+    os.chown(directory, -1, others)
+    with pytest.raises(OSError, match="mode 2770"):
+        incidents_at(tmp_path, registry)
+    os.chown(directory, -1, os.getegid())
+    directory.chmod(0o2772)  # anyone may write
+    with pytest.raises(OSError, match="not the control plane's own"):
+        incidents_at(tmp_path, registry)
 
 
 async def test_a_node_without_hindsight_is_missing_whole(tmp_path: Path, registry: NodeRegistry) -> None:

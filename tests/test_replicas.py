@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import hashlib
+import hmac
 import html
 import json
 import os
@@ -249,7 +252,10 @@ def test_a_moved_node_is_one_series_at_the_replica_that_holds_it(replicas: list[
         first.kill(signal.SIGTERM)  # its state file keeps the node
         wait_until(lambda: listing([second, third], "n1") == [(second.index, "fresh")], 30,
                    "the node at its second choice, and nowhere else")  # fmt: skip
-        # Any replica's /api/nodes is the fleet: the node, from the replica that holds it; the one down, named.
+        # Any replica's /api/nodes is the fleet: the node, from the replica that holds it; the one down, named
+        # (once the third has asked it since it went: until then it counts what it held at the poll before).
+        wait_until(lambda: f'nodesampler_peer_up{{peer="{first.pages_url}"}} 0.0' in third.metrics(), 30,
+                   "the third to find the first down")  # fmt: skip
         fleet = fleet_view(third)
         [row] = [n for n in fleet["nodes"] if n["node"] == "n1"]
         assert row["state"] == "fresh" and row["replica"] == second.pages_url
@@ -286,37 +292,66 @@ def test_a_moved_node_is_one_series_at_the_replica_that_holds_it(replicas: list[
         agent.wait(timeout=30)
 
 
-async def test_a_peer_shows_the_clusters_token_and_its_answer_is_checked(aiohttp_client: Any) -> None:
-    """The held list is for peers alone: no token, or a node's, is refused. A
-    peer's answer is checked entry by entry: a bad one left out, counted."""
+async def test_a_peer_proves_itself_on_every_request_and_its_answer_is_checked(aiohttp_client: Any) -> None:
+    """The held list is for peers alone: no signature, a node's token, another
+    cluster's secret, a challenge used twice or made elsewhere, a request
+    signed for another replica, path, method or user: all refused. The answer
+    names every node heard from, fresh or stale, with its age, and carries the
+    replica's proof. A peer's answer is checked whole: anything not a held
+    list (a bad name, a negative or huge age, no replica id) is refused."""
     import msgspec
 
-    from controlplane import pages_api, peers
+    from controlplane import pages_api
+    from controlplane.fleet import peers
     from controlplane.ingest import agent_api, tokens
+    from controlplane.listen.peer_auth import HEADER, PeerAuth
     from controlplane.state.registry import NodeRegistry
+    from tests.fakeproc import FakeClock
+    from tests.peer_requests import SignedPeer
     from tests.test_controlplane_api import heartbeat, registration
     from wire.schema import Heartbeat, Registration
 
-    secret = b"s3cret-s3cret-s3cret-s3cret"
-    registry = NodeRegistry(stale_after=60)
+    secret, clock = b"s3cret-s3cret-s3cret-s3cret", FakeClock()
+    registry = NodeRegistry(stale_after=60, clock=clock)
     registry.register(msgspec.convert(registration("n1"), Registration))
     registry.heartbeat(msgspec.convert(heartbeat("n1"), Heartbeat))
+    clock.advance(100)  # n1: stale now, and still in the held list (the older copy elsewhere lets go)
+    registry.register(msgspec.convert(registration("n3"), Registration))
+    registry.heartbeat(msgspec.convert(heartbeat("n3"), Heartbeat))
     registry.register(msgspec.convert(registration("n2"), Registration))  # known, never heard: not held
     app = agent_api.create_app(registry, secret)
-    peers.add_routes(app, peers.Peers([], secret, registry, lambda node: None), secret,
-                     lambda: pages_api.nodes_json(registry))
+    peers.add_routes(app, peers.Peers([], secret, registry, lambda node: None), lambda: pages_api.nodes_json(registry))
     client = await aiohttp_client(app)
-    for auth in ({}, {"Authorization": f"Bearer {tokens.node_token(secret, 'peer')}"},
-                 {"Authorization": f"Bearer {tokens.peer_token(b'another-cluster-secret')}"}):  # fmt: skip
-        assert (await client.get("/v1/peer/held", headers=auth)).status == 401
-    r = await client.get("/v1/peer/held", headers={"Authorization": f"Bearer {tokens.peer_token(secret)}"})
-    replica, holds, bad = peers.parse_held(await r.read())
-    assert r.status == 200 and list(holds) == ["n1"] and 0 <= holds["n1"] < 60 and bad == 0
-    body = json.dumps({"replica": "x" * 500, "nodes": [["ok-1", 1.5], ["bad name", 1], ["ok-2", -1], ["ok-3", None],
-                                                        "n4", ["ok-5", 2]]}).encode()  # fmt: skip
-    replica, holds, bad = peers.parse_held(body)
-    assert len(replica) == 64 and holds == {"ok-1": 1.5, "ok-5": 2.0} and bad == 4
-    for not_an_answer in (b"[]", b'{"nodes": []}', b"{not json"):
+    peer, stranger = SignedPeer(client, secret), SignedPeer(client, b"another-cluster-secret")
+    for headers in ({}, {"Authorization": f"Bearer {tokens.node_token(secret, 'peer')}"},
+                    {"Authorization": "Bearer peer." + hmac.new(secret, b"nodesampler peer token v1",
+                                                                hashlib.sha256).hexdigest()},  # the old fixed bearer
+                    {HEADER: "from=x; challenge=y; mac=z"}, {HEADER: "\udcff"},
+                    await stranger.headers("GET", "/v1/peer/held"),
+                    await peer.headers("GET", "/v1/peer/held", target="http://replica-2.example:8080"),
+                    await peer.headers("GET", "/v1/peer/nodes"), await peer.headers("POST", "/v1/peer/held"),
+                    # Signed for a user, sent without it: another request.
+                    {HEADER: (await peer.headers("GET", "/v1/peer/held", user="alice"))[HEADER]}):  # fmt: skip
+        assert (await client.get("/v1/peer/held", headers=headers)).status == 401, headers
+    # A challenge made by another replica (another process's key) is no challenge here.
+    elsewhere = PeerAuth(secret, "elsewhere").challenge()
+    made_elsewhere = await peer.headers("GET", "/v1/peer/held", challenge=elsewhere)
+    assert (await client.get("/v1/peer/held", headers=made_elsewhere)).status == 401
+    signed = await peer.headers("GET", "/v1/peer/held")
+    r = await client.get("/v1/peer/held", headers=signed)
+    assert r.status == 200, await r.text()
+    assert (await client.get("/v1/peer/held", headers=signed)).status == 401  # replayed: its challenge is spent
+    replica, holds = peers.parse_held(await r.read())
+    assert sorted(holds) == ["n1", "n3"] and 100 <= holds["n1"] < 101 and holds["n3"] < 1
+    r = await peer.request("GET", "/v1/peer/held")  # and its proof covers the body it sent
+    assert r.status == 200
+    ok = json.dumps({"replica": "x", "nodes": [["ok-1", 1.5], ["ok-5", 2]]}).encode()
+    assert peers.parse_held(ok) == ("x", {"ok-1": 1.5, "ok-5": 2.0})
+    for not_an_answer in (b"[]", b'{"nodes": []}', b"{not json", b'{"replica": "x", "nodes": [["bad name", 1]]}',
+                          b'{"replica": "x", "nodes": [["ok", -1]]}', b'{"replica": "x", "nodes": [["ok", null]]}',
+                          b'{"replica": "x", "nodes": [["ok", 1' + b"0" * 400 + b"]]}",
+                          b'{"replica": "x", "nodes": [["ok", 1e400]]}', b'{"replica": "x", "nodes": ["n4"]}',
+                          json.dumps({"replica": "x" * 65, "nodes": []}).encode()):  # fmt: skip
         with pytest.raises(ValueError):
             peers.parse_held(not_an_answer)
 
@@ -376,10 +411,12 @@ def test_prometheus_counts_a_moved_node_once_and_fires_no_node_down(replicas: li
 async def test_a_node_told_arrived_at_a_peer_is_let_go_if_silent_here(aiohttp_client: Any) -> None:
     import msgspec
 
-    from controlplane import pages_api, peers
-    from controlplane.ingest import agent_api, tokens
+    from controlplane import pages_api
+    from controlplane.fleet import peers
+    from controlplane.ingest import agent_api
     from controlplane.state.registry import NodeRegistry
     from tests.fakeproc import FakeClock
+    from tests.peer_requests import SignedPeer
     from tests.test_controlplane_api import heartbeat, registration
     from wire.schema import Heartbeat, Registration
 
@@ -396,18 +433,26 @@ async def test_a_node_told_arrived_at_a_peer_is_let_go_if_silent_here(aiohttp_cl
         registry.forget(node)
 
     replicas = peers.Peers([], secret, registry, let_go)
-    peers.add_routes(app, replicas, secret, lambda: pages_api.nodes_json(registry))
+    peers.add_routes(app, replicas, lambda: pages_api.nodes_json(registry))
     client = await aiohttp_client(app)
-    peer = {"Authorization": f"Bearer {tokens.peer_token(secret)}"}
+    peer = SignedPeer(client, secret)
     clock.advance(peers.ARRIVED_AFTER_S / 2)
-    told = {"replica": "another", "nodes": ["n1", "bad name", 7, "unknown"]}
-    r = await client.post("/v1/peer/arrived", json=told, headers=peer)
+    told = {"replica": "another", "nodes": ["n1", "unknown"]}
+    r = await peer.request("POST", "/v1/peer/arrived", json=told)
     assert (await r.json()) == {"let_go": 0} and gone == []  # it spoke here just now: the polls settle it
     clock.advance(peers.ARRIVED_AFTER_S)
-    r = await client.post("/v1/peer/arrived", json=told, headers=peer)
+    r = await peer.request("POST", "/v1/peer/arrived", json=told)
     assert (await r.json()) == {"let_go": 1} and gone == ["n1"] and registry.get("n2") is not None
     assert (await client.post("/v1/peer/arrived", json=told)).status == 401
-    assert (await client.post("/v1/peer/arrived", json=[], headers=peer)).status == 400
+    bad: Any
+    for bad in ([], {"replica": "another", "nodes": ["n2", "bad name"]}, {"replica": "another", "nodes": [7]}):
+        assert (await peer.request("POST", "/v1/peer/arrived", json=bad)).status == 400
+    assert registry.get("n2") is not None  # a bad telling changes nothing
+    # A telling of 60,000 names of 64 bytes (a whole fleet moved at once, ~4 MB): read whole, not cut short.
+    many = [f"ip-10-{i >> 16}-{(i >> 8) & 255}-{i & 255}.eu-west-1.compute.internal-xxxxxxxxxxxxxxx"[:64]
+            for i in range(peers.MAX_ARRIVALS)]  # fmt: skip
+    r = await peer.request("POST", "/v1/peer/arrived", json={"replica": "another", "nodes": many})
+    assert r.status == 200 and (await r.json()) == {"let_go": 0}
 
 
 @pytest.mark.live
@@ -540,58 +585,85 @@ def test_a_node_held_elsewhere_is_read_through_any_replica(replicas: list[Replic
 
 
 async def test_a_forwarded_request_is_checked_and_never_sent_on(aiohttp_client: Any, unused_tcp_port: int) -> None:
-    """The pages take a peer's token (only given peers): a wrong one is 401,
-    a right one is served whatever its Host, with the rights of the user it
-    names; a request about a node a peer holds is sent there, and a peer
-    that does not answer is a 502 that names it; a request a peer forwarded
-    is served here, never sent on."""
-    import aiohttp
+    """The pages take a peer's signed request (only given peers): one signed
+    with another secret is 401; a signed one is served for the host it
+    was signed for, with no more rights than this replica gives the user it
+    names (a user its web config lacks has none); a request about a node a
+    peer holds is sent to that peer's --peer URL, and a peer that does not
+    answer is a 502 that names it; a request a peer forwarded is served
+    here, never sent on."""
     import msgspec
 
-    from controlplane import forward, pages_api, peers
-    from controlplane.ingest import tokens
-    from controlplane.listen.page_access import PageAccess
+    from controlplane import pages_api
+    from controlplane.fleet import forward, peers
+    from controlplane.listen.page_access import ADMIN_SOCKET_USER, PageAccess
     from controlplane.state.registry import NodeRegistry
+    from tests.peer_requests import SignedPeer
     from tests.test_controlplane_api import heartbeat, registration
     from web.pages import add_pages
     from wire.schema import Heartbeat, Registration
 
     secret = b"s3cret-s3cret-s3cret-s3cret"
     registry = NodeRegistry(stale_after=60)
-    for node in ("n1", "n2"):
+    for node in ("n1", "n2", "n3"):
         registry.register(msgspec.convert(registration(node), Registration))
         registry.heartbeat(msgspec.convert(heartbeat(node), Heartbeat))
     replicas = peers.Peers([f"http://127.0.0.1:{unused_tcp_port}"], secret, registry, lambda node: None)
-    [peer] = replicas.peers
+    [peer] = replicas.peers  # nobody listens there
     peer.instance, peer.holds, peer.answered_at = "another", {"n1": 0.0}, registry.clock() + 5  # fresher than ours
-    peer.pages = f"http://127.0.0.1:{unused_tcp_port}"  # nobody listens there
     access = PageAccess(hosts=["pages.example"])
-    access.peer_secret = secret
+    access.peer_auth = replicas.auth
     app = pages_api.create_app(registry, access=access)
     add_pages(app, None)
+    peers.add_routes(app, replicas, lambda: pages_api.nodes_json(registry))
     app[forward.FORWARDER] = forward.Forwarder(replicas)
     app.middlewares.append(forward.to_holder)
     client = await aiohttp_client(app)
-    async with aiohttp.ClientSession() as session:
-        replicas.session = session
-        assert (await client.get("/api/nodes", headers={"Host": "evil.example"})).status == 421
-        wrong = {"Authorization": f"Bearer {tokens.node_token(secret, 'n1')}", "Host": "evil.example"}
-        assert (await client.get("/api/nodes", headers=wrong)).status == 401
-        right = {"Authorization": f"Bearer {tokens.peer_token(secret)}", "Host": "replica-2.example"}
-        assert (await client.get("/api/nodes", headers=right)).status == 200
-        # A peer's request is served here: n1 is forgotten here, though the peer holds it.
-        named = {**right, "X-Nodesampler-User": "alice"}
-        assert (await client.delete("/api/nodes/n2", headers=right)).status == 403  # no user named: no rights
-        assert (await client.delete("/api/nodes/n2?force=1", headers=named)).status == 200
-        # A client's request about n1 goes to its holder, which does not answer.
+    signer = SignedPeer(client, secret)
+    target = "http://replica-2.example"  # this replica's name, as a peer's --peer list has it
+
+    async def signed(method: str, path: str, user: str = "") -> dict[str, str]:
+        return {**await signer.headers(method, path, user, target=target), "Host": "replica-2.example"}
+
+    assert (await client.get("/api/nodes", headers={"Host": "evil.example"})).status == 421
+    stranger = SignedPeer(client, b"another-cluster-secret")
+    wrong = {**await stranger.headers("GET", "/api/nodes", target=target), "Host": "replica-2.example"}
+    assert (await client.get("/api/nodes", headers=wrong)).status == 401
+    assert (await client.get("/api/nodes", headers=await signed("GET", "/api/nodes"))).status == 200
+    # Signed for another host than the one it reached: refused.
+    elsewhere = {**await signed("GET", "/api/nodes"), "Host": "replica-3.example"}
+    assert (await client.get("/api/nodes", headers=elsewhere)).status == 401
+    # A peer's request is served here: n2 is forgotten here only with rights this replica gives.
+    assert (await client.delete("/api/nodes/n2", headers=await signed("DELETE", "/api/nodes/n2"))).status == 403
+    alice = await signed("DELETE", "/api/nodes/n2?force=1", "alice")  # no such user here: no rights
+    assert (await client.delete("/api/nodes/n2?force=1", headers=alice)).status == 403
+    # The user is in the MAC: a request signed for nobody does not become alice's.
+    renamed = {**await signed("DELETE", "/api/nodes/n2?force=1"), "X-Nodesampler-User": ADMIN_SOCKET_USER}
+    assert (await client.delete("/api/nodes/n2?force=1", headers=renamed)).status == 401
+    admin = await signed("DELETE", "/api/nodes/n2?force=1", ADMIN_SOCKET_USER)  # the forwarder's admin socket
+    assert (await client.delete("/api/nodes/n2?force=1", headers=admin)).status == 200
+    # A client's request about n1 goes to its holder's --peer URL, which does not answer.
+    async with peers_sessions(replicas):
         r = await client.get("/api/nodes", headers={"Host": "pages.example"})
         assert r.status == 200
         r = await client.get("/node/n1", headers={"Host": "pages.example"})
         assert r.status == 502 and peer.url in await r.text()
         assert app[forward.FORWARDER].failed == 1
-        r = await client.get("/node/n1", headers=right)  # from a peer: served here
+        r = await client.get("/node/n1", headers=await signed("GET", "/node/n1"))  # from a peer: served here
         assert r.status == 200 and "n1" in await r.text()
-        replicas.session = None
+
+
+@contextlib.asynccontextmanager
+async def peers_sessions(replicas: Any) -> Any:
+    """The sessions `polled` gives a replica's peers, for a test that polls by hand."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, aiohttp.ClientSession() as forwarding:
+        replicas.session, replicas.forwarding = session, forwarding
+        try:
+            yield
+        finally:
+            replicas.session = replicas.forwarding = None
 
 
 def held_here(replicas: list[Replica]) -> dict[int, set[str]]:
@@ -672,7 +744,7 @@ def test_the_fleet_charts_of_three_replicas_added_are_the_whole_fleets() -> None
     """Each replica's totals of a fleet chart for its own nodes, sent as a
     peer sends them and added, draw what one history of every node draws:
     the mean of the cards (`avg`) and their sum, at every instant."""
-    from controlplane.cluster_view import FLEET_CHARTS, chart_parts, chart_parts_json, parse_chart_parts
+    from controlplane.fleet.cluster_view import FLEET_CHARTS, chart_parts, chart_parts_json, parse_chart_parts
     from controlplane.history import EmbeddedHistory, combine, step_grid
     from tests.heartbeats import held
 
@@ -703,30 +775,32 @@ def test_the_fleet_charts_of_three_replicas_added_are_the_whole_fleets() -> None
 async def test_a_peers_ask_for_fleet_chart_totals_is_checked(aiohttp_client: Any) -> None:
     """The totals are a peer's alone (its token), and an ask that is no chart's
     (not finite, a span over two hours, more steps than a chart has) is 400."""
-    from controlplane import pages_api, peers
-    from controlplane.cluster_view import parse_chart_parts
+    from controlplane import pages_api
+    from controlplane.fleet import peers
+    from controlplane.fleet.cluster_view import parse_chart_parts
     from controlplane.history import EmbeddedHistory
-    from controlplane.ingest import agent_api, tokens
+    from controlplane.ingest import agent_api
     from controlplane.state.registry import NodeRegistry
     from tests.heartbeats import held
+    from tests.peer_requests import SignedPeer
 
     secret = b"s3cret-s3cret-s3cret-s3cret"
     registry, history = NodeRegistry(stale_after=60), EmbeddedHistory(interval=5)
     history.record("n1", held({"node": "n1", "gpus": [{"index": 0, "name": "H200", "utilization_percent": 40.0}]}),
                    at=time.time() - 5)  # fmt: skip
     app = agent_api.create_app(registry, secret)
-    peers.add_routes(app, peers.Peers([], secret, registry, lambda node: None), secret,
-                     lambda: pages_api.nodes_json(registry), history)  # fmt: skip
+    peers.add_routes(app, peers.Peers([], secret, registry, lambda node: None), lambda: pages_api.nodes_json(registry),
+                     history)  # fmt: skip
     client = await aiohttp_client(app)
-    auth = {"Authorization": f"Bearer {tokens.peer_token(secret)}"}
+    peer = SignedPeer(client, secret)
     ask = f"/v1/peer/fleet-charts?end={time.time()}&span=3600&step=7.25"
     assert (await client.get(ask)).status == 401
-    r = await client.get(ask, headers=auth)
+    r = await peer.request("GET", ask)
     [utilisation, memory] = parse_chart_parts(await r.json(), 497)
     assert r.status == 200 and list(utilisation) == ["H200"] and memory == {}
     assert utilisation["H200"][1].max() == 1 and utilisation["H200"][0].max() == 40.0
     for bad in ("end=nan&span=60&step=1", "end=1e9&span=86400&step=60", "end=1e9&span=3600&step=0.1", "end=1e9"):
-        assert (await client.get(f"/v1/peer/fleet-charts?{bad}", headers=auth)).status == 400, bad
+        assert (await peer.request("GET", f"/v1/peer/fleet-charts?{bad}")).status == 400, bad
 
 
 def test_a_span_of_a_node_that_moves_mid_capture_is_named_missing_never_filled() -> None:

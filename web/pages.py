@@ -22,7 +22,7 @@ import jinja2
 from aiohttp import web
 
 import wire
-from controlplane.cluster_view import FLEET_CHARTS, chart_end, chart_parts, cluster_rows, fleet_summary
+from controlplane.fleet.cluster_view import FLEET_CHARTS, chart_end, chart_parts, cluster_rows, fleet_summary
 from controlplane.hindsight import HINDSIGHT
 from controlplane.history import (
     ChartSpec,

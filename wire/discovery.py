@@ -22,6 +22,7 @@ so, and tries again every `REFRESH_S`).
 from __future__ import annotations
 
 import logging
+import re
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -39,6 +40,9 @@ SRV = "dnssrv+"
 REFRESH_S = 30.0  # a replica added or gone is found within this (Prometheus' dns_sd default refresh)
 LOOKUP_TIMEOUT_S = 5.0
 MAX_RECORDS = 64  # replicas one record may name: more is no fleet's control plane
+# A DNS host name (RFC 1123 labels, dot-joined): what an SRV target may be to become a URL's host.
+HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
 
 def _record(url: str) -> str:
@@ -119,8 +123,19 @@ class Replicas:
         parts = urllib.parse.urlsplit(_record(record))
         resolver = self._resolver or dns.asyncresolver.get_default_resolver()
         answer = await resolver.resolve(parts.hostname or "", dns.rdatatype.SRV, lifetime=LOOKUP_TIMEOUT_S)
-        found = sorted({f"{parts.scheme}://{r.target.to_text(omit_final_dot=True)}:{r.port}"
-                        for r in answer if r.port})  # fmt: skip
+        found, bad = set(), 0
+        for r in answer:
+            target = r.target.to_text(omit_final_dot=True)
+            if not r.port:
+                continue
+            if not HOST_NAME.fullmatch(target):  # a `/`, `@` or `:` in a target would move the URL's host
+                bad += 1
+                continue
+            found.add(urllib.parse.urlunsplit((parts.scheme, f"{target}:{r.port}", "", "", "")))
+        if bad:
+            log.warning("%s: %d SRV targets are not host names: left out", record, bad)
         if not found:
-            raise NoReplicas("no SRV record with a port")
-        return found[:MAX_RECORDS]
+            raise NoReplicas("no SRV record with a port and a host name")
+        if len(found) > MAX_RECORDS:
+            log.warning("%s names %d replicas: the first %d (sorted) are used", record, len(found), MAX_RECORDS)
+        return sorted(found)[:MAX_RECORDS]

@@ -1,7 +1,7 @@
-"""What a replica knows of its peers (controlplane/peers.py), read at scrape
+"""What a replica knows of its peers (controlplane/fleet/peers.py), read at scrape
 time: whether each answered its last poll and how many nodes it holds, and
 the nodes this replica let go to them, and the page requests it forwarded to
-the replica holding their node (controlplane/forward.py). A peer is labelled by its URL, as
+the replica holding their node (controlplane/fleet/forward.py). A peer is labelled by its URL, as
 `--peer` names it: the operator's list bounds the set. This replica's own
 entry in that list is left out."""
 
@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from controlplane.forward import Forwarder
-from controlplane.peers import Peers
+from controlplane.fleet.forward import Forwarder
+from controlplane.fleet.peers import Peers
 
 
 class PeersCollector(Collector):

@@ -96,7 +96,7 @@ class Registered(Protocol):
     def __call__(self, node: str) -> None: ...
 
 
-# Told of each node that registers here (controlplane/peers.py: a node that arrives from
+# Told of each node that registers here (controlplane/fleet/peers.py: a node that arrives from
 # another replica is let go there at once, not at the next poll).
 ON_REGISTERED = web.AppKey("on_registered", Registered)
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from wire.limits import NODE_ID
 
 CONTEXT = b"nodesampler node token v1:"
-PEER_CONTEXT = b"nodesampler peer token v1"  # another context: no node's token is a peer's
 MIN_SECRET_BYTES = 16
 
 
@@ -48,13 +47,3 @@ def verify(secret: bytes, token: str) -> str | None:
     expected = node_token(secret, node)
     # compare_digest: the time taken says nothing about how much matched.
     return node if hmac.compare_digest(expected.encode(), token.encode()) else None
-
-
-def peer_token(secret: bytes) -> str:
-    """What control-plane replicas sharing the cluster secret show each other
-    (controlplane/peers.py): `peer.MAC`, which verifies as no node's token."""
-    return "peer." + hmac.new(secret, PEER_CONTEXT, hashlib.sha256).hexdigest()
-
-
-def is_peer_token(secret: bytes, token: str) -> bool:
-    return hmac.compare_digest(peer_token(secret).encode(), token.encode())

@@ -15,7 +15,7 @@
   that serves the same routes to the control plane's own user (and root)
   without a password: `nodesampler forget NODE` on the control plane's
   machine (`kubectl exec`, which RBAC grants apart from port-forward).
-- **Peers** (`--peer`, controlplane/forward.py): a replica that forwards a
+- **Peers** (`--peer`, controlplane/fleet/forward.py): a replica that forwards a
   node's request to the replica holding it shows the peer token (made from
   the cluster secret) in place of a password. It checked its user already and
   names them (`X-Nodesampler-User`), and the client's address
@@ -67,8 +67,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from controlplane.ingest import tokens
 from controlplane.listen.connection_limits import end_turn
+from controlplane.listen.peer_auth import CHALLENGE_PATH, HEADER, PROOF, PeerAuth, Verified
 from controlplane.listen.web_config import ReloadingWebConfig
 from controlplane.rate_limited_log import RateLimitedLog
 
@@ -83,10 +83,29 @@ BCRYPT_READS = 72  # bytes of a password bcrypt reads
 REMEMBERED = 256  # good passwords remembered (digests): far more than a fleet's scrapers and operators
 REALM = 'Basic realm="nodesampler", charset="UTF-8"'
 USER = web.RequestKey("user", str)  # the request's authenticated user (absent: none)
-FROM_PEER = web.RequestKey("from_peer", bool)  # forwarded by a peer replica (controlplane/forward.py)
+FROM_PEER = web.RequestKey("from_peer", bool)  # forwarded by a peer replica (controlplane/fleet/forward.py)
 VIEWER = web.RequestKey("viewer", str)  # the address a peer forwarded the request for
 FORWARDED_USER = "X-Nodesampler-User"  # the user the forwarding replica checked (absent: none was asked for)
 FORWARDED_FOR = "X-Nodesampler-Viewer"  # the client's address, for the holder's live views a client
+ADMIN_SOCKET_USER = "(admin socket)"  # who forwarded requests from the admin socket are, at the holder
+PEER_REQUEST = web.RequestKey("peer_request", Verified)  # a peer's request, verified: its challenge proves the answer
+
+
+def verify_peer(request: web.Request, auth: PeerAuth) -> str | None:
+    """A peer's signed request (listen/peer_auth.py) checked, and marked as a
+    peer's: None; else why it is refused. The user and viewer it names are
+    in its MAC."""
+    if PEER_REQUEST in request:
+        return None
+    user, viewer = request.headers.get(FORWARDED_USER, ""), request.headers.get(FORWARDED_FOR, "")
+    verified = auth.verify(request.headers.get(HEADER), request.method, request.raw_path, request.host,
+                           user, viewer)  # fmt: skip
+    if isinstance(verified, str):
+        return f"{verified}\n"
+    request[PEER_REQUEST] = verified
+    request[FROM_PEER] = True
+    request[VIEWER] = (viewer or request.remote or "unknown")[:64]
+    return None
 
 
 def admin_peer(request: web.Request) -> bool | None:
@@ -285,7 +304,7 @@ class PageAccess:
         self.web_config = web_config
         self.hosts = frozenset(host_name(h) for h in hosts)
         self.checker = PasswordChecker()
-        self.peer_secret: bytes | None = None  # with peers: their token is taken (the cluster secret)
+        self.peer_auth: PeerAuth | None = None  # with peers: their signed requests are taken
 
     def users(self) -> dict[str, bytes]:
         return self.web_config.maybe_reload().users if self.web_config is not None else {}
@@ -313,15 +332,19 @@ async def page_access(request: web.Request, handler: Handler) -> web.StreamRespo
         return web.Response(status=403, text="the admin socket serves the control plane's own user and root\n")
     if access is None or admin:
         return await handler(request)
-    if access.peer_secret is not None and request.headers.get("Authorization", "").startswith("Bearer "):
-        if not tokens.is_peer_token(access.peer_secret, request.headers["Authorization"][7:].strip()):
-            return _unauthorized("not a peer's token\n")
-        request[FROM_PEER] = True
-        request[VIEWER] = request.headers.get(FORWARDED_FOR, request.remote or "unknown")[:64]
-        user = request.headers.get(FORWARDED_USER)
-        if user is not None and 0 < len(user) <= 256 and user.isprintable():
-            request[USER] = user
-        return await handler(request)
+    if access.peer_auth is not None:
+        if request.path == CHALLENGE_PATH and request.method == "GET":
+            return await handler(request)  # open: a challenge is all a stranger gets (listen/peer_auth.py)
+        if HEADER in request.headers:
+            refused = verify_peer(request, access.peer_auth)
+            if refused is not None:
+                return _unauthorized(refused)
+            # The user the forwarder checked, with no more rights here than this replica gives them:
+            # a name its own web config holds, or the forwarder's admin socket.
+            user = request.headers.get(FORWARDED_USER)
+            if user is not None and (user == ADMIN_SOCKET_USER or user in access.users()):
+                request[USER] = user
+            return await handler(request)
     if access.hosts:
         name = host_name(request.headers.get("Host", ""))
         if name not in access.hosts and not is_address(name):
@@ -347,8 +370,12 @@ async def page_access(request: web.Request, handler: Handler) -> web.StreamRespo
 
 
 async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """The web config's `http_server_config.headers`, on every answer (pages, streams, errors)."""
+    """The web config's `http_server_config.headers`, on every answer (pages, streams, errors);
+    and a peer's proof that it answered (listen/peer_auth.py), unless its route proved its body already."""
     access = request.app.get(PAGE_ACCESS)
+    if (peer := request.get(PEER_REQUEST)) is not None and PROOF not in response.headers and access is not None \
+            and access.peer_auth is not None:  # fmt: skip
+        response.headers[PROOF] = access.peer_auth.prove(peer.challenge, response.status, None)
     if access is not None:
         for name, value in access.headers().items():
             response.headers[name] = value

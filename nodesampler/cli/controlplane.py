@@ -46,12 +46,13 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     import asyncio
     import gc
     import ssl
+    import urllib.parse
 
     from controlplane.listen.connection_limits import ConnectionLimits
     from controlplane.listen.tls_files import ReloadingServerTLS, TlsSettings
     from controlplane.listen.web_config import ReloadingWebConfig, WebConfigError
     from controlplane.live import LiveSamples
-    from controlplane.server import serve, split_address
+    from controlplane.server import StartError, is_loopback, serve, split_address
     from controlplane.state.starvation import StarvationRules
     from web.pages import add_pages
     from wire import discovery
@@ -100,6 +101,10 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     for url in args.peer:
         if (why := discovery.check(url)) is not None:
             fail(EXIT_USAGE, f"--peer {url!r}: {why} (a replica's pages listener)")
+        host = urllib.parse.urlsplit(url).hostname or ""
+        if discovery.scheme(url) != "https" and (url.startswith(discovery.SRV) or not is_loopback(host)):
+            fail(EXIT_USAGE, f"--peer {url!r}: peers speak https (with --peer-ca-file) except on this machine's "
+                             "loopback: what they send each other would cross the network in clear text")  # fmt: skip
     if args.peer and args.secret_file is None and args.peer_secret_file is None:
         fail(EXIT_USAGE, "--peer needs --peer-secret-file (or --secret-file): replicas show each other a token made "
                          "from a secret they share")  # fmt: skip
@@ -138,6 +143,6 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
                           incidents_dir=incidents_dir, incidents_bytes=args.incidents_mib << 20,
                           incident_span=(args.incident_before, args.incident_after), peers=args.peer,
                           peer_ssl=peer_ssl, peer_secret=peer_secret))
-    except OSError as e:  # the address is taken or not ours
-        fail(EXIT_USAGE, f"cannot listen: {e}")
+    except StartError as e:  # an address taken or not ours, a directory not the control plane's own, ...
+        fail(EXIT_USAGE, str(e))
     return 0

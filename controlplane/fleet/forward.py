@@ -1,5 +1,5 @@
 """A node's pages from any replica: the requests about one node go to the
-replica that holds it (controlplane/peers.py), and its answer comes back as
+replica that holds it (controlplane/fleet/peers.py), and its answer comes back as
 it leaves there, the live stream included.
 
 What is forwarded: the node's page (`/node/NODE`), its live view
@@ -14,29 +14,40 @@ does (`Peers.holding_peer`); a request a peer forwarded is served where it
 lands, never forwarded again, so two replicas that disagree for a poll do
 not send a request round in circles.
 
-The request goes to the peer's pages listener (its URL's host, the scheme
-and port its held answer names) with the peer token in place of the user's
+The request goes to the peer's URL as this replica's `--peer` list (or its
+SRV record) names it, never to a host or port an answer names, signed for
+that peer alone (controlplane/listen/peer_auth.py) in place of the user's
 password: this replica checked the user already, and names them
-(`FORWARDED_USER`) so the peer counts their live views and rights as its
-own would. An answer is passed on a piece at a time as it comes (nothing
-is held whole here); a peer that does not answer is a 502 that names it.
+(`FORWARDED_USER`, in the request's MAC) so the peer counts their live
+views as its own and gives them no more rights than its own web config
+does. The peer's answer is passed on only with its proof that it holds
+the cluster secret, then a piece at a time as it comes (nothing is held
+whole here); a peer that does not answer, or not as a replica, is a 502
+that names it. Forwarded requests have their own connection pool
+(`Peers.forwarding`), apart from the polls', and streams through it are
+capped below that pool's size, per viewer (an IPv4 address or IPv6 /64) too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from controlplane.fleet.peers import TIMEOUT_S, Peer, Peers
 from controlplane.hindsight import HINDSIGHT
 from controlplane.incidents import BODY_READ, INCIDENTS
+from controlplane.listen.bodies import answer_body, request_body
 from controlplane.listen.page_access import (
+    ADMIN_SOCKET_USER,
     FORWARDED_FOR,
     FORWARDED_USER,
     FROM_PEER,
@@ -44,17 +55,21 @@ from controlplane.listen.page_access import (
     Handler,
     from_admin_socket,
     may_change_fleet,
+    peer_of,
 )
-from controlplane.peers import TIMEOUT_S, Peer, Peers
+from controlplane.listen.peer_auth import PROOF
 
 log = logging.getLogger(__name__)
 
 ANSWER_TIMEOUT_S = 30.0  # a page or a span's samples from a peer; a live stream has none (its keepalives)
 STREAM_READ_TIMEOUT_S = 40.0  # a live stream is a keepalive every 15 s: silent this long, the peer is gone
 WRITE_TIMEOUT_S = 10.0  # as controlplane/live.py's: a reader that reads nothing is let go
-ADMIN_SOCKET_USER = "(admin socket)"  # who forwarded requests from the admin socket are, at the holder
 MAX_BODY = 2**20  # a forwarded request's body: a span asked for, an incident started
 MAX_ANSWER = 64 * 1024  # a peer's answer to an incident's share: its id and nodes
+# Streams forwarded at once (aiohttp's pool is 100 connections: the rest stay free for pages), and
+# of one viewer (as the holder's own live views are capped, controlplane/live.py).
+MAX_STREAMS = 64
+MAX_STREAMS_A_VIEWER = 4
 REMEMBERED_SPANS = 4096  # span ids asked for through this replica, with the peer that fetches each
 PASSED_ON = ("Content-Type", "Cache-Control", "Content-Disposition", "Retry-After", "X-Accel-Buffering")
 
@@ -71,6 +86,7 @@ class Forwarder:
         self.spans: collections.OrderedDict[str, Peer] = collections.OrderedDict()  # span id -> its fetcher
         self.forwarded = 0  # requests sent on to a peer
         self.failed = 0  # of them, those the peer did not answer (502)
+        self.streams: collections.Counter[str] = collections.Counter()  # streams forwarded now, by viewer
 
     def remember_span(self, span_id: str, peer: Peer) -> None:
         self.spans[span_id] = peer
@@ -78,28 +94,54 @@ class Forwarder:
         while len(self.spans) > REMEMBERED_SPANS:
             self.spans.popitem(last=False)
 
+    @contextlib.contextmanager
+    def _stream_slot(self, viewer: str) -> Iterator[str | None]:
+        """A slot for one forwarded stream: None, or why there is none."""
+        if self.streams.total() >= MAX_STREAMS:
+            yield f"{MAX_STREAMS} streams are forwarded already"
+            return
+        if self.streams[viewer] >= MAX_STREAMS_A_VIEWER:
+            yield f"{MAX_STREAMS_A_VIEWER} streams of this viewer are forwarded already"
+            return
+        self.streams[viewer] += 1
+        try:
+            yield None
+        finally:
+            self.streams[viewer] -= 1
+            if self.streams[viewer] <= 0:
+                del self.streams[viewer]
+
     async def send(self, request: web.Request, peer: Peer, body: bytes | None = None,
                    remember_span: bool = False) -> web.StreamResponse:  # fmt: skip
         """The request, served by `peer`: its answer as it comes. `body`: in
         place of the request's own (an incident's nodes, split by holder)."""
-        session = self.peers.session
-        if session is None or peer.pages is None:
-            why = "the control plane is starting" if session is None else "it has not said where its pages are"
-            return self._failed(request, peer, why)
+        session = self.peers.forwarding
+        if session is None:
+            return self._failed(request, peer, "the control plane is starting")
         if body is None and request.body_exists:
-            body = await request.content.read(MAX_BODY + 1)
-            if len(body) > MAX_BODY:
-                raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=len(body))
-        headers = self._headers(request)
+            body = await request_body(request, MAX_BODY)
         streams = getattr(request.match_info.handler, "streams", False)
+        if not streams:
+            return await self._send(session, request, peer, body, remember_span)
+        with self._stream_slot(peer_of(request.remote)) as refused:
+            if refused is not None:
+                return web.Response(status=429, text=f"{refused}: try again later\n", headers={"Retry-After": "5"})
+            return await self._send(session, request, peer, body, remember_span, streams=True)
+
+    async def _send(self, session: Any, request: web.Request, peer: Peer, body: bytes | None, remember_span: bool,
+                    streams: bool = False) -> web.StreamResponse:  # fmt: skip
         timeout = aiohttp.ClientTimeout(total=None if streams else ANSWER_TIMEOUT_S, sock_connect=TIMEOUT_S,
                                         sock_read=STREAM_READ_TIMEOUT_S if streams else None)  # fmt: skip
         self.forwarded += 1
         response: web.StreamResponse | None = None
+        user, viewer = self._user(request), request.remote or "unknown"
         try:
-            async with session.request(request.method, peer.pages + str(request.rel_url), data=body,
-                                       headers=headers, timeout=timeout, allow_redirects=False,
-                                       ssl=self.peers.ssl_context or True) as answer:  # fmt: skip
+            async with self.peers.request(session, request.method, peer, str(request.rel_url), user=user or "",
+                                          viewer=viewer, headers=self._headers(request, user, viewer), data=body,
+                                          timeout=timeout) as (answer, challenge):  # fmt: skip
+                if not self.peers.auth.proven(answer.headers.get(PROOF), challenge, answer.status, None):
+                    return self._failed(request, peer, f"HTTP {answer.status} without a peer's proof: "
+                                                       "not a replica of this cluster")  # fmt: skip
                 if remember_span and answer.status == 202:
                     return await self._span_asked(answer, peer)
                 response = web.StreamResponse(
@@ -113,7 +155,7 @@ class Forwarder:
                         await response.write(chunk)
                 await response.write_eof()
                 return response
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
             if response is not None:  # part of the answer left: the reader sees it end short
                 if not isinstance(e, (ConnectionError, TimeoutError)):
                     log.info("forwarding %s to %s ended: %s", request.path, peer.url, e)
@@ -123,17 +165,19 @@ class Forwarder:
     async def ask(self, request: web.Request, peer: Peer, body: bytes) -> dict[str, Any]:
         """The request with `body`, answered by `peer`: its JSON answer (at
         most `MAX_ANSWER` bytes), or why there is none."""
-        session = self.peers.session
-        if session is None or peer.pages is None:
-            return {"error": "not sent: " + ("the control plane is starting" if session is None
-                                             else "it has not said where its pages are")}  # fmt: skip
+        session = self.peers.forwarding
+        if session is None:
+            return {"error": "not sent: the control plane is starting"}
         self.forwarded += 1
+        user, viewer = self._user(request), request.remote or "unknown"
         try:
-            async with session.request(request.method, peer.pages + str(request.rel_url), data=body,
-                                       headers=self._headers(request), allow_redirects=False,
-                                       timeout=aiohttp.ClientTimeout(total=ANSWER_TIMEOUT_S),
-                                       ssl=self.peers.ssl_context or True) as answer:  # fmt: skip
-                text = (await answer.content.read(MAX_ANSWER)).decode(errors="replace")
+            async with self.peers.request(session, request.method, peer, str(request.rel_url), user=user or "",
+                                          viewer=viewer, headers=self._headers(request, user, viewer), data=body,
+                                          timeout=aiohttp.ClientTimeout(total=ANSWER_TIMEOUT_S)
+                                          ) as (answer, challenge):  # fmt: skip
+                if not self.peers.auth.proven(answer.headers.get(PROOF), challenge, answer.status, None):
+                    raise ValueError(f"HTTP {answer.status} without a peer's proof: not a replica of this cluster")
+                text = (await answer_body(answer, MAX_ANSWER)).decode(errors="replace")
                 if answer.status >= 400:
                     return {"status": answer.status, "error": text[:300]}
                 value = json.loads(text)
@@ -142,10 +186,15 @@ class Forwarder:
             self.failed += 1
             return {"error": f"{type(e).__name__}: {e}"[:300]}
 
-    def _headers(self, request: web.Request) -> dict[str, str]:
-        headers = {"Authorization": f"Bearer {self.peers.token}", FORWARDED_FOR: request.remote or "unknown"}
+    @staticmethod
+    def _user(request: web.Request) -> str | None:
         # The operator through the admin socket has no name: the holder gives them the rights they have here.
-        user = request.get(USER, ADMIN_SOCKET_USER if from_admin_socket(request) else None)
+        user: str | None = request.get(USER, ADMIN_SOCKET_USER if from_admin_socket(request) else None)
+        return user
+
+    @staticmethod
+    def _headers(request: web.Request, user: str | None, viewer: str) -> dict[str, str]:
+        headers = {FORWARDED_FOR: viewer}
         if user is not None:
             headers[FORWARDED_USER] = user
         for name in ("Content-Type", "Accept"):
@@ -155,7 +204,7 @@ class Forwarder:
 
     async def _span_asked(self, answer: aiohttp.ClientResponse, peer: Peer) -> web.Response:
         """The peer's 202 for a span: its id remembered, so the reads of it go there too."""
-        text = await answer.content.read(64 * 1024)
+        text = await answer_body(answer, 64 * 1024)
         try:
             span_id = json.loads(text)["id"]
             if isinstance(span_id, str):
@@ -174,16 +223,15 @@ class Forwarder:
         """`/api/incidents/ID` this replica does not keep: asked of each peer in
         turn (few, and a 404 is quick), the first that has it answering. `path`
         as the client sent it (still encoded: what it names is the peer's to read)."""
+        session = self.peers.forwarding
         for peer in self.peers.peers:
-            if peer.is_us or peer.pages is None or self.peers.session is None:
+            if peer.is_us or session is None:
                 continue
             try:
-                async with self.peers.session.head(peer.pages + path, ssl=self.peers.ssl_context or True,
-                                                   headers={"Authorization": f"Bearer {self.peers.token}"},
-                                                   timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as r:  # fmt: skip
-                    if r.status == 404:
+                async with self.peers.request(session, "HEAD", peer, path) as (r, challenge):
+                    if r.status == 404 or not self.peers.auth.proven(r.headers.get(PROOF), challenge, r.status, None):
                         continue
-            except (aiohttp.ClientError, TimeoutError, OSError):
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
                 continue
             return await self.send(request, peer)
         return None
@@ -249,9 +297,7 @@ async def _start_where_held(request: web.Request, handler: Handler, forwarder: F
     them at one peer: the request is that peer's; split: each peer's share
     sent on, this replica's started here, the peers' answers under
     `forwarded` (as the Alertmanager webhook's)."""
-    raw = await request.content.read(MAX_BODY + 1)
-    if len(raw) > MAX_BODY:
-        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=len(raw))
+    raw = await request_body(request, MAX_BODY)
     request[BODY_READ] = raw
     try:
         body = json.loads(raw)

@@ -1,7 +1,7 @@
 """A node as the cluster page lists it: one small row of its current figures.
 
 The cluster page reads every node of the fleet at each view, its own and
-its peers' (controlplane/peers.py): a row is the few figures the page shows
+its peers' (controlplane/fleet/peers.py): a row is the few figures the page shows
 (about 400 bytes, against tens of KiB of a GPU node's whole heartbeat in
 `/api/nodes`), so a 10,000-node fleet over three replicas is a few MB to
 fetch and parse, not a few hundred.
