@@ -138,8 +138,7 @@ async def test_a_restart_while_capturing_says_so(tmp_path: Path, registry: NodeR
     assert listed["missing"]["n1"][0]["why"] == "the control plane stopped while capturing"
 
 
-async def test_a_claim_the_kubelet_gave_to_the_pods_group_is_its_own_and_no_other(tmp_path: Path,
-                                                                                  registry: NodeRegistry) -> None:  # fmt: skip
+async def test_a_claim_the_kubelet_gave_to_the_pods_group_is_its_own(tmp_path: Path, registry: NodeRegistry) -> None:
     """The kubelet makes a claim's directories group-writable and setgid for
     the pod's fsGroup at every mount (2770): a group this process is in is
     its own, and the incidents come back. Writable by another group or by
