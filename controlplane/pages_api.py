@@ -147,6 +147,7 @@ async def forget_node(request: web.Request) -> web.Response:
                                     "again; stop the agent first, or force it (?force=1, `nodesampler forget "
                                     "--force`)\n")  # fmt: skip
     registry.forget(node)
+    registry.remember_forgotten(node, registry.clock())  # told to the peers: a copy one kept goes too
     if (history := request.app.get(RECORDER)) is not None:
         history.forget(node)
     if (fetches := request.app.get(HINDSIGHT)) is not None:

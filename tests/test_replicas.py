@@ -319,6 +319,9 @@ async def test_a_peer_proves_itself_on_every_request_and_its_answer_is_checked(a
     registry.register(msgspec.convert(registration("n3"), Registration))
     registry.heartbeat(msgspec.convert(heartbeat("n3"), Heartbeat))
     registry.register(msgspec.convert(registration("n2"), Registration))  # known, never heard: not held
+    registry.register(msgspec.convert(registration("n4"), Registration))
+    registry.forget("n4")
+    registry.remember_forgotten("n4", clock() - 30)  # an operator forgot it 30 s ago: told to the peers
     app = agent_api.create_app(registry, secret)
     peers.add_routes(app, peers.Peers([], secret, registry, lambda node: None), lambda: pages_api.nodes_json(registry))
     client = await aiohttp_client(app)
@@ -341,12 +344,14 @@ async def test_a_peer_proves_itself_on_every_request_and_its_answer_is_checked(a
     r = await client.get("/v1/peer/held", headers=signed)
     assert r.status == 200, await r.text()
     assert (await client.get("/v1/peer/held", headers=signed)).status == 401  # replayed: its challenge is spent
-    replica, holds = peers.parse_held(await r.read())
+    answer = peers.parse_held(await r.read())
+    holds = dict(answer.nodes)
     assert sorted(holds) == ["n1", "n3"] and 100 <= holds["n1"] < 101 and holds["n3"] < 1
+    assert answer.forgotten == [("n4", 30.0)]
     r = await peer.request("GET", "/v1/peer/held")  # and its proof covers the body it sent
     assert r.status == 200
     ok = json.dumps({"replica": "x", "nodes": [["ok-1", 1.5], ["ok-5", 2]]}).encode()
-    assert peers.parse_held(ok) == ("x", {"ok-1": 1.5, "ok-5": 2.0})
+    assert peers.parse_held(ok) == peers.HeldAnswer("x", [("ok-1", 1.5), ("ok-5", 2.0)], [])
     for not_an_answer in (b"[]", b'{"nodes": []}', b"{not json", b'{"replica": "x", "nodes": [["bad name", 1]]}',
                           b'{"replica": "x", "nodes": [["ok", -1]]}', b'{"replica": "x", "nodes": [["ok", null]]}',
                           b'{"replica": "x", "nodes": [["ok", 1' + b"0" * 400 + b"]]}",

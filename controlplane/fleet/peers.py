@@ -105,6 +105,8 @@ class HeldAnswer(msgspec.Struct, forbid_unknown_fields=False):
 
     replica: Annotated[str, msgspec.Meta(max_length=64)]
     nodes: Annotated[list[tuple[NodeName, Age]], msgspec.Meta(max_length=MAX_FLEET_NODES)]
+    # Nodes it forgot, with the seconds since: a copy heard from before that is forgotten here too.
+    forgotten: Annotated[list[tuple[NodeName, Age]], msgspec.Meta(max_length=MAX_FLEET_NODES)] = []
 
 
 class Arrivals(msgspec.Struct):
@@ -167,33 +169,29 @@ def rows_of(body: bytes, view: str) -> list[dict[str, Any]]:
 @dataclass(eq=False)  # one a replica: each is itself (and a key)
 class Peer:
     url: str
-    instance: str | None = None  # its id, once it answered (ours: it is this replica)
+    instance: str | None = None  # its id, once it answered
+    is_us: bool = False  # it answered with this replica's own id: it is this replica
     holds: dict[str, float] = field(default_factory=dict)  # node -> seconds since it last spoke there
+    forgot: dict[str, float] = field(default_factory=dict)  # node -> seconds since it was forgotten there
     answered_at: float = 0.0  # when `holds` came (this replica's clock): its ages are older by now
     error: str | None = None  # why the last poll failed; None: it answered
     rows_error: str | None = None  # why its rows did not come for the last fleet view
 
-    @property
-    def is_us(self) -> bool:
-        return self.instance == _INSTANCE
 
-
-_INSTANCE = secrets.token_hex(8)  # this process's id among its peers
-
-
-def held_answer(registry: NodeRegistry) -> bytes:
-    """Every node this replica has heard from, fresh or stale, each with its age here."""
+def held_answer(registry: NodeRegistry, instance: str) -> bytes:
+    """Every node this replica has heard from, fresh or stale, each with its
+    age here; and the nodes it forgot, with the seconds since."""
     now = registry.clock()
     held = [(s.node, round(max(0.0, now - s.received_at), 3)) for s in registry.nodes() if s.received_at is not None]
-    return msgspec.json.encode(HeldAnswer(_INSTANCE, held))
+    forgot = [(node, round(max(0.0, now - at), 3)) for node, at in registry.forgotten.items()]
+    return msgspec.json.encode(HeldAnswer(instance, held, forgot))
 
 
-def parse_held(body: bytes) -> tuple[str, dict[str, float]]:
-    """A peer's answer: its id, and the nodes it has heard from with their
-    ages. ValueError (msgspec's) when any of it is not that: the peer is
-    down with the reason, and nothing is let go on its word."""
-    answer = _HELD.decode(body)
-    return answer.replica, dict(answer.nodes)
+def parse_held(body: bytes) -> HeldAnswer:
+    """A peer's answer: its id, the nodes it has heard from with their ages,
+    and those it forgot. ValueError (msgspec's) when any of it is not that:
+    the peer is down with the reason, and nothing is let go on its word."""
+    return _HELD.decode(body)
 
 
 def _reason(e: BaseException) -> str:
@@ -207,7 +205,8 @@ class Peers:
                  let_go: Callable[[str], None], ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
         self.replicas = Replicas(urls, clock=registry.clock)  # given, or named by DNS SRV records (wire/discovery.py)
         self.peers = [Peer(url) for url in self.replicas.urls]
-        self.auth = PeerAuth(secret, _INSTANCE)
+        self.instance = secrets.token_hex(8)  # this replica's id among its peers
+        self.auth = PeerAuth(secret, self.instance)
         self.auth.candidates = [p.url for p in self.peers]
         self.registry, self.let_go, self.ssl_context = registry, let_go, ssl_context
         self.let_go_count = 0
@@ -276,7 +275,7 @@ class Peers:
         try:
             await asyncio.sleep(ARRIVALS_EVERY_S)
             nodes, self._arrivals = list(self._arrivals), {}
-            body = msgspec.json.encode(Arrivals(_INSTANCE, nodes))
+            body = msgspec.json.encode(Arrivals(self.instance, nodes))
             await asyncio.gather(*(self._tell_one(p, body) for p in self.peers if not p.is_us))
         finally:
             self._telling = None
@@ -355,30 +354,59 @@ class Peers:
             log.info("peers now: %s", ", ".join(p.url for p in self.peers) or "none")
 
     async def poll(self, session: aiohttp.ClientSession) -> None:
-        """Every peer at once, each on its own; then the nodes a peer heard from more recently, let go."""
+        """Every peer at once, each on its own; then what they said, settled."""
         await self.discover()
         await asyncio.gather(*(self._ask(session, p) for p in self.peers))
+        self.settle()
+
+    def settle(self) -> None:
+        """Each node a peer heard from more recently than this replica did,
+        let go (it moved there); each a peer forgot after this replica last
+        heard from it, forgotten here too, with the moment it was forgotten
+        (so a replica that was down when an operator forgot a node does not
+        bring it back); and this replica's own tombstone of a node a peer
+        heard from since, dropped (the node came back)."""
         now = self.registry.clock()
+        answered = [p for p in self.peers if not p.is_us and p.error is None]
         for state in self.registry.nodes():
             ours = math.inf if state.received_at is None else now - state.received_at
-            for peer in self.peers:
-                theirs = peer.holds.get(state.node)
-                if theirs is not None and not peer.is_us and theirs < ours:
+            for peer in answered:
+                late = now - peer.answered_at  # its ages are older by now
+                theirs, forgot = peer.holds.get(state.node), peer.forgot.get(state.node)
+                if theirs is not None and theirs + late < ours:
                     log.info("node %s is held by %s (it spoke there %.1f s ago, here %.1f s ago): let go",
-                             state.node, peer.url, theirs, ours)  # fmt: skip
+                             state.node, peer.url, theirs + late, ours)  # fmt: skip
                     self.let_go(state.node)
                     self.let_go_count += 1
                     break
+                if forgot is not None and forgot + late < ours:
+                    log.info("node %s was forgotten at %s %.1f s ago, after it last spoke here (%.1f s ago): "
+                             "forgotten here too", state.node, peer.url, forgot + late, ours)  # fmt: skip
+                    self.let_go(state.node)
+                    self.registry.remember_forgotten(state.node, now - (forgot + late))
+                    break
+        for node, at in list(self.registry.forgotten.items()):
+            if any(p.holds.get(node, math.inf) + (now - p.answered_at) < now - at for p in answered):
+                del self.registry.forgotten[node]  # heard from since, at a peer: it came back
+        for peer in answered:  # a tombstone that reached this replica is told on by it too
+            for node, forgot in peer.forgot.items():
+                age = forgot + now - peer.answered_at
+                if self.registry.get(node) is None and node not in self.registry.forgotten and not any(
+                        p.holds.get(node, math.inf) + (now - p.answered_at) < age for p in answered):  # fmt: skip
+                    self.registry.remember_forgotten(node, now - age)
 
-    async def _ask(self, session: aiohttp.ClientSession, peer: Peer) -> None:
-        error = None
-        try:
-            body = await self._get(session, peer, "/v1/peer/held", MAX_ANSWER_BYTES, TIMEOUT_S)
-            peer.instance, peer.holds = parse_held(body)
-            peer.answered_at = self.registry.clock()
-        except Exception as e:  # noqa: BLE001 (a peer's fault of any kind is that peer's alone)
-            peer.holds = {}  # what it held is not known now: nothing is let go on its word
-            error = _reason(e)
+    def heard(self, peer: Peer, body: bytes | None, error: str | None = None) -> None:
+        """`peer`'s held answer (`body`), or why there is none (`error`)."""
+        if body is not None:
+            try:
+                answer = parse_held(body)
+                peer.instance, peer.is_us = answer.replica, answer.replica == self.instance
+                peer.holds, peer.forgot = dict(answer.nodes), dict(answer.forgotten)
+                peer.answered_at = self.registry.clock()
+            except ValueError as e:
+                error = _reason(e)
+        if error is not None:
+            peer.holds, peer.forgot = {}, {}  # what it held is not known now: nothing is let go on its word
         if error != peer.error and not peer.is_us:
             if error is None:
                 log.info("peer %s answers", peer.url)
@@ -388,6 +416,14 @@ class Peers:
             else:
                 log.warning("peer %s: %s", peer.url, error)
         peer.error = error
+
+    async def _ask(self, session: aiohttp.ClientSession, peer: Peer) -> None:
+        try:
+            body = await self._get(session, peer, "/v1/peer/held", MAX_ANSWER_BYTES, TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 (a peer's fault of any kind is that peer's alone)
+            self.heard(peer, None, _reason(e))
+            return
+        self.heard(peer, body)
 
     # --- the fleet's views ------------------------------------------------------------------
 
@@ -575,7 +611,8 @@ async def held(request: web.Request) -> web.Response:
     """GET /v1/peer/held, for a peer."""
     if (refused := _refused(request)) is not None:
         return refused
-    return _proven(request, held_answer(request.app[PEERS].registry))
+    peers = request.app[PEERS]
+    return _proven(request, held_answer(peers.registry, peers.instance))
 
 
 async def arrived(request: web.Request) -> web.Response:
@@ -584,7 +621,7 @@ async def arrived(request: web.Request) -> web.Response:
         return refused
     try:
         told = msgspec.json.decode(await request_body(request, MAX_ARRIVALS_BODY), type=Arrivals)
-        if told.replica == _INSTANCE:
+        if told.replica == request.app[PEERS].instance:
             raise ValueError("this replica's own arrivals")
     except (ValueError, TooLarge) as e:
         return _proven_json(request, {"error": str(e)[:200]}, 400)

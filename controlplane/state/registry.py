@@ -8,6 +8,7 @@ if it keeps talking, and a silent node goes stale whatever it claimed.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from controlplane.state.starvation import StarvationRules, Verdict, judge_shards
 from wire.schema import Heartbeat, Registration, Shard
 
 Json = dict[str, Any]
+MAX_FORGOTTEN = 60_000  # tombstones kept: a whole fleet forgotten at once (controlplane/fleet/peers.py's bound)
 MAX_SHARDS_PER_NODE = 64  # engines of one node exported, charted and shown
 
 
@@ -101,6 +103,11 @@ class NodeRegistry:
         self.gone_after = gone_after if gone_after is not None else max(7 * 86400.0, 10 * stale_after)
         self.clock = clock
         self._nodes: dict[str, NodeState] = {}
+        # Nodes forgotten (by an operator, or gone), and when (this clock): told to the peers in
+        # their held lists, so a copy a replica kept (it was down, or cut off) is forgotten
+        # too, and kept in the state file. Kept for `gone_after`: a copy older than that is
+        # forgotten as gone anyway. Dropped when the node speaks again.
+        self.forgotten: dict[str, float] = {}
         # One more each time the set of nodes or a registration changes (not per
         # heartbeat): a view shared for a second is not one that shows a forgotten node.
         self.generation = 0
@@ -110,13 +117,27 @@ class NodeRegistry:
         gone = [n for n, s in self._nodes.items() if now - (s.received_at or s.registered_at) > self.gone_after]
         for node in gone:
             del self._nodes[node]
+            self.remember_forgotten(node, now)
         self.generation += bool(gone)
+        for node, at in list(self.forgotten.items()):
+            if now - at > self.gone_after:
+                del self.forgotten[node]
         return gone
 
     def forget(self, node: str) -> bool:
+        """The node leaves this registry (moved to a peer: no tombstone; see `remember_forgotten`)."""
         gone = self._nodes.pop(node, None) is not None
         self.generation += gone
         return gone
+
+    def remember_forgotten(self, node: str, at: float) -> None:
+        """`node` was forgotten at `at` (this clock; at a peer, the moment it said): kept,
+        the latest such moment, the oldest dropped first beyond MAX_FORGOTTEN."""
+        if at > self.forgotten.get(node, -math.inf):
+            self.forgotten.pop(node, None)
+            self.forgotten[node] = at
+        while len(self.forgotten) > MAX_FORGOTTEN:
+            del self.forgotten[next(iter(self.forgotten))]
 
     def register(self, registration: Registration) -> NodeState:
         """(Re-)registration replaces what does not change; a heartbeat
@@ -124,6 +145,7 @@ class NodeRegistry:
         node = registration.node
         old = self._nodes.get(node)
         state = NodeState(node, registration, self.clock())
+        self.forgotten.pop(node, None)  # it speaks again: not forgotten
         if old is not None:
             state.received, state.received_at, state.heartbeats = old.received, old.received_at, old.heartbeats
         self._nodes[node] = state

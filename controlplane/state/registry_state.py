@@ -34,6 +34,7 @@ from aiohttp import web
 import wire
 from controlplane.keys import REGISTRY
 from controlplane.state.registry import NodeRegistry, NodeState
+from wire.limits import NODE_ID
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,9 @@ def snapshot(registry: NodeRegistry, wall: float, now: float) -> dict[str, Any]:
 
     return {"version": VERSION, "nodes": [
         {"registration": msgspec.to_builtins(s.registration), "last_heartbeat": seen(s), "heartbeats": s.heartbeats}
-        for s in registry.nodes()]}  # fmt: skip
+        for s in registry.nodes()],
+        # Nodes forgotten, and when (wall time): a peer that kept a copy lets it go (controlplane/fleet/peers.py).
+        "forgotten": [[node, wall - (now - at)] for node, at in registry.forgotten.items()]}  # fmt: skip
 
 
 def encoded(registry: NodeRegistry) -> bytes:
@@ -119,6 +122,11 @@ def load(registry: NodeRegistry, path: Path) -> int:
         state.received_at = None if seen is None else now - (wall - min(seen, wall))
         state.heartbeats = count
         loaded += 1
+    forgotten = body.get("forgotten", [])
+    for entry in forgotten if isinstance(forgotten, list) else []:
+        if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and NODE_ID.fullmatch(entry[0])
+                and isinstance(entry[1], (int, float)) and 0 < entry[1] <= wall + 86400):  # fmt: skip
+            registry.remember_forgotten(entry[0], now - (wall - min(entry[1], wall)))
     return loaded
 
 
