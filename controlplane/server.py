@@ -144,7 +144,7 @@ async def serve(agent_listen: str, pages_listen: str, auth: NodeAuthenticator, s
     if peer_urls:  # replicas sharing the fleet (controlplane/fleet/peers.py): only then is the route there
         secret = peer_secret or auth.secret
         if secret is None:
-            raise ValueError("--peer: peers show each other a token made from --peer-secret-file's secret")
+            raise ValueError("--peer: peers sign their requests with a key made from --peer-secret-file's secret")
 
         def let_go(node: str) -> None:
             if registry.forget(node):

@@ -148,6 +148,12 @@ def test_the_clis_take_a_record_and_refuse_what_is_neither(tmp_path: Path) -> No
         r = subprocess.run([sys.executable, "-m", "nodesampler", *command], capture_output=True, text=True,
                            timeout=60)  # fmt: skip
         assert r.returncode == 2 and "dnssrv+" in r.stderr, r.stderr
+    # Peers over plain http: refused but on loopback (what they send would cross the network in clear text).
+    for peer in ("http://cp-1.svc:8080", "dnssrv+http://cp.svc", "http://10.0.0.7:8080"):
+        r = subprocess.run([sys.executable, "-m", "nodesampler", "controlplane", "--listen", "127.0.0.1:0",
+                            "--pages-listen", "127.0.0.1:0", "--secret-file", str(tmp_path / "secret"), "--peer",
+                            peer], capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2 and "peers speak https" in r.stderr, (peer, r.stderr)
 
 
 async def test_a_replicas_peers_follow_the_record() -> None:

@@ -79,7 +79,8 @@ MAX_ARRIVALS_BODY = MAX_ARRIVALS * 70 + 1024
 ARRIVED_AFTER_S = 1.0  # a node told arrived elsewhere is let go here if silent here this long
 MAX_ALERTS_BODY = 2**20 + 64 * 1024  # Alertmanager's own body to /api/alertmanager, and its wrapping
 MAX_FORWARD_ANSWER = 64 * 1024  # a peer's answer to forwarded alerts: an incident's id and its nodes
-ROWS_TIMEOUT_S = 2.0  # a page waits this long for a peer's rows, then names it and shows the rest
+# A page waits this long for a peer's rows (10,000 GPU nodes' /api/nodes rows: seconds), then names it.
+ROWS_TIMEOUT_S = 10.0
 # Every peer's rows for one view together (a peer's share of them: this over the peers asked, at
 # most MAX_ROWS_BYTES): 10,000 GPU nodes' cluster rows are ~4 MB, their /api/nodes rows ~50.
 MAX_ROWS_BYTES = 64 * 2**20

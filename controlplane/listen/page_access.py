@@ -16,13 +16,15 @@
   without a password: `nodesampler forget NODE` on the control plane's
   machine (`kubectl exec`, which RBAC grants apart from port-forward).
 - **Peers** (`--peer`, controlplane/fleet/forward.py): a replica that forwards a
-  node's request to the replica holding it shows the peer token (made from
-  the cluster secret) in place of a password. It checked its user already and
-  names them (`X-Nodesampler-User`), and the client's address
-  (`X-Nodesampler-Viewer`): the holder counts their rights and live views as
-  its own. Such a request is not held to `--pages-host` (the forwarder names
-  the peer's own host), and is served here, never forwarded again. Only a
-  replica given peers takes the token at all.
+  node's request to the replica holding it signs it for that replica alone
+  (controlplane/listen/peer_auth.py) in place of a password. It checked its
+  user already and names them (`X-Nodesampler-User`), and the client's
+  address (`X-Nodesampler-Viewer`), both in the signature: the holder counts
+  their live views as its own, and gives them the rights its own web config
+  gives that name (none for a name it does not hold). Such a request is not
+  held to `--pages-host` (the host it was signed for is checked instead), and
+  is served here, never forwarded again. Only a replica given peers takes
+  such a request at all; its answer carries the replica's proof.
 - **Forgetting a node** (`DELETE /api/nodes/NODE`) needs an authenticated
   user or the admin socket; without either it is refused (403). A loopback
   peer is no operator: every service-mesh sidecar and anyone allowed

@@ -106,8 +106,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
             fail(EXIT_USAGE, f"--peer {url!r}: peers speak https (with --peer-ca-file) except on this machine's "
                              "loopback: what they send each other would cross the network in clear text")  # fmt: skip
     if args.peer and args.secret_file is None and args.peer_secret_file is None:
-        fail(EXIT_USAGE, "--peer needs --peer-secret-file (or --secret-file): replicas show each other a token made "
-                         "from a secret they share")  # fmt: skip
+        fail(EXIT_USAGE, "--peer needs --peer-secret-file (or --secret-file): replicas sign their requests with a "
+                         "key made from a secret they share")  # fmt: skip
     peer_secret = None
     if args.peer_secret_file is not None:
         from controlplane.ingest.tokens import TokenError, read_secret

@@ -201,10 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--incident-after", type=_positive(600), default=60.0, metavar="S",
                    help="... and end this many seconds after it (default 60)")
     c.add_argument("--peer", action="append", default=[], metavar="URL",
-                   help="another replica's pages listener (repeatable; this replica's own may be in the list): "
-                        "replicas tell each other which nodes they hold, and let go of a node that moved")
+                   help="another replica's pages listener (repeatable; the same list for every replica, its own "
+                        "included; https, or http on loopback alone): replicas tell each other which nodes they "
+                        "hold, and let go of a node that moved")
     c.add_argument("--peer-secret-file", type=Path, default=None, metavar="PATH",
-                   help="the secret replicas show each other a token of (default: --secret-file's); on Kubernetes, "
+                   help="the secret replicas sign their requests with (default: --secret-file's); on Kubernetes, "
                         "where agents show service-account tokens and no node token is made, a Secret of its own")
     c.add_argument("--peer-ca-file", type=Path, default=None, metavar="PATH",
                    help="CA bundle (PEM) an https peer's certificate must chain to (default: the system's)")
