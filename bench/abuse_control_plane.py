@@ -326,8 +326,8 @@ async def write_full_incident(directory: Path) -> str:
     """An incident of `INCIDENT_NODES` nodes' `INCIDENT_S` at 100 Hz of 8
     engines each, captured as the control plane captures one (the nodes'
     rings and pieces as the agent cuts them); its id."""
-    from controlplane.hindsight import HindsightFetches
-    from controlplane.incidents import Incidents
+    from controlplane.samples.hindsight import HindsightFetches
+    from controlplane.samples.incidents import Incidents
     from controlplane.state.registry import NodeRegistry
     from tests.test_hindsight_fetch import T0, filled_ring
     from tests.test_incidents import Node, captured, known

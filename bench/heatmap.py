@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controlplane.fleet.cluster_view import chart_parts  # noqa: E402
-from controlplane.heatmap import MEASURES, _kept, column_grid, heatmap, own_part, part_json  # noqa: E402
+from controlplane.history.heatmap import MEASURES, _kept, column_grid, heatmap, own_part, part_json  # noqa: E402
 from tests.heatmap_fleet import fleet_with_history, node_name  # noqa: E402
 
 

@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controlplane.heatmap import MEASURES, _kept, column_end, heatmap  # noqa: E402
-from controlplane.heatmap_prometheus import prometheus_heatmap  # noqa: E402
-from controlplane.history import PrometheusHistory  # noqa: E402
-from controlplane.page_worker import PageWorker  # noqa: E402
+from controlplane.history.backends import PrometheusHistory  # noqa: E402
+from controlplane.history.heatmap import MEASURES, _kept, column_end, heatmap  # noqa: E402
+from controlplane.history.heatmap_prometheus import prometheus_heatmap  # noqa: E402
+from controlplane.listen.page_worker import PageWorker  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.heatmap_fleet import fleet_with_history, node_name, openmetrics  # noqa: E402
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from heartbeat_throughput import gpu_node_heartbeat  # noqa: E402
 
 import wire  # noqa: E402
-from controlplane.history import EmbeddedHistory  # noqa: E402
+from controlplane.history.backends import EmbeddedHistory  # noqa: E402
 from controlplane.state.registry import NodeRegistry  # noqa: E402
 from tests.test_controlplane_api import registration  # noqa: E402
 

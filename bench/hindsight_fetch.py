@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import wire  # noqa: E402
-from controlplane.hindsight import HindsightFetches  # noqa: E402
+from controlplane.samples.hindsight import HindsightFetches  # noqa: E402
 from sampler.window.hindsight import HindsightRing  # noqa: E402
 from sampler.window.span_sender import SpanSender  # noqa: E402
 from wire.hindsight import parse_piece  # noqa: E402

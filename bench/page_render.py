@@ -22,7 +22,7 @@ from heartbeat_throughput import gpu_node_heartbeat  # noqa: E402
 
 import wire  # noqa: E402
 from controlplane import pages_api  # noqa: E402
-from controlplane.history import EmbeddedHistory  # noqa: E402
+from controlplane.history.backends import EmbeddedHistory  # noqa: E402
 from controlplane.state.registry import NodeRegistry  # noqa: E402
 from tests.test_controlplane_api import registration  # noqa: E402
 from web.pages import add_pages, cluster_page, node_page  # noqa: E402

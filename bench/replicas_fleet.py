@@ -13,7 +13,10 @@ ratio is the figure that means something).
    replica's /metrics against the one replica's at a third of that (what
    each of the three holds), and the one replica's at the whole fleet.
    Targets: the cluster page under 500 ms from any replica; each replica's
-   scrape as one replica's of a third of the fleet.
+   scrape as one replica's of a third of the fleet. Each answer timed is
+   checked: every cluster page names the whole fleet (its count) and no
+   replica that did not answer; every scrape has each node it holds up, and
+   the three together each node once.
 2. Failover. `--fleet` simulated nodes (tests/simulated_fleet.py: the
    agent's own replica choice) heartbeat every `--interval` to three
    replicas; one is killed (SIGKILL): the time until every node is fresh at
@@ -21,13 +24,15 @@ ratio is the figure that means something).
    its nodes are back at it. Target: all fresh within two windows.
 
     PYTHONPATH=. .venv/bin/python bench/replicas_fleet.py [--page-nodes 10000] [--scrape-nodes 30000]
-                                                          [--fleet 1000] [--interval 2]
+                                                          [--fleet 1000] [--interval 2] [--skip-pages]
+                                                          [--whole-alone]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import statistics
 import subprocess
@@ -36,13 +41,14 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.heartbeat_throughput import SECRET, Agents, free_port  # noqa: E402
 from sampler.agent.replicas import ranked  # noqa: E402
-from tests.simulated_fleet import SimulatedFleet  # noqa: E402
+from tests.simulated_fleet import SimulatedFleet, cloud_names  # noqa: E402
 
 
 class Replica:
@@ -58,21 +64,25 @@ class Replica:
             [sys.executable, "-m", "nodesampler", "controlplane", "--listen", f"127.0.0.1:{self.agent_port}",
              "--pages-listen", f"127.0.0.1:{self.pages_port}", "--secret-file", str(self.tmp / "secret"),
              "--stale-after", "3600", "--max-heartbeats-per-second", "1000",
+             "--request-deadline", "300",  # what is timed is the answer, not the deadline a scrape is held to
              *[a for p in peers for a in ("--peer", p)]],
             stdout=subprocess.PIPE, stderr=open(self.tmp / f"{self.name}.log", "ab"))  # noqa: SIM115 (the child's)
         assert self.process.stdout is not None and b"control plane" in self.process.stdout.readline()
 
-    def get_ms(self, path: str) -> tuple[float, int]:
+    def get_ms(self, path: str) -> tuple[float, bytes]:
         started = time.perf_counter()
         with urllib.request.urlopen(f"http://127.0.0.1:{self.pages_port}{path}", timeout=120) as r:
-            size = len(r.read())
-        return (time.perf_counter() - started) * 1e3, size
+            body = r.read()
+        return (time.perf_counter() - started) * 1e3, body
 
-    def median_ms(self, path: str, times: int = 5) -> tuple[float, int]:
+    def median_ms(self, path: str, check: Callable[[bytes], None], times: int = 5) -> tuple[float, int]:
+        """The median time of `path`, each answer checked (a fast wrong answer is no figure)."""
         got = []
         for _ in range(times):
             time.sleep(1.1)  # a rendered view serves the second after it (SHARE_FOR_S): each measured anew
-            got.append(self.get_ms(path))
+            ms, body = self.get_ms(path)
+            check(body)
+            got.append((ms, len(body)))
         return statistics.median(ms for ms, _ in got), got[-1][1]
 
     def held_fresh(self) -> set[str]:
@@ -99,8 +109,32 @@ def fill(replicas: dict[str, Replica], names: list[str]) -> None:
         t.join()
 
 
+NAMES = cloud_names(100_000)  # as EC2, GKE and AKS name nodes, 40-64 bytes
+
+
 def nodes(first: int, last: int) -> list[str]:
-    return [f"gpu-{i:05d}" for i in range(first, last)]
+    return NAMES[first:last]
+
+
+def whole_fleet(count: int) -> Callable[[bytes], None]:
+    """A cluster page's check: it counts the whole fleet, and names no replica that did not answer."""
+
+    def check(body: bytes) -> None:
+        page = body.decode()
+        assert f'id="nodes">{count}<' in page, "the cluster page does not count the whole fleet"
+        assert "did not answer" not in page, "a replica did not answer"
+
+    return check
+
+
+def up_exactly(held: set[str]) -> Callable[[bytes], None]:
+    """A scrape's check: each node this replica holds is up there, and no other."""
+
+    def check(body: bytes) -> None:
+        up = set(re.findall(r'^llmgw_node_up\{node="([^"]+)"\} 1$', body.decode(), re.M))
+        assert up == held, f"{len(up)} nodes up, {len(held)} held"
+
+    return check
 
 
 def pages_and_scrapes(args: argparse.Namespace, tmp: Path) -> None:
@@ -113,26 +147,32 @@ def pages_and_scrapes(args: argparse.Namespace, tmp: Path) -> None:
     print(f"filling {args.page_nodes} GPU nodes over three replicas, and into one alone", flush=True)
     fill(by_url, nodes(0, args.page_nodes))
     fill({alone.url: alone}, nodes(0, args.page_nodes))
-    one_ms, one_size = alone.median_ms("/")
+    one_ms, one_size = alone.median_ms("/", whole_fleet(args.page_nodes))
     print(f"\ncluster page, {args.page_nodes} GPU nodes (median of 5):")
     print(f"  one replica alone: {one_ms:7.0f} ms ({one_size / 1e3:.0f} kB)")
     for r in three:
-        ms, size = r.median_ms("/")
+        ms, size = r.median_ms("/", whole_fleet(args.page_nodes))
         print(f"  from {r.name} of three: {ms:7.0f} ms ({size / 1e3:.0f} kB), {ms / one_ms:.2f} of one alone"
               f"{'' if ms < 500 else '  (target: under 500 ms)'}")
     print(f"\nfilling up to {args.scrape_nodes} nodes over the three", flush=True)
     fill(by_url, nodes(args.page_nodes, args.scrape_nodes))
     fill({alone.url: alone}, nodes(args.page_nodes, args.scrape_nodes // 3))
-    third_ms, third_size = alone.median_ms("/metrics", 3)
+    third_ms, third_size = alone.median_ms("/metrics", up_exactly(set(nodes(0, args.scrape_nodes // 3))), 3)
     print(f"\n/metrics, {args.scrape_nodes} nodes over three (median of 3):")
     print(f"  one replica alone, {args.scrape_nodes // 3} nodes: {third_ms:7.0f} ms ({third_size / 1e6:.1f} MB)")
+    everyone = nodes(0, args.scrape_nodes)
+    counted = 0
     for r in three:
-        ms, size = r.median_ms("/metrics", 3)
-        print(f"  {r.name}: {len(r.held_fresh())} nodes, {ms:7.0f} ms ({size / 1e6:.1f} MB), "
+        held = {n for n in everyone if ranked(n, list(by_url))[0] == r.url}
+        ms, size = r.median_ms("/metrics", up_exactly(held), 3)
+        counted += len(held)
+        print(f"  {r.name}: {len(held)} nodes, {ms:7.0f} ms ({size / 1e6:.1f} MB), "
               f"{ms / third_ms:.2f} of one replica's third")
-    fill({alone.url: alone}, nodes(args.scrape_nodes // 3, args.scrape_nodes))
-    whole_ms, whole_size = alone.median_ms("/metrics", 3)
-    print(f"  one replica alone, all {args.scrape_nodes}: {whole_ms:7.0f} ms ({whole_size / 1e6:.1f} MB)")
+    assert counted == len(everyone)  # each node up at exactly one of the three
+    if args.whole_alone:  # the fleet no one replica should hold: about a gigabyte of text at 30,000
+        fill({alone.url: alone}, nodes(args.scrape_nodes // 3, args.scrape_nodes))
+        whole_ms, whole_size = alone.median_ms("/metrics", up_exactly(set(nodes(0, args.scrape_nodes))), 3)
+        print(f"  one replica alone, all {args.scrape_nodes}: {whole_ms:7.0f} ms ({whole_size / 1e6:.1f} MB)")
     rss = {r.name: int(Path(f"/proc/{r.process.pid}/status").read_text().split("VmRSS:")[1].split()[0]) >> 10
            for r in (*three, alone) if r.process is not None}  # fmt: skip
     print(f"  resident: {', '.join(f'{k} {v} MiB' for k, v in rss.items())}")
@@ -185,6 +225,7 @@ def main() -> None:
     ap.add_argument("--fleet", type=int, default=1000, help="simulated nodes for the failover")
     ap.add_argument("--interval", type=float, default=2.0, help="their heartbeat interval, seconds")
     ap.add_argument("--skip-pages", action="store_true")
+    ap.add_argument("--whole-alone", action="store_true", help="also one replica's /metrics of the whole fleet")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

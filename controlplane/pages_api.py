@@ -16,20 +16,20 @@ import msgspec
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from controlplane import hindsight
 from controlplane.export.exposition import FleetExposition
 from controlplane.export.own_metrics import ControlPlaneMetrics
-from controlplane.heatmap import Part
-from controlplane.hindsight import HINDSIGHT, HindsightFetches
-from controlplane.history import EmbeddedHistory, GridPart
-from controlplane.incidents import Incidents
-from controlplane.incidents import add_routes as add_incident_routes
-from controlplane.incidents import add_routes_when_off as add_incident_routes_when_off
+from controlplane.history.backends import EmbeddedHistory, GridPart
+from controlplane.history.heatmap import Part
 from controlplane.ingest.agent_api import no_tracebacks
 from controlplane.keys import EXPOSITION, METRICS, RECORDER, REGISTRY
 from controlplane.listen.page_access import PAGE_ACCESS, PageAccess, add_headers, may_change_fleet, page_access
-from controlplane.live import LIVE, LiveSamples, live_stream
-from controlplane.page_worker import PAGE_WORKER, PageWorker, SharedAnswers, page_worker_ctx, shared
+from controlplane.listen.page_worker import PAGE_WORKER, PageWorker, SharedAnswers, page_worker_ctx, shared
+from controlplane.samples import hindsight
+from controlplane.samples.hindsight import HINDSIGHT, HindsightFetches
+from controlplane.samples.incidents import Incidents
+from controlplane.samples.incidents import add_routes as add_incident_routes
+from controlplane.samples.incidents import add_routes_when_off as add_incident_routes_when_off
+from controlplane.samples.live import LIVE, LiveSamples, live_stream
 from controlplane.state import registry_state
 from controlplane.state.registry import NodeRegistry
 from controlplane.state.registry_state import STATE_FILE
@@ -75,7 +75,7 @@ class FleetChartParts(Protocol):
 FLEET_CHART_PARTS = web.AppKey("fleet_chart_parts", FleetChartParts)
 
 
-# ... and the peers' parts of the fleet's picture (controlplane/heatmap.py), with why any did not come.
+# ... and the peers' parts of the fleet's picture (controlplane/history/heatmap.py), with why any did not come.
 class HeatmapParts(Protocol):
     def __call__(self, measure: str, end: float, columns: int) -> Awaitable[tuple[list[Part], list[str]]]: ...
 
@@ -182,7 +182,7 @@ def create_app(registry: NodeRegistry, own: ControlPlaneMetrics | None = None,
                share_for: float = 0.0, fetches: HindsightFetches | None = None,
                incidents: Incidents | None = None) -> web.Application:  # fmt: skip
     """`share_for`: seconds a rendered view serves the requests after it
-    (controlplane/page_worker.py's SharedAnswers); the control plane's is
+    (controlplane/listen/page_worker.py's SharedAnswers); the control plane's is
     SHARE_FOR_S, 0 (the tests' default) shares only renders under way."""
     app = web.Application(middlewares=[no_tracebacks, page_access])
     if access is not None:

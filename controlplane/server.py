@@ -21,15 +21,11 @@ from aiohttp import web
 
 from controlplane import pages_api
 from controlplane.export.own_metrics import ControlPlaneMetrics
-from controlplane.export.peer_metrics import PeersCollector
-from controlplane.export.surface_metrics import SurfacesCollector
 from controlplane.fleet.forward import FORWARDER, Forwarder, to_holder
+from controlplane.fleet.peer_metrics import PeersCollector
 from controlplane.fleet.peers import Peers, fleet_chart_parts, heatmap_parts, merged_rows, polled
 from controlplane.fleet.peers import add_routes as add_peer_routes
-from controlplane.hindsight import HindsightFetches
-from controlplane.history import EmbeddedHistory
-from controlplane.incidents import AFTER_S, BEFORE_S, HOLDERS, Incidents
-from controlplane.incidents import MAX_BYTES as MAX_INCIDENT_BYTES
+from controlplane.history.backends import EmbeddedHistory
 from controlplane.ingest import agent_api
 from controlplane.ingest.node_identity import NodeAuthenticator
 from controlplane.listen.connection_limits import (
@@ -42,13 +38,17 @@ from controlplane.listen.connection_limits import (
 from controlplane.listen.page_access import AdminSocketInUse, PageAccess, listen_admin_socket, remove_admin_socket
 from controlplane.listen.tls_files import ReloadingServerTLS
 from controlplane.listen.web_config import ReloadingWebConfig
-from controlplane.live import LiveSamples
+from controlplane.samples.hindsight import HindsightFetches
+from controlplane.samples.incidents import AFTER_S, BEFORE_S, HOLDERS, Incidents
+from controlplane.samples.incidents import MAX_BYTES as MAX_INCIDENT_BYTES
+from controlplane.samples.live import LiveSamples
+from controlplane.samples.surface_metrics import SurfacesCollector
 from controlplane.state.registry import MAX_SHARDS_PER_NODE, NodeRegistry
 from controlplane.state.starvation import StarvationRules
 
 log = logging.getLogger(__name__)
 
-# A rendered view serves the requests of the second after it (controlplane/page_worker.py):
+# A rendered view serves the requests of the second after it (controlplane/listen/page_worker.py):
 # heartbeats are seconds apart, and a 1,000-node /api/nodes is 4.7 MB and ~100 ms to render.
 SHARE_FOR_S = 1.0
 # Page requests under way at once, the rest waiting unread: 200 clients asking

@@ -1,5 +1,5 @@
 """A fleet of nodes with an hour of history, for the fleet's picture
-(controlplane/heatmap.py): its tests, the browser's, and bench/heatmap.py.
+(controlplane/history/heatmap.py): its tests, the browser's, and bench/heatmap.py.
 
 Node i's CPU peaks at `idle_cpu(i)` every window; a third of the nodes
 carry an H100, a third an A100, the rest no card. A burst is one node's
@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import wire
-from controlplane.history import EmbeddedHistory
+from controlplane.history.backends import EmbeddedHistory
 from controlplane.state.registry import NodeRegistry, Received
 from tests.heartbeats import held
 

@@ -18,8 +18,8 @@ import pytest
 from aiohttp import web
 
 from controlplane import pages_api
-from controlplane.heatmap import LEVELS, MEASURES, heatmap, level_colour
-from controlplane.history import EmbeddedHistory
+from controlplane.history.backends import EmbeddedHistory
+from controlplane.history.heatmap import LEVELS, MEASURES, heatmap, level_colour
 from controlplane.state.registry import NodeRegistry
 from tests.heatmap_fleet import fleet_with_history, node_name
 from tests.test_browser import ARTIFACTS, browser_page, open_page

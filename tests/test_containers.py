@@ -538,17 +538,30 @@ def test_the_pages_need_a_user_and_the_pods_operator_forgets_through_the_socket(
 
 
 def test_a_replica_rolled_finds_its_nodes_on_its_claim_and_they_come_back(cluster: Cluster) -> None:
-    """The StatefulSet rolled: the replica's pod made again on its claim knows
-    every node it held (its state file is there, not on the pod), and each
-    is fresh again once its agent's next heartbeat comes."""
+    """The StatefulSet rolled: the replica's pod made again on its claim (with
+    the kubelet's ownership change for the pod's fsGroup, as at every mount)
+    knows every node it held (its state file is there, not on the pod) and
+    its incidents, and each node is fresh again once its agent's next
+    heartbeat comes."""
     before = {n["node"] for n in cluster.get_json("/api/nodes?here=1")["nodes"] if n["state"] == "fresh"}
     assert before, "the earlier tests' agents heartbeat here"
+    # An operator's incident, kept in the claim's incidents directory (made 0700 by the control plane).
+    request = urllib.request.Request(f"{cluster.pages}/api/incidents", method="POST", data=json.dumps(
+        {"nodes": sorted(before)[:1], "reason": "before the roll"}).encode(), headers={
+        **basic("operator", cluster.passwords["operator"]), "Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10, context=cluster.context) as r:
+        incident = json.loads(r.read())["id"]
     argv = (cluster.work / "nodesampler-test-cp.argv").read_text().split(" ")
     subprocess.run(["podman", "stop", "-t", "30", "nodesampler-test-cp"], capture_output=True, check=True)
     pods.start(argv)  # a new pod: its emptyDirs as they were left here, its claim the same
     until("the control plane's /health", cluster._healthy)
     known = {n["node"] for n in cluster.get_json("/api/nodes?here=1")["nodes"]}
     assert before <= known, "known from the claim's state file, before any agent spoke again"
+    # The kubelet gave the claim to the pod's fsGroup again at the mount (2770 and setgid on each
+    # directory, the incidents' too): the control plane took it as its own, its incidents with it.
+    incidents_dir = cluster.work / "claim-state-0" / "registry.json.incidents"
+    assert incidents_dir.stat().st_mode & 0o7777 == 0o2770
+    assert incident in [i["id"] for i in cluster.get_json("/api/incidents")["incidents"]]
     until("every node fresh again", lambda: before <= {n["node"] for n in cluster.get_json("/api/nodes?here=1")["nodes"]
                                                          if n["state"] == "fresh"})  # fmt: skip
     [known_before] = re.findall(r"registry state \S+: (\d+) nodes known from before", pods.logs("nodesampler-test-cp"))

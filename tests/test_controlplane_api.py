@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 import wire
 from controlplane import pages_api
 from controlplane.export.exposition import FleetExposition
-from controlplane.history import EmbeddedHistory
+from controlplane.history.backends import EmbeddedHistory
 from controlplane.ingest import agent_api, tokens
 from controlplane.ingest.node_identity import JwksSource, NodeAuthenticator, ServiceAccountRules, ServiceAccountVerifier
 from controlplane.keys import METRICS
-from controlplane.live import LiveSamples
+from controlplane.samples.live import LiveSamples
 from controlplane.state.registry import NodeRegistry, UnknownNode
 from tests.fakeproc import FakeClock
 from tests.issuer import ISSUER, TestIssuer

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane import pages_api
 from controlplane.export.exposition import FleetExposition
 from controlplane.export.series import FAMILIES, FAMILY_NAMES, label_pairs, series_of
-from controlplane.history import EmbeddedHistory
+from controlplane.history.backends import EmbeddedHistory
 from controlplane.ingest import agent_api
 from controlplane.keys import METRICS
 from controlplane.state.registry import NodeRegistry

@@ -1,4 +1,4 @@
-"""The fleet's picture (controlplane/heatmap.py, web/heatmap_view.py): a
+"""The fleet's picture (controlplane/history/heatmap.py, web/heatmap_view.py): a
 burst on one node in a thousand colours its band's cell and a click there
 opens that node at that moment; nothing measured is grey, never idle; rows
 grouped by GPU model, the busiest first; bad asks refused, changing nothing."""
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from controlplane import pages_api
-from controlplane.heatmap import ABSENT, LEVELS, MAX_ROWS, MEASURES, PALETTE, column_end, heatmap
-from controlplane.history import EmbeddedHistory
+from controlplane.history.backends import EmbeddedHistory
+from controlplane.history.heatmap import ABSENT, LEVELS, MAX_ROWS, MEASURES, PALETTE, column_end, heatmap
 from tests.heartbeats import held
 from tests.heatmap_fleet import fleet_with_history, idle_cpu, model_of, node_name
 from web.pages import add_pages
@@ -244,7 +244,7 @@ def test_three_replicas_parts_draw_what_one_history_of_every_node_draws() -> Non
     picture one history of every node draws: the same rows, levels and
     worst nodes; a node that moved in the hour is one row with the windows
     of both replicas."""
-    from controlplane.heatmap import build, column_grid, own_part, parse_part, part_json
+    from controlplane.history.heatmap import build, column_grid, own_part, parse_part, part_json
 
     now = 1_000_000.0
     whole = EmbeddedHistory(interval=INTERVAL)
@@ -291,7 +291,7 @@ def packed(levels: bytes) -> str:
     ({"nodes": ["a"], "groups": [""], "levels": "%%%"}, ""),
 ])  # fmt: skip
 def test_a_peers_part_is_checked_before_anything_is_drawn(part: Any, why: str) -> None:
-    from controlplane.heatmap import parse_part
+    from controlplane.history.heatmap import parse_part
 
     with pytest.raises((ValueError, binascii.Error, zlib.error), match=why or None):
         parse_part(part, 4)
@@ -302,7 +302,7 @@ async def test_a_peers_ask_for_its_part_is_checked(aiohttp_client: Any) -> None:
     picture's (a measure not offered, an end not finite, columns out of
     range) is 400; an answer is the replica's nodes."""
     from controlplane.fleet import peers
-    from controlplane.heatmap import parse_part
+    from controlplane.history.heatmap import parse_part
     from controlplane.ingest import agent_api
     from tests.peer_requests import SignedPeer
 
@@ -325,7 +325,7 @@ async def test_a_peers_ask_for_its_part_is_checked(aiohttp_client: Any) -> None:
 
 
 async def test_a_peer_whose_part_did_not_come_is_named_and_the_rest_drawn(aiohttp_client: Any) -> None:
-    from controlplane.heatmap import Part
+    from controlplane.history.heatmap import Part
     from controlplane.pages_api import HEATMAP_PARTS
 
     registry, history, _ = fleet_with_history(3, 3)
@@ -352,8 +352,8 @@ def test_a_bad_series_in_prometheus_answer_costs_that_series_alone() -> None:
     """Prometheus may hold series our exporter never wrote (another job's
     `node` label, a card's model of control characters, NaN): each is left
     out or absent, the rest drawn; an answer that is not a success is an error."""
-    from controlplane.heatmap_prometheus import _results, picture, scores_and_groups
-    from controlplane.history import HistoryError
+    from controlplane.history.backends import HistoryError
+    from controlplane.history.heatmap_prometheus import _results, picture, scores_and_groups
 
     scores = _vector(({"node": "a"}, "50"), ({"node": "b c"}, "60"), ({"node": "d"}, "NaN"), ({}, "1"),
                      ({"node": "e"}, "Inf"))  # fmt: skip
@@ -381,7 +381,7 @@ async def test_an_answer_over_its_bound_is_refused_unread(aiohttp_server: Any) -
     import aiohttp
     from aiohttp import web
 
-    from controlplane.history import HistoryError, PrometheusHistory
+    from controlplane.history.backends import HistoryError, PrometheusHistory
 
     async def endless(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse()

@@ -1,4 +1,4 @@
-"""The fleet's picture with `--prometheus` (controlplane/heatmap_prometheus.py):
+"""The fleet's picture with `--prometheus` (controlplane/history/heatmap_prometheus.py):
 a real Prometheus holding an hour of a fleet's figures (backfilled with
 promtool, as if it had scraped the control plane every heartbeat) draws the
 picture the embedded history draws from the same heartbeats: the same rows,
@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from controlplane import pages_api
-from controlplane.heatmap import ABSENT, LEVELS, MAX_ROWS, MEASURES, Heatmap, column_end, heatmap, own_part
-from controlplane.heatmap_prometheus import prometheus_heatmap
-from controlplane.history import EmbeddedHistory, PrometheusHistory
-from controlplane.page_worker import PageWorker
+from controlplane.history.backends import EmbeddedHistory, PrometheusHistory
+from controlplane.history.heatmap import ABSENT, LEVELS, MAX_ROWS, MEASURES, Heatmap, column_end, heatmap, own_part
+from controlplane.history.heatmap_prometheus import prometheus_heatmap
+from controlplane.listen.page_worker import PageWorker
 from tests.conftest import free_port
 from tests.heatmap_fleet import fleet_with_history, node_name, openmetrics
 from tests.test_heatmap import decode_png

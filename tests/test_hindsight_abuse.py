@@ -1,6 +1,6 @@
 """A hostile node against a real control plane process: its own token, the
 heartbeats it writes itself, and hindsight pieces made to cost the control
-plane memory and time (controlplane/hindsight.py's bounds). Pieces that do
+plane memory and time (controlplane/samples/hindsight.py's bounds). Pieces that do
 not advance the span are refused and do not put its deadline off; pieces
 of spans it was not asked for are not read; a flood of windows and samples
 stops at the span's budget, and the process's memory with it."""
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from controlplane.hindsight import MAX_BYTES_PER_FETCH
+from controlplane.samples.hindsight import MAX_BYTES_PER_FETCH
 from tests.agent_fleet import Fleet
 from tests.test_controlplane_api import heartbeat, registration
 from wire.hindsight import MAX_WINDOWS

@@ -1,6 +1,6 @@
 """Fetching a span of hindsight after the fact (wire/hindsight.py, the
 agent's sampler/window/span_sender.py, the control plane's
-controlplane/hindsight.py): the pieces, cut to any room, put back together
+controlplane/samples/hindsight.py): the pieces, cut to any room, put back together
 are exactly the ring's samples of the span; a lost piece is named missing
 and never filled; a span not asked for is not read; every ask is bounded."""
 
@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import wire
 from controlplane import pages_api
-from controlplane.hindsight import (
+from controlplane.ingest import agent_api
+from controlplane.samples.hindsight import (
     AROUND_S,
     ASK_BURST,
     ASK_EVERY_S,
@@ -30,7 +31,6 @@ from controlplane.hindsight import (
     HindsightFetches,
     Refused,
 )
-from controlplane.ingest import agent_api
 from controlplane.state.registry import NodeRegistry
 from sampler.window.hindsight import HindsightRing
 from sampler.window.span_sender import SpanSender
@@ -341,7 +341,7 @@ def test_a_span_waiting_its_turn_is_not_late_and_a_restarted_agent_resumes() -> 
 
 
 def test_the_spans_held_are_bounded_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    import controlplane.hindsight as hindsight
+    import controlplane.samples.hindsight as hindsight
 
     ring = filled_ring(seconds=30)
     fetches = HindsightFetches(wall=lambda: T0 + 30)
@@ -424,7 +424,7 @@ def test_a_span_ends_at_its_hard_end_whatever_comes() -> None:
 
 
 def test_windows_and_pieces_count_against_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    import controlplane.hindsight as hindsight
+    import controlplane.samples.hindsight as hindsight
 
     fetches = HindsightFetches(wall=lambda: T0 + 60)
     fetch = fetches.ask("n1", T0, T0 + 60, "test", held_seconds=600)

@@ -21,7 +21,7 @@ from aiohttp import web
 
 import wire
 from controlplane import pages_api
-from controlplane.history import ChartSpec, EmbeddedHistory, PrometheusHistory, Series
+from controlplane.history.backends import ChartSpec, EmbeddedHistory, PrometheusHistory, Series
 from controlplane.state.registry import NodeRegistry
 from tests.conftest import free_port
 from web.pages import add_pages

@@ -277,7 +277,7 @@ async def test_forwarded_streams_are_capped_on_a_pool_apart_from_the_polls(aioht
     the peers looked down. Now each viewer (an address, or an IPv6 /64) has
     MAX_STREAMS_A_VIEWER streams forwarded at once, all viewers MAX_STREAMS,
     on the forwarding pool; the polls' own pool is untouched."""
-    from controlplane import live
+    from controlplane.samples import live
 
     monkeypatch.setattr(live, "KEEPALIVE_S", 0.2)  # a stream closed here is seen ended there at its next keepalive
     holder_registry = fleet_registry("n1")

@@ -32,7 +32,14 @@ def imports(known: dict[str, Path]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in known.items():
         found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        # Imports for the type checker alone never run (DESIGN: a module of keys may name any stage's types).
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+                       for stmt in block.body for n in ast.walk(stmt)}  # fmt: skip
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -108,3 +115,31 @@ def test_every_arrow_points_down_or_across_its_own_part() -> None:
 def test_the_wire_imports_nothing_of_ours_but_itself() -> None:
     graph = imports(modules())
     assert {t for m, ts in graph.items() if m.startswith("wire") for t in ts if not t.startswith("wire")} == set()
+
+
+# The control plane's stages, lowest first (DESIGN: "Layout"): a module imports its own stage's
+# and lower ones', never a higher one's. Its root holds the server and the keys.
+STAGES = {"listen": 0, "keys": 0, "state": 1, "export": 2, "history": 3, "samples": 4, "ingest": 5, "fleet": 5}
+ROOT_MODULES = {"controlplane", "controlplane.server", "controlplane.pages_api"}
+
+
+def stage(module: str) -> tuple[str, int]:
+    if module in ROOT_MODULES:
+        return "root", len(STAGES)
+    name = module.split(".")[1]
+    assert name in STAGES, f"{module}: the control plane's root holds the server and its stages alone"
+    return name, STAGES[name]
+
+
+def test_the_control_planes_stages_import_only_down() -> None:
+    graph = imports(modules())
+    upward = []
+    for module, targets in sorted(graph.items()):
+        if not module.startswith("controlplane"):
+            continue
+        name, level = stage(module)
+        for target in sorted(t for t in targets if t.startswith("controlplane")):
+            their_name, their_level = stage(target)
+            if their_name != name and their_level >= level:
+                upward.append(f"{module} -> {target}")
+    assert upward == []

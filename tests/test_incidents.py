@@ -1,4 +1,4 @@
-"""Incidents (controlplane/incidents.py): started by Alertmanager's webhook,
+"""Incidents (controlplane/samples/incidents.py): started by Alertmanager's webhook,
 a starvation verdict turning on, or an operator; every sample of the nodes
 named fetched from their rings and written whole beside the state file,
 within budgets, oldest dropped first; listed, read back as JSON and CSV,
@@ -27,10 +27,10 @@ import pytest
 
 import wire
 from controlplane import pages_api
-from controlplane.hindsight import HindsightFetches, Refused
-from controlplane.incidents import EMPTY_KEPT_S, MAX_EXPORTS, START_BUDGETS, STARVED_AGAIN_S, Incidents, to_csv
 from controlplane.listen.page_access import PageAccess
 from controlplane.listen.web_config import ReloadingWebConfig
+from controlplane.samples.hindsight import HindsightFetches, Refused
+from controlplane.samples.incidents import EMPTY_KEPT_S, MAX_EXPORTS, START_BUDGETS, STARVED_AGAIN_S, Incidents, to_csv
 from controlplane.state.registry import NodeRegistry
 from sampler.window.span_sender import SpanSender
 from tests.agent_fleet import PASSWORD, Fleet, basic, fresh_with_seq, web_config_file
@@ -326,7 +326,7 @@ async def test_a_long_node_name_and_a_node_that_cannot_be_written_cost_that_node
             raise OSError(28, "No space left on device")
         real_write(path, body)
 
-    monkeypatch.setattr("controlplane.incidents.write", failing)
+    monkeypatch.setattr("controlplane.samples.incidents.write", failing)
     incident = incidents.start("names", "operator", [long_name, "n1", "n2"], at=T0 + 60)
     await captured(incidents, [Node(fetches, n) for n in (long_name, "n1", "n2")], incident.id)
     assert sorted(incident.bytes) == sorted([long_name, "n2"]) and incident.state == "done"
@@ -340,8 +340,8 @@ async def test_the_surfaces_are_counted_with_fixed_labels(tmp_path: Path, regist
     none from what a sender chose, and each figure the one counted."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from controlplane.export.surface_metrics import SurfacesCollector
     from controlplane.listen.page_access import PasswordChecker
+    from controlplane.samples.surface_metrics import SurfacesCollector
 
     incidents, fetches = incidents_at(tmp_path, registry)
     exported = CollectorRegistry()
@@ -374,7 +374,7 @@ async def test_the_surfaces_are_counted_with_fixed_labels(tmp_path: Path, regist
 
 async def test_incidents_on_disk_are_bounded_in_number_and_bytes(tmp_path: Path, registry: NodeRegistry,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    import controlplane.incidents as module
+    import controlplane.samples.incidents as module
 
     known(registry, "bare", held=None)
     incidents, _ = incidents_at(tmp_path, registry)

@@ -1,4 +1,4 @@
-"""The live view (controlplane/live.py, wire/raw.py): raw
+"""The live view (controlplane/samples/live.py, wire/raw.py): raw
 samples encoded as the summary counted them, fitted to the body, checked
 item by item, asked for only while someone watches, and streamed."""
 
@@ -26,7 +26,14 @@ from hypothesis import strategies as st
 import wire
 from controlplane import pages_api
 from controlplane.ingest import agent_api
-from controlplane.live import BEHIND, MAX_BYTES_PER_NODE, MAX_VIEWERS_PER_PEER, VIEWER_QUEUE, LiveRefused, LiveSamples
+from controlplane.samples.live import (
+    BEHIND,
+    MAX_BYTES_PER_NODE,
+    MAX_VIEWERS_PER_PEER,
+    VIEWER_QUEUE,
+    LiveRefused,
+    LiveSamples,
+)
 from controlplane.state.registry import NodeRegistry
 from sampler.window.series import RateSeries
 from tests.agent_fleet import INTERVAL, Fleet, fresh_with_seq

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import wire
 from controlplane import pages_api
-from controlplane.history import ChartSpec, EmbeddedHistory, Series, promql
+from controlplane.history.backends import ChartSpec, EmbeddedHistory, Series, promql
 from controlplane.state.registry import NodeRegistry
 from tests.fakeclock_registry import fleet_registry
 from tests.fakeproc import FakeClock
@@ -274,7 +274,7 @@ def test_promql_is_built_not_parsed() -> None:
 def test_a_regex_of_values_matches_them_and_nothing_else(values: list[str], other: str) -> None:
     """Punctuation escaped (Python's re reads it as RE2 does), the rest left
     as it is: a regex of node names or replica ids matches them alone."""
-    from controlplane.history import regex_alternatives
+    from controlplane.history.backends import regex_alternatives
 
     pattern = re.compile(regex_alternatives(tuple(values)))
     assert all(pattern.fullmatch(v) for v in values)

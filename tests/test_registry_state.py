@@ -17,7 +17,7 @@ import pytest
 
 import wire
 from controlplane import pages_api, server
-from controlplane.history import ChartSpec, EmbeddedHistory
+from controlplane.history.backends import ChartSpec, EmbeddedHistory
 from controlplane.ingest import agent_api
 from controlplane.listen.page_access import PageAccess
 from controlplane.listen.web_config import ReloadingWebConfig

@@ -750,7 +750,7 @@ def test_the_fleet_charts_of_three_replicas_added_are_the_whole_fleets() -> None
     peer sends them and added, draw what one history of every node draws:
     the mean of the cards (`avg`) and their sum, at every instant."""
     from controlplane.fleet.cluster_view import FLEET_CHARTS, chart_parts, chart_parts_json, parse_chart_parts
-    from controlplane.history import EmbeddedHistory, combine, step_grid
+    from controlplane.history.backends import EmbeddedHistory, combine, step_grid
     from tests.heartbeats import held
 
     now, span, step = 100_000.0, 600.0, 10.0
@@ -783,7 +783,7 @@ async def test_a_peers_ask_for_fleet_chart_totals_is_checked(aiohttp_client: Any
     from controlplane import pages_api
     from controlplane.fleet import peers
     from controlplane.fleet.cluster_view import parse_chart_parts
-    from controlplane.history import EmbeddedHistory
+    from controlplane.history.backends import EmbeddedHistory
     from controlplane.ingest import agent_api
     from controlplane.state.registry import NodeRegistry
     from tests.heartbeats import held
@@ -812,7 +812,7 @@ def test_a_span_of_a_node_that_moves_mid_capture_is_named_missing_never_filled()
     """A replica lets go of a node that moved while its span is fetched: the
     rest of the span is missing, saying why; the replica it moved to knows
     no such span, so nothing fills it."""
-    from controlplane.hindsight import HindsightFetches
+    from controlplane.samples.hindsight import HindsightFetches
 
     fetches = HindsightFetches()
     now = fetches.wall()
@@ -830,8 +830,8 @@ async def test_a_view_draws_the_step_before_while_the_fleets_parts_are_summed() 
     the step before's at once; then the new step's."""
     from aiohttp import web
 
-    from controlplane.history import EmbeddedHistory
-    from controlplane.page_worker import PAGE_WORKER, PageWorker
+    from controlplane.history.backends import EmbeddedHistory
+    from controlplane.listen.page_worker import PAGE_WORKER, PageWorker
     from controlplane.pages_api import FLEET_CHART_PARTS
     from web.pages import FleetChartsKept
 

@@ -29,31 +29,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from controlplane.incidents import MAX_NODES
 from controlplane.ingest import tokens
+from controlplane.samples.incidents import MAX_NODES
 from sampler.agent.replicas import ranked
 from tests.agent_fleet import PASSWORD, basic, web_config_file
 from tests.conftest import free_port
+from tests.simulated_fleet import cloud_names
 
 NODES = 30_000
 SECRET = b"s3cret-s3cret-s3cret-s3cret"
-REGIONS = ("eu-west-1", "us-east-2", "ap-southeast-2", "sa-east-1")
-
-
-def cloud_names(count: int) -> list[str]:
-    """Names as EC2, GKE and AKS give them, 40 to 64 bytes."""
-    names = []
-    for i in range(count):
-        a, b, c = (i >> 16) & 255, (i >> 8) & 255, i & 255
-        kind = i % 3
-        if kind == 0:
-            name = f"ip-10-{100 + a}-{b}-{c}.{REGIONS[i % 4]}.compute.internal"
-        elif kind == 1:
-            name = f"gke-prod-inference-h100-pool-{i:08x}-{(i * 2654435761) % 10**6:06d}"
-        else:
-            name = f"aks-gpunodepool-{i:08d}-vmss{i:06x}.inference-westeurope-prod.internal"[:64]
-        names.append(name)
-    return names
 
 
 class Replica:

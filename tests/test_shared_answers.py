@@ -1,4 +1,4 @@
-"""Requests for the same view share one render (controlplane/page_worker.py):
+"""Requests for the same view share one render (controlplane/listen/page_worker.py):
 a loop of clients costs one render at a time, never an answer older than
 the request it answers."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from controlplane.page_worker import PAGE_WORKER, Handler, PageWorker, SharedAnswers, shared
+from controlplane.listen.page_worker import PAGE_WORKER, Handler, PageWorker, SharedAnswers, shared
 
 ARRIVED = web.AppKey("arrived", list[str])
 

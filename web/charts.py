@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from controlplane.history import Series
+from controlplane.history.backends import Series
 
 # Paul Tol's "muted" scheme and black: ten colours that stay apart for the
 # common colour blindnesses (tests/test_pages.py measures it: at least 15
@@ -31,7 +31,7 @@ PALETTE = ("#332288", "#DDCC77", "#117733", "#CC6677", "#88CCEE", "#882255", "#4
 WIDTH, HEIGHT = 560, 150
 # The widths a chart is drawn at (`?width=`): the pages' script asks for the
 # one nearest its column's, and redraws on resize (web/static/charts.js); a
-# handful, so that views share their renders (controlplane/page_worker.py).
+# handful, so that views share their renders (controlplane/listen/page_worker.py).
 WIDTHS = (400, 480, 560, 640, 800, 960, 1200, 1600)
 LEFT, RIGHT, TOP, BOTTOM = 56, 8, 8, 20
 

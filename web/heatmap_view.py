@@ -1,5 +1,5 @@
-"""The cluster page's picture of the fleet (controlplane/heatmap.py; with
-`--prometheus`, controlplane/heatmap_prometheus.py): the image, what its
+"""The cluster page's picture of the fleet (controlplane/history/heatmap.py; with
+`--prometheus`, controlplane/history/heatmap_prometheus.py): the image, what its
 script needs to name a cell, and a cell's node at its moment.
 
 Every view names the picture it was drawn from by its last instant (`end`,
@@ -18,11 +18,11 @@ from urllib.parse import quote, urlencode
 
 from aiohttp import web
 
-from controlplane.heatmap import MEASURES, Heatmap, Measure, Part, build, column_end, column_grid, own_part
-from controlplane.heatmap_prometheus import prometheus_heatmap
-from controlplane.history import HOUR_S, EmbeddedHistory, HistoryError, PrometheusHistory
+from controlplane.history.backends import HOUR_S, EmbeddedHistory, HistoryError, PrometheusHistory
+from controlplane.history.heatmap import MEASURES, Heatmap, Measure, Part, build, column_end, column_grid, own_part
+from controlplane.history.heatmap_prometheus import prometheus_heatmap
 from controlplane.keys import HISTORY
-from controlplane.page_worker import PAGE_WORKER, shared
+from controlplane.listen.page_worker import PAGE_WORKER, shared
 from controlplane.pages_api import HEATMAP_PARTS
 
 DEFAULT_MEASURE = "cpu"

@@ -23,8 +23,7 @@ from aiohttp import web
 
 import wire
 from controlplane.fleet.cluster_view import FLEET_CHARTS, chart_end, chart_parts, cluster_rows, fleet_summary
-from controlplane.hindsight import HINDSIGHT
-from controlplane.history import (
+from controlplane.history.backends import (
     ChartSpec,
     EmbeddedHistory,
     GridPart,
@@ -34,11 +33,12 @@ from controlplane.history import (
     combine,
     step_grid,
 )
-from controlplane.incidents import INCIDENTS
 from controlplane.keys import HISTORY, REGISTRY
-from controlplane.live import LIVE
-from controlplane.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
+from controlplane.listen.page_worker import PAGE_WORKER, PageWorker, page_worker_ctx, shared
 from controlplane.pages_api import FLEET_CHART_PARTS, FLEET_ROWS
+from controlplane.samples.hindsight import HINDSIGHT
+from controlplane.samples.incidents import INCIDENTS
+from controlplane.samples.live import LIVE
 from controlplane.state.registry import NodeRegistry, NodeState
 from controlplane.state.starvation import Verdict
 from web.charts import WIDTH, WIDTHS, chart_note, columns, format_value, svg_chart

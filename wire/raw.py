@@ -66,7 +66,7 @@ def window_stats(values: np.ndarray, seconds: np.ndarray) -> dict[str, float] | 
     samples at or below it cover 95% of the measured time with) and the max,
     to four digits. None where nothing was measured. The one definition: the
     agent's summaries (sampler/window/series.py) and the control plane's lines
-    over a fetched span (controlplane/hindsight.py) are both this."""
+    over a fetched span (controlplane/samples/hindsight.py) are both this."""
     ok = ~np.isnan(values) & (seconds > 0)
     if not ok.any():
         return None

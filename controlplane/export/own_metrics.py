@@ -2,7 +2,7 @@
 accepted and refused (by reason), nodes registered, and what the last fleet
 scrape cost. Counters of its own events are counted as they happen; the
 rest is read at scrape time by a collector (and by
-controlplane/export/surface_metrics.py's, for spans, incidents and
+controlplane/samples/surface_metrics.py's, for spans, incidents and
 password checks)."""
 
 from __future__ import annotations

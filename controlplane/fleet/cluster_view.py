@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.history import ChartSpec, EmbeddedHistory, GridPart, step_grid
+from controlplane.history.backends import ChartSpec, EmbeddedHistory, GridPart, step_grid
 from controlplane.state.registry import NodeRegistry, NodeState
 
 # The cluster page's charts of the whole fleet (web/pages.py titles them): with

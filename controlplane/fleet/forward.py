@@ -43,8 +43,6 @@ import aiohttp
 from aiohttp import web
 
 from controlplane.fleet.peers import TIMEOUT_S, Peer, Peers
-from controlplane.hindsight import HINDSIGHT
-from controlplane.incidents import BODY_READ, INCIDENTS
 from controlplane.listen.bodies import answer_body, request_body
 from controlplane.listen.page_access import (
     ADMIN_SOCKET_USER,
@@ -58,16 +56,18 @@ from controlplane.listen.page_access import (
     peer_of,
 )
 from controlplane.listen.peer_auth import PROOF
+from controlplane.samples.hindsight import HINDSIGHT
+from controlplane.samples.incidents import BODY_READ, INCIDENTS
 
 log = logging.getLogger(__name__)
 
 ANSWER_TIMEOUT_S = 30.0  # a page or a span's samples from a peer; a live stream has none (its keepalives)
 STREAM_READ_TIMEOUT_S = 40.0  # a live stream is a keepalive every 15 s: silent this long, the peer is gone
-WRITE_TIMEOUT_S = 10.0  # as controlplane/live.py's: a reader that reads nothing is let go
+WRITE_TIMEOUT_S = 10.0  # as controlplane/samples/live.py's: a reader that reads nothing is let go
 MAX_BODY = 2**20  # a forwarded request's body: a span asked for, an incident started
 MAX_ANSWER = 64 * 1024  # a peer's answer to an incident's share: its id and nodes
 # Streams forwarded at once (aiohttp's pool is 100 connections: the rest stay free for pages), and
-# of one viewer (as the holder's own live views are capped, controlplane/live.py).
+# of one viewer (as the holder's own live views are capped, controlplane/samples/live.py).
 MAX_STREAMS = 64
 MAX_STREAMS_A_VIEWER = 4
 REMEMBERED_SPANS = 4096  # span ids asked for through this replica, with the peer that fetches each
@@ -136,7 +136,7 @@ class Forwarder:
         response: web.StreamResponse | None = None
         user, viewer = self._user(request), request.remote or "unknown"
         try:
-            async with self.peers.request(session, request.method, peer, str(request.rel_url), user=user or "",
+            async with self.peers.request(session, request.method, peer, request.raw_path, user=user or "",
                                           viewer=viewer, headers=self._headers(request, user, viewer), data=body,
                                           timeout=timeout) as (answer, challenge):  # fmt: skip
                 if not self.peers.auth.proven(answer.headers.get(PROOF), challenge, answer.status, None):
@@ -171,7 +171,7 @@ class Forwarder:
         self.forwarded += 1
         user, viewer = self._user(request), request.remote or "unknown"
         try:
-            async with self.peers.request(session, request.method, peer, str(request.rel_url), user=user or "",
+            async with self.peers.request(session, request.method, peer, request.raw_path, user=user or "",
                                           viewer=viewer, headers=self._headers(request, user, viewer), data=body,
                                           timeout=aiohttp.ClientTimeout(total=ANSWER_TIMEOUT_S)
                                           ) as (answer, challenge):  # fmt: skip

@@ -50,16 +50,17 @@ from typing import Annotated, Any, Literal, Protocol
 
 import aiohttp
 import msgspec
+import yarl
 from aiohttp import web
 
 from controlplane.fleet.cluster_view import chart_grid, chart_parts, chart_parts_json, cluster_json, parse_chart_parts
-from controlplane.heatmap import MAX_COLUMNS, MEASURES, Part, own_part, parse_part, part_json
-from controlplane.hindsight import Refused as IncidentsRefused
-from controlplane.history import EmbeddedHistory, GridPart
-from controlplane.incidents import INCIDENTS
+from controlplane.history.backends import EmbeddedHistory, GridPart
+from controlplane.history.heatmap import MAX_COLUMNS, MEASURES, Part, own_part, parse_part, part_json
 from controlplane.listen.bodies import TooLarge, answer_body, request_body
 from controlplane.listen.page_access import PEER_REQUEST, verify_peer
 from controlplane.listen.peer_auth import CHALLENGE_PATH, HEADER, PROOF, PeerAuth
+from controlplane.samples.hindsight import Refused as IncidentsRefused
+from controlplane.samples.incidents import INCIDENTS
 from controlplane.state.registry import NodeRegistry
 from wire.discovery import REFRESH_S, Replicas
 from wire.limits import NODE_ID
@@ -244,7 +245,9 @@ class Peers:
         its answer (not read yet) and the challenge its proof is over."""
         challenge = await self.challenge(session, peer)
         signed = {**(headers or {}), HEADER: self.auth.sign(method, peer.url, path_qs, challenge, user, viewer)}
-        async with session.request(method, peer.url + path_qs, headers=signed, data=data, allow_redirects=False,
+        # Sent as signed, byte for byte (encoded=True: yarl would quote it again), as the answerer reads it (raw_path).
+        async with session.request(method, yarl.URL(peer.url + path_qs, encoded=True), headers=signed, data=data,
+                                   allow_redirects=False,
                                    timeout=timeout or aiohttp.ClientTimeout(total=TIMEOUT_S),
                                    ssl=self.ssl_context or True) as answer:  # fmt: skip
             yield answer, challenge
@@ -544,7 +547,7 @@ async def challenge(request: web.Request) -> web.Response:
 
 async def heatmap_part(request: web.Request) -> web.Response:
     """GET /v1/peer/heatmap?measure=M&end=T&columns=C, for a peer: this
-    replica's own nodes in the fleet's picture (controlplane/heatmap.py)."""
+    replica's own nodes in the fleet's picture (controlplane/history/heatmap.py)."""
     if (refused := _refused(request)) is not None:
         return refused
     try:

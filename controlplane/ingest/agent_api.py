@@ -22,13 +22,13 @@ from aiohttp import web
 
 import wire
 from controlplane.export.own_metrics import ControlPlaneMetrics
-from controlplane.hindsight import HINDSIGHT, HindsightFetches
-from controlplane.history import EmbeddedHistory
-from controlplane.incidents import INCIDENTS, Incidents
+from controlplane.history.backends import EmbeddedHistory
 from controlplane.ingest.node_identity import Forbidden, NodeAuthenticator, Unauthenticated
 from controlplane.keys import AUTHENTICATOR, METRICS, RECORDER, REGISTRY
-from controlplane.live import LIVE, LiveSamples
-from controlplane.rate_limited_log import RateLimitedLog
+from controlplane.listen.rate_limited_log import RateLimitedLog
+from controlplane.samples.hindsight import HINDSIGHT, HindsightFetches
+from controlplane.samples.incidents import INCIDENTS, Incidents
+from controlplane.samples.live import LIVE, LiveSamples
 from controlplane.state.registry import NodeRegistry, Received, UnknownNode
 
 log = logging.getLogger(__name__)
@@ -218,9 +218,9 @@ def _within_rate(rates: HeartbeatRate) -> Callable[[str], web.Response | None]:
 async def heartbeat(request: web.Request) -> web.Response:
     """A window's summary. While someone watches the node live, the answer
     asks for raw samples (`"raw": true`), and those that come are the live
-    view's, never the registry's (controlplane/live.py). While a span of
+    view's, never the registry's (controlplane/samples/live.py). While a span of
     the node's hindsight is asked for, the answer names it, and the pieces
-    that come are the fetch's (controlplane/hindsight.py)."""
+    that come are the fetch's (controlplane/samples/hindsight.py)."""
     dropped: wire.Dropped = []
     live = request.app.get(LIVE)
     fetches = request.app.get(HINDSIGHT)

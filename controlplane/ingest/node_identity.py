@@ -37,8 +37,11 @@ import jwt
 
 import wire
 from controlplane.ingest import tokens
+from controlplane.listen.bodies import TooLarge, answer_body
 
 log = logging.getLogger(__name__)
+
+MAX_JWKS_BYTES = 2**20  # an issuer's keys: a few KiB; the API server's answer is read whole within this
 
 LEEWAY_S = 30  # clock skew between the kubelet that minted a token and us
 REFETCH_EVERY_S = 60.0  # an unknown key id fetches the JWKS again, at most this often
@@ -109,7 +112,10 @@ class JwksSource:
         async with self._session.get(self.location, headers=headers, ssl=context) as r:
             if r.status != 200:
                 raise OSError(f"HTTP {r.status}")
-            return await r.read()
+            try:
+                return await answer_body(r, MAX_JWKS_BYTES)
+            except TooLarge as e:
+                raise OSError(str(e)) from None
 
     async def close(self) -> None:
         if self._session is not None:

@@ -389,7 +389,7 @@ async def within_deadline(request: web.Request, handler: Callable[[web.Request],
         return await handler(request)
     left = conn.handler_started()
     if getattr(request.match_info.handler, "streams", False):
-        # A stream (controlplane/live.py) answers a GET at once and lasts as long
+        # A stream (controlplane/samples/live.py) answers a GET at once and lasts as long
         # as its reader: it bounds its own writes, and holds no request open (nor a turn).
         conn.end_turn()
         try:

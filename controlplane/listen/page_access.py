@@ -48,7 +48,7 @@ so an anonymous flood of guessed passwords must not buy that without bound:
   file holds is checked against a hash of the file's highest cost, so a
   wrong name and a wrong password take as long;
 - a wrong password or a full queue is a warning at most once a minute
-  (controlplane/rate_limited_log.py), never a traceback.
+  (controlplane/listen/rate_limited_log.py), never a traceback.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ from aiohttp import web
 
 from controlplane.listen.connection_limits import end_turn
 from controlplane.listen.peer_auth import CHALLENGE_PATH, HEADER, PROOF, PeerAuth, Verified
+from controlplane.listen.rate_limited_log import RateLimitedLog
 from controlplane.listen.web_config import ReloadingWebConfig
-from controlplane.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,6 @@ import hashlib
 import hmac
 import secrets
 import time
-import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,15 +78,6 @@ def parse_header(value: str) -> dict[str, str] | None:
             return None
         fields[name] = text
     return fields if len(fields) == 3 else None
-
-
-def same_target(a: str, b: str) -> bool:
-    """Two URLs naming one listener (scheme, host and port; a trailing slash aside)."""
-    pa, pb = urllib.parse.urlsplit(a), urllib.parse.urlsplit(b)
-    try:
-        return (pa.scheme, (pa.hostname or "").lower(), pa.port) == (pb.scheme, (pb.hostname or "").lower(), pb.port)
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class Received(msgspec.Struct, frozen=True, gc=False):
     """A node's heartbeat as the control plane holds it: as it came, and
     beside it what the control plane made of it. Replaced whole at each
     heartbeat, never edited: the page thread reads one while the loop takes
-    the next (controlplane/page_worker.py)."""
+    the next (controlplane/listen/page_worker.py)."""
 
     heartbeat: Heartbeat
     # A node with more engines than `--max-shards` keeps its busiest: every

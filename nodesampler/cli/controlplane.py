@@ -51,7 +51,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     from controlplane.listen.connection_limits import ConnectionLimits
     from controlplane.listen.tls_files import ReloadingServerTLS, TlsSettings
     from controlplane.listen.web_config import ReloadingWebConfig, WebConfigError
-    from controlplane.live import LiveSamples
+    from controlplane.samples.live import LiveSamples
     from controlplane.server import StartError, is_loopback, serve, split_address
     from controlplane.state.starvation import StarvationRules
     from web.pages import add_pages

@@ -1,7 +1,7 @@
 // The fleet's picture answers the pointer: the node (or the band's worst
 // node), the window's time and its value under the pointer, and a click
 // opens that node's page at that moment (the server finds the cell's node:
-// controlplane/heatmap.py). The picture is the server's PNG: without this
+// controlplane/history/heatmap.py). The picture is the server's PNG: without this
 // script it reads the same, only silent. Listeners are on the document:
 // <main> is rendered anew every refresh.
 (() => {

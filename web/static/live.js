@@ -1,8 +1,8 @@
 // The node page's views of every sample, drawn alike: one chart per series,
 // the samples as a line and each window's mean, p95 and max over it.
-// - The live view (controlplane/live.py): while the toggle is on, each window
+// - The live view (controlplane/samples/live.py): while the toggle is on, each window
 //   arrives as one server-sent event; the last minute is drawn.
-// - Every sample around a moment (controlplane/hindsight.py): a click on a
+// - Every sample around a moment (controlplane/samples/hindsight.py): a click on a
 //   chart of the hour (or a time chosen) asks the node for the minute around
 //   it from what it keeps; the windows are drawn as its pieces come.
 // Labels are shard ids from the node: text nodes only, never markup.

@@ -50,7 +50,7 @@ from aiohttp import web
 
 from controlplane.keys import REGISTRY
 from controlplane.listen.bodies import request_body
-from controlplane.page_worker import PAGE_WORKER
+from controlplane.listen.page_worker import PAGE_WORKER
 from wire.checks import Json
 from wire.hindsight import MAX_SPAN_S, SpanRequest
 from wire.raw import gpu_key, gpu_key_parts, gpu_label, window_stats
@@ -234,7 +234,7 @@ class Fetch:
         return out
 
     def window_events(self) -> tuple[list[Json], bool]:
-        """The span as the live view draws it (controlplane/live.py): an event a
+        """The span as the live view draws it (controlplane/samples/live.py): an event a
         window, each series' samples that end in it with the window's mean, p95
         and max over them (wire/raw.py's `window_stats`: the definition the
         agent's summaries have). Linear in what it returns: each series is
@@ -366,7 +366,7 @@ class HindsightFetches:
         self._ids = itertools.count(1)
         self.held_bytes = 0  # what every span holds
         self.viewer_bytes = 0  # ... of it, viewers' spans
-        # Counted for /metrics (controlplane/export/surface_metrics.py), fixed label sets.
+        # Counted for /metrics (controlplane/samples/surface_metrics.py), fixed label sets.
         self.asks = {"incident": 0, "viewer": 0}
         self.asks_refused = {"incident": 0, "viewer": 0}
         self.given_up = {"incident": 0, "viewer": 0}

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from controlplane.hindsight import HindsightFetches
-from controlplane.incidents import Incidents
 from controlplane.listen.page_access import PasswordChecker
+from controlplane.samples.hindsight import HindsightFetches
+from controlplane.samples.incidents import Incidents
 
 
 class SurfacesCollector(Collector):

@@ -1,5 +1,5 @@
 """Incidents: every sample of the nodes named, from a few minutes before a
-moment to a minute after, fetched from their rings (controlplane/hindsight.py)
+moment to a minute after, fetched from their rings (controlplane/samples/hindsight.py)
 and kept on disk, for the question asked after the fact.
 
 An incident is started by an Alertmanager webhook (`POST /api/alertmanager`,
@@ -56,10 +56,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from controlplane.hindsight import Fetch, HindsightFetches, Refused
 from controlplane.keys import REGISTRY
 from controlplane.listen.bodies import request_body
 from controlplane.listen.page_access import may_change_fleet
+from controlplane.samples.hindsight import Fetch, HindsightFetches, Refused
 from controlplane.state.registry import NodeRegistry
 from controlplane.state.registry_state import write
 
@@ -141,7 +141,7 @@ class Incidents:
         self._alerts_seen: dict[str, float] = {}  # fingerprint -> when
         self._starved_at: dict[str, float] = {}  # node -> when its engines last started one
         self._exports = asyncio.Semaphore(MAX_EXPORTS)
-        # Counted for /metrics (controlplane/export/surface_metrics.py), fixed label sets.
+        # Counted for /metrics (controlplane/samples/surface_metrics.py), fixed label sets.
         self.started = dict.fromkeys(START_BUDGETS, 0)
         self.refused = dict.fromkeys(START_BUDGETS, 0)
 

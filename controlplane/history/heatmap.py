@@ -1,8 +1,8 @@
 """The fleet as one picture: a row per node, a column per window of the
 last hour, each cell coloured by the window's highest figure.
 
-Drawn from the embedded history (controlplane/history.py; with
-`--prometheus`, from Prometheus: controlplane/heatmap_prometheus.py, the
+Drawn from the embedded history (controlplane/history/backends.py; with
+`--prometheus`, from Prometheus: controlplane/history/heatmap_prometheus.py, the
 same rows and colours): each node's heartbeats in the hour, binned into
 columns a heartbeat interval wide, the largest of its series (its cards,
 its engines) in each. Rows are grouped by
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controlplane.history import HOUR_S, EmbeddedHistory
+from controlplane.history.backends import HOUR_S, EmbeddedHistory
 from wire.limits import NODE_ID
 
 MAX_ROWS = 200  # a picture an operator sees without scrolling, at 2 px a row and up

@@ -1,5 +1,5 @@
 """The fleet's picture drawn from Prometheus (`--prometheus`): the same rows,
-bands and colours as from the embedded history (controlplane/heatmap.py),
+bands and colours as from the embedded history (controlplane/history/heatmap.py),
 asked of Prometheus so that what crosses the network is the picture's size,
 not the fleet's.
 
@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.heatmap import ABSENT, Heatmap, Measure, Row, bands, levels_of
-from controlplane.history import HOUR_S, HistoryError, PrometheusHistory, range_grid, regex_alternatives
-from controlplane.page_worker import PageWorker
+from controlplane.history.backends import HOUR_S, HistoryError, PrometheusHistory, range_grid, regex_alternatives
+from controlplane.history.heatmap import ABSENT, Heatmap, Measure, Row, bands, levels_of
+from controlplane.listen.page_worker import PageWorker
 from wire.limits import NODE_ID
 
 MAX_ANSWER_BYTES = 32 << 20  # an answer: 200 rows of 240 columns with their labels is a few MB at worst

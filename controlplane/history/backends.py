@@ -244,7 +244,7 @@ class EmbeddedHistory:
     combines those: memory is nodes x steps, and a sum is a sum of every node.
 
     Heartbeats are recorded on the event loop while pages read on their own
-    thread (controlplane/page_worker.py): both hold the lock, a reader one
+    thread (controlplane/listen/page_worker.py): both hold the lock, a reader one
     node at a time, so a heartbeat waits for one node's copy at most.
     """
 
@@ -281,7 +281,7 @@ class EmbeddedHistory:
         ring's order, not time's (empty where the node has none of the
         family). A node at a time under the lock, copied: the caller works on
         it with the lock free. A node's work is a few numpy calls: the
-        fleet's picture reads 10,000 nodes so (controlplane/heatmap.py)."""
+        fleet's picture reads 10,000 nodes so (controlplane/history/heatmap.py)."""
         with self._lock:
             rings = list(self._nodes.items())
         for node, ring in rings:
@@ -428,7 +428,7 @@ class PrometheusHistory:
     """The same specs answered by Prometheus range queries (`--prometheus URL`)."""
 
     # The fleet's picture from Prometheus: a column a scrape at its default
-    # interval (controlplane/heatmap_prometheus.py); and the clock its hour ends by.
+    # interval (controlplane/history/heatmap_prometheus.py); and the clock its hour ends by.
     interval = 15.0
 
     def __init__(self, base_url: str, session: aiohttp.ClientSession,

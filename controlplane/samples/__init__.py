@@ -1,0 +1,1 @@
+"""The every-sample features: the live view, hindsight spans fetched from the nodes' rings, incidents."""
