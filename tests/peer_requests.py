@@ -3,10 +3,33 @@ a challenge asked of the server, then the request signed for it alone."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from controlplane.listen.page_access import FORWARDED_FOR, FORWARDED_USER
+from aiohttp import web
+
+from controlplane import pages_api
+from controlplane.fleet import forward, peers
+from controlplane.listen.page_access import FORWARDED_FOR, FORWARDED_USER, PageAccess
 from controlplane.listen.peer_auth import CHALLENGE_PATH, HEADER, PROOF, PeerAuth
+from controlplane.samples.live import LiveSamples
+from controlplane.state.registry import NodeRegistry
+from web.pages import add_pages
+
+
+def replica_pages(registry: NodeRegistry, replicas: peers.Peers, hosts: Iterable[str] = (),
+                  live: LiveSamples | None = None) -> web.Application:  # fmt: skip
+    """A replica's pages listener as the server composes it with peers: its
+    access taking their signed requests, their routes, and forwarding to
+    the holder."""
+    access = PageAccess(hosts=hosts)
+    access.peer_auth = replicas.auth
+    app = pages_api.create_app(registry, access=access, live=live)
+    add_pages(app, None)
+    peers.add_routes(app, replicas, lambda: pages_api.nodes_json(registry))
+    app[forward.FORWARDER] = forward.Forwarder(replicas)
+    app.middlewares.append(forward.to_holder)
+    return app
 
 
 class SignedPeer:

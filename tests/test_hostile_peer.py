@@ -36,7 +36,7 @@ from controlplane.ingest import agent_api
 from controlplane.listen.page_access import PageAccess
 from controlplane.listen.peer_auth import CHALLENGE_PATH, HEADER, PROOF, PeerAuth, answer_proof, parse_header
 from controlplane.state.registry import NodeRegistry
-from tests.peer_requests import SignedPeer
+from tests.peer_requests import SignedPeer, replica_pages
 from tests.test_controlplane_api import heartbeat, registration
 from web.pages import add_pages
 from wire.schema import Heartbeat, Registration
@@ -156,14 +156,7 @@ async def test_a_strangers_page_never_reaches_the_operator(aiohttp_client: Any, 
         ours = peers.Peers([stranger.url], SECRET, registry, forgetting(registry))
         [peer] = ours.peers
         peer.instance, peer.holds, peer.answered_at = "x", {"n1": 0.0}, registry.clock() + 5  # said fresher
-        access = PageAccess()
-        access.peer_auth = ours.auth
-        app = pages_api.create_app(registry, access=access)
-        add_pages(app, None)
-        peers.add_routes(app, ours, lambda: pages_api.nodes_json(registry))
-        app[forward.FORWARDER] = forward.Forwarder(ours)
-        app.middlewares.append(forward.to_holder)
-        client = await aiohttp_client(app)
+        client = await aiohttp_client(replica_pages(registry, ours))
         ours.session, ours.forwarding = sessions
         r = await client.get("/node/n1")
         text = await r.text()
@@ -294,12 +287,8 @@ async def test_forwarded_streams_are_capped_on_a_pool_apart_from_the_polls(aioht
     ours = peers.Peers([holder_url], SECRET, registry, forgetting(registry))
     [peer] = ours.peers
     peer.instance, peer.holds, peer.answered_at = "holder", {"n1": 0.0}, registry.clock() + 5
-    access = PageAccess()
-    access.peer_auth = ours.auth
-    app = pages_api.create_app(registry, access=access, live=live.LiveSamples())
-    add_pages(app, None)
-    forwarder = app[forward.FORWARDER] = forward.Forwarder(ours)
-    app.middlewares.append(forward.to_holder)
+    app = replica_pages(registry, ours, live=live.LiveSamples())
+    forwarder = app[forward.FORWARDER]
     client = await aiohttp_client(app)
     streams: list[Any] = []
     async with aiohttp.ClientSession() as session, aiohttp.ClientSession() as forwarding:

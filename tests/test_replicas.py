@@ -599,13 +599,11 @@ async def test_a_forwarded_request_is_checked_and_never_sent_on(aiohttp_client: 
     here, never sent on."""
     import msgspec
 
-    from controlplane import pages_api
     from controlplane.fleet import forward, peers
-    from controlplane.listen.page_access import ADMIN_SOCKET_USER, PageAccess
+    from controlplane.listen.page_access import ADMIN_SOCKET_USER
     from controlplane.state.registry import NodeRegistry
-    from tests.peer_requests import SignedPeer
+    from tests.peer_requests import SignedPeer, replica_pages
     from tests.test_controlplane_api import heartbeat, registration
-    from web.pages import add_pages
     from wire.schema import Heartbeat, Registration
 
     secret = b"s3cret-s3cret-s3cret-s3cret"
@@ -616,13 +614,7 @@ async def test_a_forwarded_request_is_checked_and_never_sent_on(aiohttp_client: 
     replicas = peers.Peers([f"http://127.0.0.1:{unused_tcp_port}"], secret, registry, lambda node: None)
     [peer] = replicas.peers  # nobody listens there
     peer.instance, peer.holds, peer.answered_at = "another", {"n1": 0.0}, registry.clock() + 5  # fresher than ours
-    access = PageAccess(hosts=["pages.example"])
-    access.peer_auth = replicas.auth
-    app = pages_api.create_app(registry, access=access)
-    add_pages(app, None)
-    peers.add_routes(app, replicas, lambda: pages_api.nodes_json(registry))
-    app[forward.FORWARDER] = forward.Forwarder(replicas)
-    app.middlewares.append(forward.to_holder)
+    app = replica_pages(registry, replicas, hosts=["pages.example"])
     client = await aiohttp_client(app)
     signer = SignedPeer(client, secret)
     target = "http://replica-2.example"  # this replica's name, as a peer's --peer list has it
