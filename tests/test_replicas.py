@@ -292,6 +292,62 @@ def test_a_moved_node_is_one_series_at_the_replica_that_holds_it(replicas: list[
         agent.wait(timeout=30)
 
 
+def moved_then_died(replicas: list[Replica], tmp_path: Path) -> tuple[Replica, Replica]:
+    """n1 at its first choice, which is then stopped (its state file keeping the node): n1 moves to its
+    second, and its agent dies there. The first stays down. Returns the first and the second."""
+    for r in replicas:
+        r.kill(signal.SIGTERM)
+        r.extra += ["--stale-after", "3"]  # down soon after its agent dies
+        r.start()
+    by_url = {r.url: r for r in replicas}
+    first, second, _ = (by_url[u] for u in ranked("n1", list(by_url)))
+    agent = start_agent(replicas, tmp_path, interval=0.5)
+    try:
+        wait_until(lambda: listing(replicas, "n1") == [(first.index, "fresh")], 60, "the node at its first choice")
+        first.kill(signal.SIGTERM)  # its state file keeps the node
+        wait_until(lambda: second.holds_fresh("n1"), 30, "the node at its second choice")
+    finally:
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=30)
+    up = [r for r in replicas if r is not first]
+    wait_until(lambda: listing(up, "n1") == [(second.index, "stale")], 30, "the node down at its second choice")
+    kept = json.loads((tmp_path / f"state-{first.index}.json").read_text())["nodes"]
+    assert "n1" in [entry["registration"]["node"] for entry in kept]
+    return first, second
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
+def test_a_node_that_moved_and_died_is_down_at_one_replica(replicas: list[Replica], tmp_path: Path) -> None:
+    """As processes: the replica a node left comes back from its state file
+    knowing the node as it was before it moved, after the node died at its
+    new replica. Exactly one replica exports it, down: the one that heard it
+    last (before, held lists named fresh nodes alone, and both did, for a week)."""
+    first, second = moved_then_died(replicas, tmp_path)
+    first.start()  # knows the node from before it moved, heard from earlier than the second did
+    wait_until(lambda: len(listing(replicas, "n1")) == 1, 30, f"one replica lists the node: {listing(replicas, 'n1')}")
+    assert listing(replicas, "n1") == [(second.index, "stale")]
+    assert [r.index for r in replicas if re.search(r'^llmgw_node_up\{node="n1"\} 0$', r.metrics(), re.M)] == [
+        second.index]  # fmt: skip
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
+def test_a_node_forgotten_while_a_replica_was_down_stays_forgotten(replicas: list[Replica], tmp_path: Path) -> None:
+    """As processes: the node is forgotten (`nodesampler forget`) at the
+    replica that holds it while the one it left is down; that one comes back
+    from its state file knowing the node, and lets its copy go on its peers'
+    word (the forgetting, told in their held lists): no replica exports it."""
+    first, second = moved_then_died(replicas, tmp_path)
+    forgot = subprocess.run([sys.executable, "-m", "nodesampler", "forget", "n1", "--admin-socket",
+                             str(tmp_path / f"admin-{second.index}.sock")], capture_output=True, text=True)  # fmt: skip
+    assert forgot.returncode == 0, forgot.stderr
+    first.start()
+    wait_until(lambda: listing(replicas, "n1") == [], 30, f"no replica lists the node: {listing(replicas, 'n1')}")
+    assert "node n1 was forgotten at" in (tmp_path / f"replica-{first.index}.log").read_text()
+    assert not any('llmgw_node_up{node="n1"}' in r.metrics() for r in replicas)
+
+
 async def test_a_peer_proves_itself_on_every_request_and_its_answer_is_checked(aiohttp_client: Any) -> None:
     """The held list is for peers alone: no signature, a node's token, another
     cluster's secret, a challenge used twice or made elsewhere, a request

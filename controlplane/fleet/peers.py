@@ -79,6 +79,7 @@ MAX_ARRIVALS = MAX_FLEET_NODES  # node names in one telling (~4 MB at 64 bytes):
 MAX_ARRIVALS_BODY = MAX_ARRIVALS * 70 + 1024
 ARRIVED_AFTER_S = 1.0  # a node told arrived elsewhere is let go here if silent here this long
 MAX_ALERTS_BODY = 2**20 + 64 * 1024  # Alertmanager's own body to /api/alertmanager, and its wrapping
+ALERTS_TIMEOUT_S = 10.0  # a webhook's share (up to a megabyte) sent on and captured there: Alertmanager waits
 MAX_FORWARD_ANSWER = 64 * 1024  # a peer's answer to forwarded alerts: an incident's id and its nodes
 # A page waits this long for a peer's rows (10,000 GPU nodes' /api/nodes rows: seconds), then names it.
 ROWS_TIMEOUT_S = 10.0
@@ -338,8 +339,8 @@ class Peers:
             return {"error": "not sent: " + ("the control plane is starting" if self.session is None
                                              else "not a peer of this replica")}  # fmt: skip
         try:
-            text = await self._get(self.session, target, "/v1/peer/alerts", MAX_FORWARD_ANSWER, TIMEOUT_S, "POST",
-                                   msgspec.json.encode(body))  # fmt: skip
+            text = await self._get(self.session, target, "/v1/peer/alerts", MAX_FORWARD_ANSWER, ALERTS_TIMEOUT_S,
+                                   "POST", msgspec.json.encode(body))  # fmt: skip
             answer = msgspec.json.decode(text)
             return answer if isinstance(answer, dict) else {"error": "not an answer"}
         except Exception as e:  # noqa: BLE001 (whatever a peer did, it is that peer's answer alone)
