@@ -553,6 +553,10 @@ def test_a_replica_rolled_finds_its_nodes_on_its_claim_and_they_come_back(cluste
         incident = json.loads(r.read())["id"]
     argv = (cluster.work / "nodesampler-test-cp.argv").read_text().split(" ")
     subprocess.run(["podman", "stop", "-t", "30", "nodesampler-test-cp"], capture_output=True, check=True)
+    # The claim mounted again: the kubelet gives it, and all it holds, to the pod's fsGroup once more.
+    sts = pods.find("StatefulSet", "nodesampler-controlplane")
+    fs_group = sts["spec"]["template"]["spec"]["securityContext"]["fsGroup"]
+    pods.kubelet_ownership(cluster.work / "claim-state-0", fs_group)
     pods.start(argv)  # a new pod: its emptyDirs as they were left here, its claim the same
     until("the control plane's /health", cluster._healthy)
     known = {n["node"] for n in cluster.get_json("/api/nodes?here=1")["nodes"]}
