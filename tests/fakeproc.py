@@ -20,12 +20,13 @@ def pid_stat_line(
     start: int = 1000,
     rss: int = 100,
     threads: int = 1,
+    flags: int = 4194304,
 ) -> bytes:
     pgrp = pid if pgrp is None else pgrp
     # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
     # utime stime cutime cstime priority nice threads itrealvalue starttime vsize rss ...
     fields = [
-        "S", ppid, pgrp, pgrp, 0, -1, 4194304, 10, 0, 0, 0,
+        "S", ppid, pgrp, pgrp, 0, -1, flags, 10, 0, 0, 0,
         utime, stime, cutime, cstime, 20, 0, threads, 0, start, 123456789, rss,
         "18446744073709551615", 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 17, 0, 0, 0, 0, 0,
     ]  # fmt: skip

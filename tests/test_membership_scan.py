@@ -60,3 +60,24 @@ def test_a_member_that_exits_while_the_walk_writes_is_not_put_back() -> None:
     members.task_slot, members.proc = slots, Path("/nonexistent")
     members.sync(SimpleNamespace(stats={42: SimpleNamespace(start_ticks=1)}), {42: 3})  # type: ignore[arg-type]
     assert slots.read == 0 and int(np.ndarray.__getitem__(slots, 42)) == 0
+
+
+def test_a_member_whose_exit_is_under_way_is_not_put_back(tmp_path: Path) -> None:
+    """The walk found pid 42; its exit began (PF_EXITING) and the kernel's exit
+    tracepoint cleared its slot before sync wrote it, while /proc still says
+    it runs ("R", the same start): sync clears the slot it wrote. Before, the
+    dead pid kept its slot (the fork storm's `{24040, 30506} == {24040}`)."""
+    from tests.fakeproc import pid_stat_line
+
+    (tmp_path / "42").mkdir()
+    running = pid_stat_line(42, start=1, flags=0x400000 | 0x4).replace(b") S ", b") R ")
+    (tmp_path / "42" / "stat").write_bytes(running)
+    slots = np.zeros(PAGE, dtype=np.uint8)  # cleared already: the exit tracepoint ran
+    members = TaskSlots.__new__(TaskSlots)
+    members.task_slot, members.proc = slots, tmp_path
+    members.sync(SimpleNamespace(stats={42: SimpleNamespace(start_ticks=1)}), {42: 3})  # type: ignore[arg-type]
+    assert int(slots[42]) == 0
+    # Not exiting: it keeps the slot the walk gave it.
+    (tmp_path / "42" / "stat").write_bytes(pid_stat_line(42, start=1).replace(b") S ", b") R "))
+    assert members.sync(SimpleNamespace(stats={42: SimpleNamespace(start_ticks=1)}), {42: 3})  # type: ignore[arg-type]
+    assert int(slots[42]) == 3

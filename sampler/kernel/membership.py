@@ -22,6 +22,7 @@ from sampler.sources import procfs
 log = logging.getLogger(__name__)
 
 CGROUP_SLOTS_MAX = 4096  # cgroup_slot's entries (bpf/sched_groups.bpf.c)
+PF_EXITING = 0x00000004  # include/linux/sched.h: set as do_exit begins, before sched_process_exit
 
 
 PAGE = 4096  # task_slot's bytes a page: 4,096 pids
@@ -148,12 +149,17 @@ class TaskSlots:
         slots[added] = values[differ]
         # A process that exited between the walk and this write had its exit
         # seen while it had no slot: clear it ourselves, or a new process given
-        # that pid would be credited to this shard.
+        # that pid would be credited to this shard. Its exit is under way from
+        # PF_EXITING on: the kernel's exit tracepoint (which clears the slot)
+        # comes after that flag, and /proc says "R" until the exit is done, so
+        # a write between the two would be kept (CI's fork storm under a CPU
+        # hog left one so, once in three: a pid in the map no process had).
         for pid in added.tolist():
             try:
                 st = procfs.read_pid_stat(self.proc, pid)
                 # A zombie has exited: its exit was seen, and its pid may be reused once it is reaped.
-                alive = st.start_ticks == table.stats[pid].start_ticks and st.state not in ("Z", "X")
+                alive = (st.start_ticks == table.stats[pid].start_ticks and st.state not in ("Z", "X")
+                         and not st.flags & PF_EXITING)  # fmt: skip
             except (procfs.ProcessGone, procfs.ProcParseError):
                 alive = False
             if not alive:

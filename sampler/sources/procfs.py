@@ -237,6 +237,7 @@ class PidStat:
     rss_pages: int
     threads: int = 1
     state: str = "R"  # R, S, D, ...; Z: exited, not yet reaped (no longer runs)
+    flags: int = 0  # the kernel's PF_* flags of its main thread (PF_EXITING: its exit has begun)
 
 
 def parse_pid_stat(data: bytes) -> PidStat:
@@ -246,7 +247,7 @@ def parse_pid_stat(data: bytes) -> PidStat:
     if lpar < 0 or rpar < lpar:
         raise ProcParseError(f"pid stat without a command name: {data[:80]!r}")
     f = data[rpar + 1 :].split()
-    # After the name: state(0) ppid(1) pgrp(2) ... utime(11) stime(12)
+    # After the name: state(0) ppid(1) pgrp(2) ... flags(6) ... utime(11) stime(12)
     # cutime(13) cstime(14) ... num_threads(17) starttime(19) vsize(20) rss(21)
     if len(f) < 22:
         raise ProcParseError(f"pid stat with {len(f)} fields after the name: {data[:80]!r}")
@@ -262,6 +263,7 @@ def parse_pid_stat(data: bytes) -> PidStat:
             rss_pages=int(f[21]),
             threads=int(f[17]),
             state=f[0].decode("ascii", "replace"),
+            flags=int(f[6]),
         )
     except ValueError:
         raise ProcParseError(f"pid stat with a non-numeric field: {data[:80]!r}") from None
