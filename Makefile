@@ -1,5 +1,5 @@
 # The two commands: `make up` and `make test`. Both start with `make setup`.
-.PHONY: setup setup-test setup-bench up test lint unit vm-test vagrant-test image
+.PHONY: setup setup-test setup-bench up test test-stress lint unit vm-test vagrant-test image
 
 VENV := .venv/bin
 
@@ -23,6 +23,10 @@ lint: setup-test
 
 test: lint
 	$(VENV)/pytest -q
+
+# The suite with the last CPU kept busy and every `timing` test three times over (tests/stress.sh).
+test-stress: lint
+	bash tests/stress.sh
 
 # The kernel tests on real guest kernels (Debian 11, 12, 13 and unstable; no headers) under QEMU: see vagrant/run-tests.sh.
 vm-test: setup-test

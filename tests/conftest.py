@@ -27,6 +27,24 @@ if TYPE_CHECKING:
 REQUIRE_BPF = os.environ.get("NODESAMPLER_REQUIRE_BPF") == "1"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--repeat-timing", type=int, default=1, metavar="N",
+                     help="run each test marked `timing` N times (make test-stress: tests/stress.sh)")  # fmt: skip
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A `timing` test N times over under --repeat-timing N: a race it could lose shows in N tries."""
+    count = metafunc.config.getoption("repeat_timing")
+    if count > 1 and metafunc.definition.get_closest_marker("timing") is not None:
+        metafunc.fixturenames.append("timing_round")
+        metafunc.parametrize("timing_round", range(1, count + 1), indirect=True, ids=lambda n: f"round-{n}")
+
+
+@pytest.fixture
+def timing_round(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
 @pytest.fixture
 def group() -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []

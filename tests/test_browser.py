@@ -22,7 +22,7 @@ from tests.agent_fleet import Fleet, fresh_with_seq
 from tests.conftest import CpuCgroup, unavailable
 from tests.workloads import busy_threads, start_group
 
-pytestmark = pytest.mark.live
+pytestmark = [pytest.mark.live, pytest.mark.timing]
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",

@@ -25,7 +25,7 @@ from tests.heatmap_fleet import fleet_with_history, node_name
 from tests.test_browser import ARTIFACTS, browser_page, open_page
 from web.pages import add_pages
 
-pytestmark = pytest.mark.live
+pytestmark = [pytest.mark.live, pytest.mark.timing]
 
 BURST = node_name(421)
 

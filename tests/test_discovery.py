@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.abc import ResolveResult
 from aiohttp.test_utils import TestServer
@@ -65,6 +66,7 @@ async def test_a_record_names_the_replicas_and_is_read_again() -> None:
         dns_server.close()
 
 
+@pytest.mark.timing
 async def test_an_agent_follows_the_record_to_a_replica_added_above_its_own(tmp_path: Path) -> None:
     """Two replicas named, then a third that ranks first for the node: the
     agent's heartbeats go to its first choice of the two, then, once the

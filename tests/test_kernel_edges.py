@@ -29,7 +29,7 @@ from tests.heartbeats import cores_of
 from tests.test_kernel_backend import start_with_pid
 from tests.workloads import BURN_ONE_CORE, PROC, after_each_reading, process_cpu_seconds, start_group
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.timing]
 
 
 def spec(pgid: int) -> ShardSpec:

@@ -34,7 +34,7 @@ from tests.conftest import REQUIRE_BPF, AccuracyLog
 from tests.heartbeats import cores_of, cpu_of
 from tests.workloads import BURN_ONE_CORE, PROC, after_each_reading, process_cpu_seconds, start_group
 
-pytestmark = pytest.mark.kernel
+pytestmark = [pytest.mark.kernel, pytest.mark.timing]
 
 
 def busy_group(group: list[subprocess.Popen[str]]) -> int:

@@ -227,6 +227,7 @@ def closed_counts_tls(fleet: Fleet) -> dict[tuple[str, str], float]:
     return {(m[1], m[2]): float(m[3]) for m in re.finditer(pattern, text, re.M)}
 
 
+@pytest.mark.timing
 def test_a_flood_of_guessed_passwords_waits_its_turn_and_costs_a_user_nothing(fleet: Fleet) -> None:
     """bcrypt is ~50-100 ms a check at cost 10: guesses run one at a time,
     at most 4 of one address waiting (429 beyond); a user's password once

@@ -217,6 +217,7 @@ def listing(replicas: list[Replica], node: str) -> list[tuple[int, str]]:
 
 
 @pytest.mark.live
+@pytest.mark.timing
 def test_an_agent_moves_to_the_next_replica_and_comes_back(replicas: list[Replica], tmp_path: Path) -> None:
     by_url = {r.url: r for r in replicas}
     first, second, _ = (by_url[u] for u in ranked("n1", list(by_url)))
@@ -238,6 +239,7 @@ def test_an_agent_moves_to_the_next_replica_and_comes_back(replicas: list[Replic
 
 
 @pytest.mark.live
+@pytest.mark.timing
 @pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
 def test_a_moved_node_is_one_series_at_the_replica_that_holds_it(replicas: list[Replica], tmp_path: Path) -> None:
     """The replica a node left lets it go once a peer holds it: it leaves that
@@ -317,6 +319,7 @@ def moved_then_died(replicas: list[Replica], tmp_path: Path) -> tuple[Replica, R
 
 
 @pytest.mark.live
+@pytest.mark.timing
 @pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
 def test_a_node_that_moved_and_died_is_down_at_one_replica(replicas: list[Replica], tmp_path: Path) -> None:
     """As processes: the replica a node left comes back from its state file
@@ -332,6 +335,7 @@ def test_a_node_that_moved_and_died_is_down_at_one_replica(replicas: list[Replic
 
 
 @pytest.mark.live
+@pytest.mark.timing
 @pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
 def test_a_node_forgotten_while_a_replica_was_down_stays_forgotten(replicas: list[Replica], tmp_path: Path) -> None:
     """As processes: the node is forgotten (`nodesampler forget`) at the
@@ -418,6 +422,7 @@ async def test_a_peer_proves_itself_on_every_request_and_its_answer_is_checked(a
 
 
 @pytest.mark.live
+@pytest.mark.timing
 @pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
 def test_prometheus_counts_a_moved_node_once_and_fires_no_node_down(replicas: list[Replica], tmp_path: Path) -> None:
     """A real Prometheus scraping all three replicas and evaluating the shipped
@@ -517,6 +522,7 @@ async def test_a_node_told_arrived_at_a_peer_is_let_go_if_silent_here(aiohttp_cl
 
 
 @pytest.mark.live
+@pytest.mark.timing
 @pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
 def test_a_webhook_to_any_replica_captures_each_node_where_it_is_held(replicas: list[Replica],
                                                                        tmp_path: Path) -> None:  # fmt: skip
@@ -579,6 +585,7 @@ def live_windows(replica: Replica, node: str, count: int) -> list[dict[str, Any]
 
 
 @pytest.mark.live
+@pytest.mark.timing
 @pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
 def test_a_node_held_elsewhere_is_read_through_any_replica(replicas: list[Replica], tmp_path: Path) -> None:
     """A node held by one replica, read through another's pages: its page,
@@ -733,6 +740,7 @@ def up_series(replica: Replica) -> list[str]:
 
 
 @pytest.mark.live
+@pytest.mark.timing
 @pytest.mark.parametrize("replicas", [True], indirect=True, ids=["peers"])
 def test_a_fleet_over_three_replicas_survives_one_killed_and_its_return(replicas: list[Replica]) -> None:
     """300 nodes over three replicas: each held by exactly one, its first

@@ -110,6 +110,7 @@ async def test_password_checks_wait_their_turn_and_a_good_one_is_remembered() ->
         checker.close()
 
 
+@pytest.mark.timing
 async def test_password_checks_take_turns_by_peer() -> None:
     """A flood from one address fills its own queue alone: another address's
     first login is refused by none of it, and is checked second, after the
