@@ -23,8 +23,8 @@ class PeersCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         up = GaugeMetricFamily("nodesampler_peer_up", "Whether the peer answered this replica's last poll",
                                labels=["peer"])  # fmt: skip
-        held = GaugeMetricFamily("nodesampler_peer_nodes", "Nodes the peer held fresh at this replica's last "
-                                 "poll (absent: it did not answer)", labels=["peer"])  # fmt: skip
+        held = GaugeMetricFamily("nodesampler_peer_nodes", "Nodes the peer held, fresh or stale, at this replica's "
+                                 "last poll (absent: it did not answer)", labels=["peer"])  # fmt: skip
         for peer in self.peers.peers:
             if peer.is_us:
                 continue
