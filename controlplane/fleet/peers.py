@@ -5,7 +5,7 @@ A node is held by the replica its agent heartbeats to (sampler/agent/replicas.py
 when it moves (its replica went away, or came back), the replica it left
 still knows it, stale, and would export it as down. Each replica asks its
 peers (`--peer URL`, their pages listeners) every `POLL_S` which nodes they
-hold fresh and how long ago each last spoke (`GET /v1/peer/held`, an age on
+hold and how long ago each last spoke (`GET /v1/peer/held`, an age on
 the answering replica's own clock: no two replicas' clocks are compared),
 and lets go of a node a peer heard from more recently than it did: the node
 leaves its registry, `/metrics` and history, as a node forgotten does. The
@@ -18,7 +18,9 @@ a moved node is up at two replicas for less than a scrape, not a poll.
 
 Held lists carry every node a replica has heard from, fresh or stale, with
 its age there, and the older copy lets go: a node that moved and then died
-is down at exactly one replica, the one that heard it last.
+is down at exactly one replica, the one that heard it last. They carry the
+nodes a replica forgot too (tombstones, NodeRegistry.forgotten), so that a
+replica that was down or cut off when a node was forgotten lets its copy go.
 
 Peers prove themselves on every request (controlplane/listen/peer_auth.py:
 a challenge bound to the request, HMAC'd by each side), and only to the
@@ -28,7 +30,7 @@ where a request goes. Every answer is read whole under its bound
 (msgspec, as the heartbeat is); each peer is asked and judged on its own:
 a malformed, huge or hostile answer marks that peer down with the reason
 and changes nothing else. Polls, arrivals and alerts have a connection
-pool of their own (`control`), apart from the forwarded pages and streams
+pool of their own (`session`), apart from the forwarded pages and streams
 (controlplane/fleet/forward.py), so no flood of viewers starves them.
 A replica names itself with a random id in its requests, so the same
 `--peer` list serves every replica, itself included.
