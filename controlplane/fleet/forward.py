@@ -128,8 +128,8 @@ class Forwarder:
                 return web.Response(status=429, text=f"{refused}: try again later\n", headers={"Retry-After": "5"})
             return await self._send(session, request, peer, body, remember_span, streams=True)
 
-    async def _send(self, session: Any, request: web.Request, peer: Peer, body: bytes | None, remember_span: bool,
-                    streams: bool = False) -> web.StreamResponse:  # fmt: skip
+    async def _send(self, session: aiohttp.ClientSession, request: web.Request, peer: Peer, body: bytes | None,
+                    remember_span: bool, streams: bool = False) -> web.StreamResponse:  # fmt: skip
         timeout = aiohttp.ClientTimeout(total=None if streams else ANSWER_TIMEOUT_S, sock_connect=TIMEOUT_S,
                                         sock_read=STREAM_READ_TIMEOUT_S if streams else None)  # fmt: skip
         self.forwarded += 1
