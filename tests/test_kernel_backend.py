@@ -100,7 +100,7 @@ def test_steady_workloads_every_window_after_the_first_within_3_percent(
     for measured, truth in results[1:]:
         accuracy.record(f"window mean, {request.node.callspec.id}", measured, truth, 0.03)
     for measured, truth in results[1:]:
-        assert truth > 0.5
+        assert truth > 0.2  # it ran: a loaded machine may give it less than it asks for
         assert measured == pytest.approx(truth, rel=0.03), results
 
 
@@ -342,7 +342,7 @@ def test_the_raw_tracepoint_fallback_counts_the_same(
     results = windows_against_truth(groups, p.pid, 2)
     measured, truth = results[1]
     accuracy.record("window mean, raw sched_switch, three-quarter-workers", measured, truth, 0.03)
-    assert truth > 0.5
+    assert truth > 0.2  # it ran: a loaded machine may give it less than it asks for
     assert measured == pytest.approx(truth, rel=0.03), results
 
 

@@ -84,7 +84,7 @@ def test_a_process_whose_main_thread_exited_stays_a_member(
     [shard] = ws.run_window(2.0).shards
     truth = (process_cpu_seconds(p.pid) - s0) / (time.monotonic() - t0)
     accuracy.record("main thread exited, worker burns", cores_of(shard).mean, truth, 0.05)
-    assert truth > 0.5 and cores_of(shard).mean == pytest.approx(truth, rel=0.05)
+    assert truth > 0.2 and cores_of(shard).mean == pytest.approx(truth, rel=0.05)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     assert p.pid not in bpf_groups.members.pids()  # its last thread gone: no longer a member

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sampler.backend import BackendChoice
-from sampler.kernel.slices import SWITCH_SLACK_S, into_room_before, place_late, settle
+from sampler.kernel.slices import SWITCH_SLACK_S, held_through, into_room_before, place_late, settle
 from sampler.shards.proc_shards import ProcShardSampler, ShardReading, within_capacity
 from sampler.shards.selectors import Selector, ShardSpec
 from sampler.window.sampler import WindowSampler
@@ -92,7 +92,7 @@ def test_a_sample_above_the_machine_is_a_bug_said_once_and_kept(tmp_path: Path,
         w.run_window(1.0)
         summary = w.run_window(1.0)
     said = [r.getMessage() for r in caplog.records if "more than the machine" in r.getMessage()]
-    assert len(said) == 1 and "engine s0: 1000.000 cores in a 0.1 s sample" in said[0], said
+    assert len(said) == 1 and "engine s0: 1000.000 cores in a 100 ms sample" in said[0], said
     assert cores_of(summary.shards[0]).max == 1000.0  # not clipped: the bug stays visible
 
 
@@ -150,6 +150,42 @@ def test_moving_time_into_the_sample_before_loses_none_nor_overfills(drawn: list
     # An excess beyond the slack stays only where the sample before had no room.
     for i in np.flatnonzero(moved[1:] - capacity[1:] > SWITCH_SLACK_S) + 1:
         assert moved[i - 1] >= capacity[i - 1] - 1e-12
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.floats(0.0005, 0.002), st.booleans(), st.booleans()), min_size=1,
+                max_size=120))  # fmt: skip
+def test_samples_that_do_not_hold_a_slot_share_the_time_of_the_run(
+        drawn: list[tuple[float, float, bool, bool]]) -> None:  # fmt: skip
+    """One thread's totals (a rate of at most one core in each sample), some
+    samples not holding its slot, read in batches as the agent reads the
+    ring: every sample's step is within its own period's one core, never
+    negative; a sample not held is measured once a held one follows it, or
+    counts nothing; and where the reads meet a held sample the totals are
+    the kernel's."""
+    rates, periods = np.array([r for r, _, _, _ in drawn]), np.array([p for _, p, _, _ in drawn])
+    held_mask = np.array([h for _, _, h, _ in drawn])
+    ends = [i + 1 for i, (_, _, _, end) in enumerate(drawn) if end][:-1] if len(drawn) > 1 else []
+    at = 100.0 + np.cumsum(periods)
+    truth = np.cumsum(rates * periods) * 1e9  # ns from 0 at t = 100.0
+    prev_ns, since, previous_at = 0.0, np.array([100.0]), 100.0
+    for batch in np.split(np.arange(len(drawn)), ends):
+        if not len(batch):
+            continue
+        grown = np.zeros((len(batch), 1, 2))
+        grown[:, 0, 0] = truth[batch] - prev_ns
+        held = held_mask[batch][:, None]
+        filled, measured, base = held_through(at[batch], grown, held, since.copy(), previous_at)
+        steps = np.diff(np.concatenate([base[None], filled]), axis=0)[:, 0, 0]
+        elapsed = np.diff(at[batch], prepend=previous_at)
+        assert (steps >= -1e-3).all()
+        assert (steps <= elapsed * 1e9 + 1e-3).all()  # never over the one thread
+        assert (steps[~measured[:, 0]] == 0).all()
+        np.testing.assert_allclose(filled[held[:, 0], 0, 0], grown[held[:, 0], 0, 0])
+        if held.any():
+            last = int(np.flatnonzero(held[:, 0])[-1])
+            prev_ns, since = float(truth[batch][last]), np.array([at[batch][last]])
+        previous_at = float(at[batch][-1])
 
 
 @settings(max_examples=300, deadline=None)

@@ -32,6 +32,7 @@ class SlotCounters:
         self._cpu_run = np.frombuffer(self._cpu_run_map, dtype=CPU_RUN)
         self._slots = np.zeros(0, dtype=np.int64)  # the slots read, in a fixed order
         self._index_of_slot = np.full(MAX_SLOTS, -1, dtype=np.int64)  # slot -> its place in _slots
+        self.left_out = 0  # the CPUs the last reading left out, mid-switch after every try
 
     def read_slots(self, slots: np.ndarray) -> None:
         """The slots the readings are of, in this order, from now on."""
@@ -64,6 +65,7 @@ class SlotCounters:
             steady = (self._cpu_run["seq"] == seq) & (seq % 2 == 0)
             if steady.all():
                 break
+        self.left_out = int(np.count_nonzero(~steady))
         busy = steady & (running["slot"] != 0)
         if busy.any():
             where = self._index_of_slot[running["slot"][busy]]

@@ -111,6 +111,8 @@ class SampleRing:
         if len(slots) > self.ring_slots:
             return False
         gen = int(self._gen[0])
+        if self._lists.get(gen) is not None and self._lists[gen].tolist() == slots:
+            return True  # the same list: no sample need go without its slots while it is written again
         self._gen[0] = gen + 1  # odd: a sample taken now holds no slot
         self._fence()  # the odd gen seen before any of the list's new bytes
         self._position[:] = 0

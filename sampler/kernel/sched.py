@@ -32,11 +32,11 @@ from sampler.kernel.groups_run import GroupsRun, GroupTicks
 from sampler.kernel.membership import CGROUP_SLOTS_MAX, TaskSlots
 from sampler.kernel.program_stats import enable_bpf_stats, program_stats
 from sampler.kernel.sample_ring import RingSamples, SampleRing
-from sampler.kernel.slices import SWITCH_SLACK_S, into_room_before, place_late, settle
+from sampler.kernel.slices import SWITCH_SLACK_S, held_through, into_room_before, place_late, settle
 from sampler.kernel.waits import WaitHistograms
 from sampler.off_thread import Said
 from sampler.shards.container_ids import container_dir
-from sampler.shards.proc_shards import PAGE_SIZE, ShardReading, within_capacity
+from sampler.shards.proc_shards import PAGE_SIZE, ShardReading, cpus_allowed, within_capacity
 from sampler.shards.selectors import CGROUP_KINDS, GROUP_KINDS, ProcessTable, ShardSpec
 from sampler.sources import procfs
 from sampler.sources.cgroup_view import unified_ids_below
@@ -70,6 +70,7 @@ class _KernelShard:
     command: str | None
     fresh: bool = True  # no reading to take a delta from yet
     threads: int = 1  # its processes' threads at the walk
+    cpus: int = 1  # the CPUs its processes may run on, at the walk (cpus_allowed)
     starts: dict[int, int] = field(default_factory=dict)  # pid -> its start time at the walk: the same process
     carried: float = 0.0  # seconds credited by the kernel that its threads could not have used yet
     late: float = 0.0  # seconds spent in slices the kernel saw late, not yet placed in a sample
@@ -135,9 +136,11 @@ class KernelShardSampler:
         self._slot_of: dict[frozenset[str], int] = {}  # a set of shard ids -> its slot
         self._slots = np.zeros(0, dtype=np.int64)  # the slots in use, in a fixed order
         self._prev_ns = np.zeros((0, 2), dtype=np.int64)  # their totals (ns, late ns) at the last reading
+        self._prev_at = np.zeros(0)  # when each slot's were read (monotonic seconds; NaN: not known)
         self._debt: dict[str, float] = {}  # shard id -> seconds counted ahead of the kernel's own account
         self._member_of = np.zeros((0, 0))  # [shard, slot] = 1 where the slot counts for the shard
         self._last_at: float | None = None
+        self._read_short = False  # the last reading left a CPU mid-switch out (SlotCounters.left_out)
         self._cpus = os.cpu_count() or 1
         self._stats_fd = enable_bpf_stats() if bpf_stats else None
         # The wait histogram, where the kernel keeps run_delay (CONFIG_SCHED_INFO).
@@ -193,8 +196,9 @@ class KernelShardSampler:
             fresh, carried, late = (prev.fresh, prev.carried, prev.late) if prev and same else (True, 0.0, 0.0)
             threads = sum(table.stats[p].threads for p in pids if p in table.stats)
             starts = {p: table.stats[p].start_ticks for p in pids if p in table.stats}
-            new[gw.id] = _KernelShard(gw, pids, pgids, command, fresh, threads=max(threads, 1), starts=starts,
-                                carried=carried, late=late)  # fmt: skip
+            new[gw.id] = _KernelShard(gw, pids, pgids, command, fresh, threads=max(threads, 1),
+                                      cpus=cpus_allowed(pids, self._cpus), starts=starts, carried=carried,
+                                      late=late)  # fmt: skip
             for pid in pids:
                 watches_of.setdefault(pid, set()).add(gw.id)
 
@@ -203,6 +207,7 @@ class KernelShardSampler:
         # until the map is synced.
         classes = {frozenset(ws) for ws in watches_of.values()}
         prev_ns = dict(zip(self._slots.tolist(), self._prev_ns.tolist(), strict=True))
+        prev_at = dict(zip(self._slots.tolist(), self._prev_at.tolist(), strict=True))
         free = sorted(set(range(1, MAX_SLOTS)) - set(self._slot_of.values()))
         slot_of = {c: s for c, s in self._slot_of.items() if c in classes}
         for c in sorted(classes - slot_of.keys(), key=sorted):
@@ -239,9 +244,10 @@ class KernelShardSampler:
                 self.agent_samples_why = (f"{len(self._slots)} sets of shards, more than a kernel sample holds "
                                           f"({self.ring.ring_slots})")  # fmt: skip
                 log.warning("%s: sampled by the agent", self.agent_samples_why)
-        now_ns, _ = self.counters.totals()
+        now_ns, now = self.counters.totals()
         self._prev_ns = np.array([prev_ns.get(s, now_ns[j].tolist()) for j, s in enumerate(self._slots.tolist())],
                                  dtype=np.int64).reshape(-1, 2)  # fmt: skip
+        self._prev_at = np.array([prev_at.get(s, now) for s in self._slots.tolist()], dtype=np.float64)
         self._debt = {wid: d for wid, d in self._debt.items() if wid in new}
 
     def _cgroup_rule(self, shards: dict[str, _KernelShard], table: ProcessTable,
@@ -290,11 +296,14 @@ class KernelShardSampler:
     # --- samples ----------------------------------------------------------------
 
     def sample(self) -> dict[str, ShardReading]:
+        short_before = self._read_short
         current, now = self.counters.totals()
-        return self._readings(current, now)
+        self._read_short = self.counters.left_out > 0
+        return self._readings(current, now, short_before)
 
-    def _readings(self, current: np.ndarray, now: float) -> dict[str, ShardReading]:
-        """Each shard's reading from its slots' totals at `now` ([slot, (ns, late ns)])."""
+    def _readings(self, current: np.ndarray, now: float, short_before: bool) -> dict[str, ShardReading]:
+        """Each shard's reading from its slots' totals at `now` ([slot, (ns, late ns)]);
+        `short_before`: the reading before left a CPU mid-switch out."""
         elapsed = None if self._last_at is None else now - self._last_at
         self._last_at = now
         # A slice is counted by wall time while it runs and credited with its
@@ -309,25 +318,45 @@ class KernelShardSampler:
         # samples already taken: it goes into this one and the next as far as
         # the threads had room, never over them, never lost.
         previous, self._prev_ns = self._prev_ns, current
+        self._prev_at = np.full(len(current), now)
         used_s, late_s = (self._member_of @ ((current - previous).astype(np.float64) / 1e9)).T
-        return {w.spec.id: ShardReading(self._credit(w, float(used_s[i]), float(late_s[i]), elapsed), None, elapsed)
+        return {w.spec.id: ShardReading(self._credit(w, float(used_s[i]), float(late_s[i]), elapsed, short_before),
+                                        None, elapsed)
                 for i, w in enumerate(self._specs.values())}  # fmt: skip
 
-    def _credit(self, w: _KernelShard, used_s: float, late_s: float, elapsed: float | None) -> float | None:
+    def _credit(self, w: _KernelShard, used_s: float, late_s: float, elapsed: float | None,
+                short_before: bool = False) -> float | None:  # fmt: skip
         """One sample of one shard: `used_s` seconds counted for its slots,
         `late_s` of them credited late, in `elapsed` seconds: its cores, or
-        None where not measured."""
+        None where not measured. `short_before`: the sample before was read
+        with a CPU mid-switch left out."""
         wid = w.spec.id
         late = min(max(0.0, late_s), max(0.0, used_s))
-        used, debt = settle(used_s - late, self._debt.pop(wid, 0.0))
+        settled = self._debt.pop(wid, 0.0)
+        used, debt = settle(used_s - late, settled)
         if debt:
             self._debt[wid] = debt
         valid = elapsed is not None and elapsed > 0 and not w.fresh and bool(w.pids)
         w.fresh = False
         if not valid or not elapsed:
             return None
-        capacity = min(w.threads, self._cpus) * elapsed
-        credit, w.carried = within_capacity(used + w.carried, capacity, SWITCH_SLACK_S)
+        capacity = min(w.threads, w.cpus) * elapsed
+        # A sample after one read short (a CPU's slice so far in neither its
+        # credited time nor its running slices, the sample's time then counted
+        # ahead of the kernel and settled here, or its CPU left out mid-switch)
+        # holds that sample's time too: beyond its threads' time that is no
+        # unseen thread but the sample before's, carried into the next ones
+        # whatever its size. Passed on as measured it read up to twice the
+        # threads' time (2.04 cores of a one-thread engine in a 1 ms sample),
+        # and time carried once, passed on with the next sample's, twenty.
+        unseen = not (settled or short_before) and used - capacity > SWITCH_SLACK_S
+        if unseen:
+            # Threads the walk did not see (forked since): as measured, up to
+            # the CPUs the group may use; what was carried stays carried.
+            bound = w.cpus * elapsed
+            credit, w.carried = min(used, bound), w.carried + max(0.0, used - bound)
+        else:
+            credit, w.carried = within_capacity(used + w.carried, capacity)
         credit, w.late = place_late(credit, w.late + late, capacity)
         return credit / elapsed
 
@@ -360,16 +389,14 @@ class KernelShardSampler:
         elapsed = np.diff(got.at, prepend=previous_at)
         if n:
             self._last_at = float(got.at[-1])
-        # A slot a sample does not hold keeps its last totals: nothing in that sample.
-        filled = got.totals
-        for j in np.flatnonzero(~got.held.all(axis=0)).tolist():
-            last_held = np.maximum.accumulate(np.where(got.held[:, j], np.arange(n), -1))
-            filled[:, j] = np.where(last_held[:, None] >= 0, got.totals[last_held, j], self._prev_ns[j])
-        steps = np.diff(np.concatenate([self._prev_ns[None], filled]), axis=0).astype(np.float64) / 1e9
-        if n:
-            self._prev_ns = filled[-1]
+        filled, measured, base = held_through(got.at, got.totals - self._prev_ns[None], got.held, self._prev_at,
+                                              previous_at)  # fmt: skip
+        steps = np.diff(np.concatenate([base[None], filled]), axis=0) / 1e9
+        for j in np.flatnonzero(got.held.any(axis=0)).tolist():
+            last = int(np.flatnonzero(got.held[:, j])[-1])
+            self._prev_ns[j], self._prev_at[j] = got.totals[last, j], got.at[last]
         used, late = steps[..., 0] @ self._member_of.T, steps[..., 1] @ self._member_of.T
-        unheld = (~got.held).astype(np.float64) @ self._member_of.T > 0
+        unheld = (~measured).astype(np.float64) @ self._member_of.T > 0
         shards = {w.spec.id: self._credit_samples(w, used[:, i], late[:, i], elapsed, unheld[:, i])
                   for i, w in enumerate(self._specs.values())}  # fmt: skip
         machine, steal = self._machine_shares(got)
@@ -390,7 +417,7 @@ class KernelShardSampler:
         its length, taken a run of them at once."""
         n = len(used)
         cores = np.full(n, np.nan)
-        capacity = min(w.threads, self._cpus) * elapsed
+        capacity = min(w.threads, w.cpus) * elapsed
         used = into_room_before(used, capacity)
         with np.errstate(invalid="ignore"):
             plain = ~unheld & (late == 0) & (used >= 0) & (used <= capacity) & (elapsed > 0)

@@ -4,6 +4,8 @@ threads could use, never lost)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 # The most a sample's slice ends can read beyond its threads' time through the
@@ -44,3 +46,47 @@ def into_room_before(used: np.ndarray, capacity: np.ndarray) -> np.ndarray:
             out[over - 1] += shift
             out[over] -= shift
     return out
+
+
+def held_through(at: np.ndarray, grown: np.ndarray, held: np.ndarray, since: np.ndarray,
+                 previous_at: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The kernel's samples' totals for each slot, where some do not hold it
+    (taken while the agent wrote the list of slots, or before the slot was
+    listed): `grown` [sample, slot, (ns, late)] is each total less the last
+    read one, which was read at `since` [slot] (NaN: not known); `at` the
+    samples' times; `previous_at` the time of the sample before them.
+
+    The samples between two that hold the slot are given the totals' growth
+    in proportion to their time (a straight line between the two): the held
+    sample after such a run holds the run's time, and counted in its own
+    period alone it read the run's length over it (51 cores of one thread
+    when the list stayed mid-write 50 ms at 1000 Hz). Those after the last
+    held one, and before `since`, keep the totals before them and stay not
+    measured. Returns the totals (float ns, relative to the last read), which
+    samples measured the slot, and the totals' value at `previous_at` (where
+    a run began before these samples: the steps start from there)."""
+    filled = grown.astype(np.float64)
+    measured = held.copy()
+    base = np.zeros(grown.shape[1:])
+    # The slots some sample does not hold, and those whose run of samples not
+    # held ended the last read (read before the sample before these).
+    with np.errstate(invalid="ignore"):
+        runs = ~held.all(axis=0) | (since < previous_at)
+    for j in np.flatnonzero(runs).tolist():
+        rows = np.flatnonzero(held[:, j])
+        known_at, known = at[rows], filled[rows, j]
+        if math.isfinite(since[j]) and (not len(rows) or since[j] < at[rows[0]]):
+            known_at, known = np.concatenate([[since[j]], known_at]), np.concatenate([np.zeros((1, 2)), known])
+        if not len(known_at):
+            filled[:, j] = 0.0
+            continue
+        inside = ~held[:, j] & (at > known_at[0]) & (at < known_at[-1])
+        outside = ~held[:, j] & ~inside
+        before = np.searchsorted(known_at, at[outside], side="right") - 1  # the last known at or before each
+        filled[outside, j] = np.where(before[:, None] >= 0, known[np.maximum(before, 0)], 0.0)
+        for column in range(filled.shape[2]):
+            filled[inside, j, column] = np.interp(at[inside], known_at, known[:, column])
+            if known_at[0] < previous_at < known_at[-1]:
+                base[j, column] = np.interp(previous_at, known_at, known[:, column])
+        measured[inside, j] = True
+    return filled, measured, base

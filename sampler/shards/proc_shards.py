@@ -111,6 +111,22 @@ def within_capacity(used: float, capacity: float, slack: float = math.inf) -> tu
     return capacity, excess
 
 
+def cpus_allowed(pids: list[int], machine: int) -> int:
+    """How many CPUs a group's processes may run on: the union of their
+    affinity masks (each main thread's, which a cpuset or `taskset` sets for
+    the whole process), at most the machine's; the machine's where none can
+    be read (every process gone). A thread that widened its own mask past
+    its main thread's is not seen: its time past the bound is carried, not
+    lost."""
+    allowed: set[int] = set()
+    for pid in pids:
+        try:
+            allowed |= os.sched_getaffinity(pid)
+        except OSError:  # gone since the walk (ESRCH), or not ours to ask
+            continue
+    return min(len(allowed), machine) if allowed else machine
+
+
 @dataclass(frozen=True, slots=True)
 class ShardReading:
     """One sample of one shard. None: not measured in this sample."""

@@ -460,8 +460,11 @@ class WindowSampler:
         a burst: said once per engine with what it came from, and kept as measured
         (clipping it would hide the bug and the time it holds)."""
         if self._said.first(("impossible", wid)):
-            log.warning("engine %s: %.3f cores in a %s s sample, more than the machine's %d CPUs (%s backend): "
-                        "a bug, reported as measured", wid, r.cores, r.seconds, self._cpus,
+            span = f"{r.seconds * 1e3:.3g} ms" if r.seconds is not None else "one"
+            log.warning("engine %s: %.3f cores in a %s sample, more than the machine's %d CPUs can run in it. "
+                        "The engine did not do this: the %s backend counted time into the wrong sample (a bug in "
+                        "nodesampler, please report this line with the kernel's version). The sample is kept as "
+                        "measured, so that no time is lost", wid, r.cores, span, self._cpus,
                         self.backend.name)  # fmt: skip
 
     def _waits(self) -> dict[str, dict[str, Any] | None]:
