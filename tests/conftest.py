@@ -60,8 +60,12 @@ def shared_bpf_groups() -> Iterator[KernelShardSampler]:
     """One kernel backend for the whole run: a load is a compile (12-20 s in
     an emulated guest of `make vm-test`, over half its time when each test
     loaded its own, a minute a line when each module did), and the agent
-    itself keeps one loaded while its shards change from window to window."""
-    yield from _bpf_groups(bpf_stats=False)
+    itself keeps one loaded while its shards change from window to window.
+    Where NODESAMPLER_BACKEND_REPORT names a file (the VM harness's guests),
+    which backend `--backend auto` would take here, and how long the load
+    took, are written to it: the guest's table reads them, and the guest
+    loads no backend of its own to learn it."""
+    yield from _bpf_groups(bpf_stats=False, report=os.environ.get("NODESAMPLER_BACKEND_REPORT"))
 
 
 @pytest.fixture
@@ -82,9 +86,11 @@ def bpf_groups_alone() -> Iterator[KernelShardSampler]:
     yield from _bpf_groups(bpf_stats=False)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def bpf_groups_with_stats() -> Iterator[KernelShardSampler]:
-    """The same, with the kernel's BPF statistics on (--bpf-stats)."""
+    """A kernel backend with the kernel's BPF statistics on (--bpf-stats),
+    for a module's tests that read its programs' statistics: on until the
+    module ends (a test that needs them off comes before the first of those)."""
     yield from _bpf_groups(bpf_stats=True)
 
 
@@ -96,12 +102,18 @@ def bpf_groups_fallbacks() -> Iterator[KernelShardSampler]:
     yield from _bpf_groups(bpf_stats=False, raw_switch=True, rq_from_tick=True)
 
 
-def _bpf_groups(bpf_stats: bool, raw_switch: bool = False, rq_from_tick: bool = False) -> Iterator[KernelShardSampler]:
+def _bpf_groups(bpf_stats: bool, raw_switch: bool = False, rq_from_tick: bool = False,
+                report: str | None = None) -> Iterator[KernelShardSampler]:  # fmt: skip
     from sampler.kernel import sched
 
+    started = time.monotonic()
     try:
         sampler = sched.load(PROC, bpf_stats=bpf_stats, raw_switch=raw_switch, rq_from_tick=rq_from_tick)
+        if report:  # as open_backend("auto") says it: the name, or "proc: why"
+            Path(report).write_text(f"bpf ({time.monotonic() - started:.0f} s to load)\n")
     except BackendUnavailable as e:
+        if report:
+            Path(report).write_text(f"proc: {e}\n")
         if REQUIRE_BPF:
             pytest.fail(f"NODESAMPLER_REQUIRE_BPF=1 and the kernel backend cannot load: {e}")
         pytest.skip(f"kernel backend unavailable: {e}")

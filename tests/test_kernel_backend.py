@@ -6,6 +6,7 @@ load the programs fails instead of skipping.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -155,12 +156,13 @@ def test_a_task_that_never_switches_out_is_credited_at_every_sample(
     group.append(p)
     bpf_groups.discover([spec(p.pid)], ProcessTable.walk(PROC))
     bpf_groups.sample()
-    truth = GroupTruth(p.pid)
+    truth, each = GroupTruth(p.pid), GroupTruth(p.pid)
     start = last = truth.at
-    readings, seconds = [], 0.0
+    readings, truths, seconds = [], [], 0.0
     for k in range(1, 21):
         time.sleep(max(0.0, start + k / 10 - time.monotonic()))
         cores = bpf_groups.sample()["w"].cores
+        truths.append(each.cores())
         now = time.monotonic()
         assert cores is not None
         readings.append(cores)
@@ -169,12 +171,30 @@ def test_a_task_that_never_switches_out_is_credited_at_every_sample(
     # Without the cpu-clock tick a lone busy loop is credited only when it is
     # switched out: samples of 0 and then one of many cores. Each 100 ms
     # reading's own size follows how much CPU the loop got, which on a loaded
-    # or emulated machine is not a whole core: the sum is held to the truth.
+    # or emulated machine is not a whole core (0.23 with a core kept busy
+    # beside the suite): each is held to at least half of what the kernel
+    # counted for its interval, less a tick's lag of the truth's counters
+    # (schedstat: 10 ms at HZ=100), and the sum to the truth.
     measured = seconds / (last - start)
     accuracy.record("never switches out, 2 s", measured, real, 0.05)
-    assert all(r > 0.25 for r in readings), readings
-    assert real > 0.5
+    assert all(r > t / 2 - 0.1 for r, t in zip(readings, truths, strict=True)), (readings, truths)
+    assert max(truths) > 0.3  # it ran enough for the readings to show it
     assert measured == pytest.approx(real, rel=0.05), readings
+
+
+def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups_alone: sched.KernelShardSampler) -> None:
+    """BPF_ENABLE_STATS times every BPF program on the host: not ours to turn on by default."""
+    # Loaded after any test that held them on; before this module's tests
+    # that ask for them (bpf_groups_with_stats holds them on to its end).
+    bpf_groups = bpf_groups_alone
+    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, None, hz=10)
+    ws.prime(0)
+    summary = ws.run_window(0.3)
+    assert summary.bpf == ProgramCost(dropped_forks=0)
+    enabled = Path("/proc/sys/kernel/bpf_stats_enabled")
+    if enabled.exists() and enabled.read_text().strip() == "0":  # nobody else holds them on either
+        # The kernel counted no run of ours: statistics were off all along.
+        assert program_stats(bpf_groups.programs.programs["on_tick"]) == (0, 0)
 
 
 FORK_CHURN = """
@@ -301,19 +321,6 @@ def test_program_cost_is_in_the_summary_when_asked_for(bpf_groups_with_stats: sc
     tick = programs["on_tick"]
     assert tick.runs > 0 and tick.run_time_ns > 0 and tick.ns_per_run is not None and tick.ns_per_run > 0
     assert summary.bpf.dropped_forks == 0
-
-
-def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups_alone: sched.KernelShardSampler) -> None:
-    """BPF_ENABLE_STATS times every BPF program on the host: not ours to turn on by default."""
-    bpf_groups = bpf_groups_alone  # loaded after any test that held them on
-    ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, None, hz=10)
-    ws.prime(0)
-    summary = ws.run_window(0.3)
-    assert summary.bpf == ProgramCost(dropped_forks=0)
-    enabled = Path("/proc/sys/kernel/bpf_stats_enabled")
-    if enabled.exists() and enabled.read_text().strip() == "0":  # nobody else holds them on either
-        # The kernel counted no run of ours: statistics were off all along.
-        assert program_stats(bpf_groups.programs.programs["on_tick"]) == (0, 0)
 
 
 # --- how sched_switch is attached ----------------------------------------------------
@@ -456,38 +463,21 @@ def test_a_compiler_s_fatal_error_reaches_the_agent(tmp_path: Path, monkeypatch:
     assert "Invalid usage of the XADD return value" in choice.reason
 
 
-AGENT_AFTER_LOAD = """
-import sys
-from pathlib import Path
-from sampler.kernel import sched
-sampler = sched.load(Path("/proc"))
-maps = open("/proc/self/maps").read()
-print(sorted(m for m in sys.modules if m == "bcc" or m.startswith("bcc.")))
-print(sorted({line.split()[-1].rsplit("/", 1)[-1] for line in maps.splitlines()
-              if any(lib in line for lib in ("libbcc", "LLVM", "clang"))}))
-print(sorted(sampler.programs.programs))
-print(sampler.ring is not None)
-sampler.close()
-"""
-
-
 def loaded_programs(sampler: sched.KernelShardSampler) -> set[str]:
     """Every program, on_sample only where the kernel takes the samples
     (tests/test_kernel_samples.py says on which kernels it must)."""
     return set(build.PROGRAMS) - (set() if sampler.ring is not None else {"on_sample"})
 
 
-def test_the_agent_never_holds_the_compiler() -> None:
+def test_the_agent_never_holds_the_compiler(agent_loaded_without_headers: subprocess.CompletedProcess[str]) -> None:
     """bcc (and with it LLVM and clang) is loaded by the child that compiles,
     never by the agent, which gets the programs attached all the same."""
-    need_root()
-    r = subprocess.run([sys.executable, "-c", AGENT_AFTER_LOAD], capture_output=True, text=True, timeout=300,
-                       cwd=Path(__file__).parent.parent)  # fmt: skip
+    r = agent_loaded_without_headers
     assert r.returncode == 0, r.stderr
-    modules, libraries, programs, sampling = r.stdout.splitlines()
-    assert modules == "[]" and libraries == "[]", r.stdout
-    expected = set(build.PROGRAMS) - (set() if sampling == "True" else {"on_sample"})
-    assert programs == str(sorted(expected))
+    loaded = json.loads(r.stdout)
+    assert loaded["modules"] == [] and loaded["libraries"] == [], r.stdout
+    expected = set(build.PROGRAMS) - (set() if loaded["ring"] else {"on_sample"})
+    assert loaded["programs"] == sorted(expected)
 
 
 def program_ids(sampler: sched.KernelShardSampler) -> list[int]:
@@ -556,16 +546,26 @@ WITHOUT_HEADERS = (
     "mount -t tmpfs none /lib/modules && { [ ! -d /usr/src ] || mount -t tmpfs none /usr/src; } "
     '&& exec "$0" -c "$1" "$2"'
 )
+# An agent's load: the reason where it cannot, else what the agent holds
+# once loaded (modules and libraries of the compiler: none) and what it got.
 LOAD = """
-import logging, sys
+import json, logging, sys
 from pathlib import Path
 from sampler.kernel import sched
 from sampler.backend_unavailable import BackendUnavailable
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 try:
-    sched.load(Path("/proc"), kernel_headers=sys.argv[1] or None).close()
+    sampler = sched.load(Path("/proc"), kernel_headers=sys.argv[1] or None)
 except BackendUnavailable as e:
     print(e)
+    raise SystemExit(0)
+maps = open("/proc/self/maps").read()
+print(json.dumps({
+    "modules": sorted(m for m in sys.modules if m == "bcc" or m.startswith("bcc.")),
+    "libraries": sorted({line.split()[-1].rsplit("/", 1)[-1] for line in maps.splitlines()
+                         if any(lib in line for lib in ("libbcc", "LLVM", "clang"))}),
+    "programs": sorted(sampler.programs.programs), "ring": sampler.ring is not None}))
+sampler.close()
 """
 
 
@@ -575,13 +575,21 @@ def load_without_headers(kernel_headers: str = "") -> subprocess.CompletedProces
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parent.parent)
 
 
-def test_loads_on_a_machine_without_kernel_headers() -> None:
+@pytest.fixture(scope="module")
+def agent_loaded_without_headers() -> subprocess.CompletedProcess[str]:
+    """One agent's load with no kernel headers in sight, for the tests that
+    read it (a load is a compile: 12-20 s in an emulated guest)."""
+    need_root()
+    return load_without_headers()
+
+
+def test_loads_on_a_machine_without_kernel_headers(
+        agent_loaded_without_headers: subprocess.CompletedProcess[str]) -> None:  # fmt: skip
     """The headers bpf/include/ ships are all the programs need: with none of
     the distribution's in sight the backend compiles and attaches; asked for
     the installed ones there, it says they are missing."""
-    need_root()
-    r = load_without_headers()
-    assert r.returncode == 0 and r.stdout == "", r.stdout + r.stderr
+    r = agent_loaded_without_headers
+    assert r.returncode == 0 and r.stdout.startswith("{"), r.stdout + r.stderr
     assert "kernel backend compiled against bundled headers" in r.stderr
     r = load_without_headers("installed")
     assert r.stdout.startswith(f"no kernel headers installed for {os.uname().release}"), r.stdout + r.stderr
@@ -663,20 +671,25 @@ def test_waits_for_a_cpu_from_the_kernel_histogram(
         time.sleep(2.0)  # the window itself: the groups run meanwhile
         return bpf_groups.runqueue_waits() or {}, schedstat.read(members)
 
-    kernel_alone, _ = window([a.pid])
+    kernel_alone, fallback_alone = window([a.pid])
     b = pinned_burner(cpu)
     group.append(b)
     kernel, fallback = window([a.pid, b.pid])
-    alone = kernel_alone[f"g{a.pid}"]
-    assert alone is not None and alone["total"] < 0.1, alone
+    alone, alone_truth = kernel_alone[f"g{a.pid}"], fallback_alone[f"g{a.pid}"]
+    assert alone is not None and alone_truth is not None
+    # Alone, it waits only behind what else runs on its CPU: nothing much on
+    # a quiet machine, half the window beside a hog; what schedstat counts,
+    # but for a wait at each edge of the window (the kernel counts a wait
+    # when the slice after it ends: tens of milliseconds under emulation).
+    assert alone["total"] == pytest.approx(alone_truth["total"], rel=0.2, abs=0.1), (alone, alone_truth)
     for p in (a.pid, b.pid):
         k, f = kernel[f"g{p}"], fallback[f"g{p}"]
         assert k is not None and f is not None
-        assert k["total"] > 0.5 and k["mean"] > 0.001, k  # about half of 2 s, milliseconds a wait
+        assert k["total"] > 0.5 and k["mean"] > 0.001, k  # half of 2 s or more, milliseconds a wait
         assert k["p50"] <= k["p99"] and k["p99"] > 0.001
         accuracy.record("wait per slice vs schedstat", k["mean"], f["mean"], 0.2)
         assert k["mean"] == pytest.approx(f["mean"], rel=0.2), (k, f)
-        assert k["total"] > 5 * alone["total"]
+        assert k["total"] == pytest.approx(f["total"], rel=0.2), (k, f)
 
 
 def test_a_300_ms_stall_on_the_real_clock(

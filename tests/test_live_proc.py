@@ -76,7 +76,7 @@ def test_leader_forking_short_lived_children(group: list[subprocess.Popen[str]])
     p = start_group(FORKER, tag)
     group.append(p)
     measured, truth = measure(p.pid, f"cmdline: {tag}$")
-    assert truth > 0.6  # fork costs CPU too, so on an idle machine this is above 0.75
+    assert truth > 0.2  # it ran: above 0.75 on an idle machine (forks cost CPU too), less on a loaded one
     assert measured == pytest.approx(truth, rel=0.10)
 
 

@@ -38,13 +38,6 @@ if [ -n "$pokes" ]; then
     echo o >/proc/sysrq-trigger
     sleep 30
 fi
-# Which backend the agent would load here, and if not the kernel's, why.
-echo "NODESAMPLER-BACKEND=$($python -c '
-from pathlib import Path
-from sampler.backend import open_backend
-choice, groups = open_backend("auto", Path("/proc"))
-print(choice.name if choice.reason is None else f"{choice.name}: {choice.reason}")' 2>&1 | tail -n 1)"
-echo "NODESAMPLER-UPTIME=backend $(cut -d' ' -f1 /proc/uptime)"
 # `nodesampler.load_loop=N` on the kernel command line (NODESAMPLER_VM_APPEND):
 # instead of the tier, load and close the kernel backend N times, each load
 # said on the console (the 6.1 stall's reproduction, vagrant/README.md).
@@ -66,10 +59,13 @@ fi
 # others still run; the slowest are printed (a whole run takes about 5 minutes
 # under emulation).
 tier=$(grep -lE '^pytestmark = \[?pytest\.mark\.kernel\b' tests/test_*.py)  # marked kernel, alone or first of a list
-NODESAMPLER_REQUIRE_BPF=1 NODESAMPLER_ACCURACY_LOG=/tmp/accuracy.jsonl \
-    $python -m pytest -v -rs -p no:cacheprovider -o addopts= --timeout=300 --durations=15 -m kernel $tier 2>&1
+NODESAMPLER_REQUIRE_BPF=1 NODESAMPLER_ACCURACY_LOG=/tmp/accuracy.jsonl NODESAMPLER_BACKEND_REPORT=/tmp/backend \
+    $python -m pytest -v -rfEs -p no:cacheprovider -o addopts= --timeout=300 --durations=15 -m kernel $tier 2>&1
 tier=$?
 echo "NODESAMPLER-UPTIME=tests $(cut -d' ' -f1 /proc/uptime)"
+# Which backend the agent would load here (the tier's first load says, and
+# how long it took), and if not the kernel's, why: no load of its own.
+echo "NODESAMPLER-BACKEND=$(cat /tmp/backend 2>/dev/null || echo 'none: the tier loaded no backend')"
 # The tier ran with no kernel headers installed. Now the kernel's own,
 # unpacked from the packages the image keeps (the root is a snapshot: nothing
 # persists), and the backend compiled against them.
