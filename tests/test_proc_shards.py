@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from sampler.agent.config import ConfigError, parse_config
-from sampler.shards.proc_shards import PAGE_SIZE, USER_HZ, ProcShardSampler, ShardReading
+from sampler.shards.proc_shards import PAGE_SIZE, USER_HZ, ProcShardSampler, ShardReading, cpus_allowed
 from sampler.shards.selectors import CMDLINE_PREFIX_BYTES, ProcessTable, Selector, ShardSpec, busiest_groups
 from tests.fakeproc import FakeClock, FakeProc
 
@@ -263,3 +263,25 @@ def test_ticks_a_sample_could_not_hold_are_carried_to_the_next(proc: FakeProc) -
     # Two threads may use two cores: the same lump fits in fewer samples.
     proc.set(100, utime=7, threads=2)
     assert [step(s, clock, 0.01).cores for _ in range(3)] == pytest.approx([2.0, 2.0, 0.0])
+
+
+def test_the_cpus_a_group_may_use_are_its_processes_affinity(proc: FakeProc) -> None:
+    """Four threads pinned to one CPU (`taskset`: Cpus_allowed_list) can use
+    one core however many the machine has: counters that jump by two
+    seconds in a one-second sample (a tick's step) carry the rest into the
+    next, never read as two cores. A process whose status cannot be read
+    leaves the machine's CPUs as the bound."""
+    proc.add(100, utime=0, threads=4)
+    (proc.root / "100" / "status").write_text("Name:\tengine\nThreads:\t4\nCpus_allowed_list:\t3\n")
+    s, clock = sampler_for(proc, spec("pgid:100"))
+    step(s, clock)
+    proc.set(100, utime=2 * USER_HZ, threads=4)
+    assert step(s, clock).cores == pytest.approx(1.0)
+    assert step(s, clock).cores == pytest.approx(1.0)  # the second carried into the next
+    assert cpus_allowed(proc.root, [100], 64) == 1
+    (proc.root / "100" / "status").write_text("Name:\tengine\nThreads:\t4\nCpus_allowed_list:\t0-3,8\n")
+    proc.add(200)
+    (proc.root / "200" / "status").write_text("Name:\tengine\nThreads:\t1\nCpus_allowed_list:\t8-9\n")
+    assert cpus_allowed(proc.root, [100, 200], 64) == 6
+    assert cpus_allowed(proc.root, [100, 200], 4) == 4  # never over the machine's
+    assert cpus_allowed(proc.root, [300], 4) == 4  # gone: the machine's

@@ -33,7 +33,7 @@
 # of vagrant/text_poke_loop.py), NODESAMPLER_VM_ACCEL (QEMU's -accel, default
 # tcg; tcg,thread=single for one host thread for all vCPUs),
 # NODESAMPLER_VM_CPU (-cpu, default qemu64), NODESAMPLER_VM_BOOT_SECONDS (a
-# boot's limit, 1200).
+# boot's limit, 1200), NODESAMPLER_VM_PARALLEL (guests booted side by side, 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)

@@ -197,7 +197,7 @@ class KernelShardSampler:
             threads = sum(table.stats[p].threads for p in pids if p in table.stats)
             starts = {p: table.stats[p].start_ticks for p in pids if p in table.stats}
             new[gw.id] = _KernelShard(gw, pids, pgids, command, fresh, threads=max(threads, 1),
-                                      cpus=cpus_allowed(pids, self._cpus), starts=starts, carried=carried,
+                                      cpus=cpus_allowed(self.proc, pids, self._cpus), starts=starts, carried=carried,
                                       late=late)  # fmt: skip
             for pid in pids:
                 watches_of.setdefault(pid, set()).add(gw.id)

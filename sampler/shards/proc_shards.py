@@ -49,6 +49,7 @@ from typing import NoReturn
 
 from sampler.shards.selectors import ProcessTable, ShardSpec
 from sampler.sources import procfs
+from sampler.sources.cfs import parse_status_threads
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class _ShardState:
     # sample: the next sample has no interval to divide by.
     fresh: bool = True
     carried: float = 0.0  # seconds counted by the counters that its threads could not have used yet
+    cpus: int = 1  # the CPUs its members may run on, at the walk (cpus_allowed)
 
 
 def within_capacity(used: float, capacity: float, slack: float = math.inf) -> tuple[float, float]:
@@ -111,19 +113,20 @@ def within_capacity(used: float, capacity: float, slack: float = math.inf) -> tu
     return capacity, excess
 
 
-def cpus_allowed(pids: list[int], machine: int) -> int:
+def cpus_allowed(proc: Path, pids: list[int], machine: int) -> int:
     """How many CPUs a group's processes may run on: the union of their
-    affinity masks (each main thread's, which a cpuset or `taskset` sets for
-    the whole process), at most the machine's; the machine's where none can
-    be read (every process gone). A thread that widened its own mask past
-    its main thread's is not seen: its time past the bound is carried, not
-    lost."""
+    `Cpus_allowed_list` (each main thread's affinity, which a cpuset or
+    `taskset` sets for the whole process), at most the machine's; the
+    machine's where none can be read (every process gone). A thread that
+    widened its own mask past its main thread's is not seen: its time past
+    the bound is carried, not lost."""
     allowed: set[int] = set()
     for pid in pids:
         try:
-            allowed |= os.sched_getaffinity(pid)
-        except OSError:  # gone since the walk (ESRCH), or not ours to ask
+            _, cpus = parse_status_threads(procfs.read_pid_file(proc, pid, "status"))
+        except (procfs.ProcessGone, ValueError, IndexError):
             continue
+        allowed |= cpus or set()
     return min(len(allowed), machine) if allowed else machine
 
 
@@ -178,6 +181,7 @@ class ProcShardSampler:
                         continue  # gone since the walk
                 members[pid] = _Member(st.start_ticks, st.ppid, st.pgrp, self_s, st.child_ticks)
             state.members = members
+            state.cpus = cpus_allowed(self.proc, list(members), self._cpus)
             # Credits for parents no longer watched can never be used.
             state.reap_credit = {p: c for p, c in state.reap_credit.items() if p in members}
             state.pgids = sorted({m.pgrp for m in members.values() if m.pgrp > 0})
@@ -278,7 +282,7 @@ class ProcShardSampler:
         if not valid:
             return ShardReading(None, memory)
         assert elapsed is not None
-        credit, state.carried = within_capacity(used + state.carried, min(max(threads, 1), self._cpus) * elapsed)
+        credit, state.carried = within_capacity(used + state.carried, min(max(threads, 1), state.cpus) * elapsed)
         return ShardReading(credit / elapsed, memory, elapsed)
 
     @staticmethod
