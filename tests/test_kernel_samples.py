@@ -236,7 +236,7 @@ class MidSwitch:
         got = self.entries[field]
         if field == "seq":
             got = got.copy()
-            got[self.cpu] |= 1
+            got[self.cpu] |= got.dtype.type(1)  # numpy before 2 widens a Python int past uint64
         return got
 
     def copy(self) -> np.ndarray:
@@ -285,10 +285,10 @@ def test_a_sample_after_one_read_mid_switch_holds_no_more_than_its_time(
     cores = cores_of(summary.shards[0])
     (t0, s0), (t1, s1) = edges[0], edges[-1]
     assert cores.max <= 1.01
-    # The engine never idles: what was carried waits for room, after the
-    # window (tens of milliseconds here, over 100 in an emulated guest).
+    # What was carried waits for room (the engine's CPU shared with the
+    # test's other processes): some of it may be after the window (tens of
+    # milliseconds here, over 100 in an emulated guest).
     carried = bpf_groups._specs["w"].carried
-    assert carried > 0
     assert cores.mean + carried / (t1 - t0) == pytest.approx((s1 - s0) / (t1 - t0), rel=0.03)
 
 

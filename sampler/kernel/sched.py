@@ -32,11 +32,11 @@ from sampler.kernel.groups_run import GroupsRun, GroupTicks
 from sampler.kernel.membership import CGROUP_SLOTS_MAX, TaskSlots
 from sampler.kernel.program_stats import enable_bpf_stats, program_stats
 from sampler.kernel.sample_ring import RingSamples, SampleRing
-from sampler.kernel.slices import SWITCH_SLACK_S, held_through, into_room_before, place_late, settle
+from sampler.kernel.slices import credit_sample, held_through, into_room_before, place_late, settle
 from sampler.kernel.waits import WaitHistograms
 from sampler.off_thread import Said
 from sampler.shards.container_ids import container_dir
-from sampler.shards.proc_shards import PAGE_SIZE, ShardReading, cpus_allowed, within_capacity
+from sampler.shards.proc_shards import PAGE_SIZE, ShardReading, cpus_allowed
 from sampler.shards.selectors import CGROUP_KINDS, GROUP_KINDS, ProcessTable, ShardSpec
 from sampler.sources import procfs
 from sampler.sources.cgroup_view import unified_ids_below
@@ -74,6 +74,7 @@ class _KernelShard:
     starts: dict[int, int] = field(default_factory=dict)  # pid -> its start time at the walk: the same process
     carried: float = 0.0  # seconds credited by the kernel that its threads could not have used yet
     late: float = 0.0  # seconds spent in slices the kernel saw late, not yet placed in a sample
+    room: float = 0.0  # its threads' time the last sample did not read (what a short reading can have missed)
 
 
 def load(
@@ -299,11 +300,13 @@ class KernelShardSampler:
         short_before = self._read_short
         current, now = self.counters.totals()
         self._read_short = self.counters.left_out > 0
-        return self._readings(current, now, short_before)
+        return self._readings(current, now, short_before, self._read_short)
 
-    def _readings(self, current: np.ndarray, now: float, short_before: bool) -> dict[str, ShardReading]:
+    def _readings(self, current: np.ndarray, now: float, short_before: bool,
+                  short: bool) -> dict[str, ShardReading]:  # fmt: skip
         """Each shard's reading from its slots' totals at `now` ([slot, (ns, late ns)]);
-        `short_before`: the reading before left a CPU mid-switch out."""
+        `short_before`, `short`: the reading before, this one, left a CPU
+        mid-switch out."""
         elapsed = None if self._last_at is None else now - self._last_at
         self._last_at = now
         # A slice is counted by wall time while it runs and credited with its
@@ -320,16 +323,16 @@ class KernelShardSampler:
         previous, self._prev_ns = self._prev_ns, current
         self._prev_at = np.full(len(current), now)
         used_s, late_s = (self._member_of @ ((current - previous).astype(np.float64) / 1e9)).T
-        return {w.spec.id: ShardReading(self._credit(w, float(used_s[i]), float(late_s[i]), elapsed, short_before),
-                                        None, elapsed)
+        return {w.spec.id: ShardReading(self._credit(w, float(used_s[i]), float(late_s[i]), elapsed, short_before,
+                                                     short), None, elapsed)
                 for i, w in enumerate(self._specs.values())}  # fmt: skip
 
     def _credit(self, w: _KernelShard, used_s: float, late_s: float, elapsed: float | None,
-                short_before: bool = False) -> float | None:  # fmt: skip
+                short_before: bool = False, short: bool = False) -> float | None:  # fmt: skip
         """One sample of one shard: `used_s` seconds counted for its slots,
         `late_s` of them credited late, in `elapsed` seconds: its cores, or
-        None where not measured. `short_before`: the sample before was read
-        with a CPU mid-switch left out."""
+        None where not measured. `short_before`, `short`: the sample before,
+        this one, was read with a CPU mid-switch left out."""
         wid = w.spec.id
         late = min(max(0.0, late_s), max(0.0, used_s))
         settled = self._debt.pop(wid, 0.0)
@@ -341,22 +344,13 @@ class KernelShardSampler:
         if not valid or not elapsed:
             return None
         capacity = min(w.threads, w.cpus) * elapsed
-        # A sample after one read short (a CPU's slice so far in neither its
-        # credited time nor its running slices, the sample's time then counted
-        # ahead of the kernel and settled here, or its CPU left out mid-switch)
-        # holds that sample's time too: beyond its threads' time that is no
-        # unseen thread but the sample before's, carried into the next ones
-        # whatever its size. Passed on as measured it read up to twice the
+        # A sample after one read short (a CPU left out mid-switch, or a slice
+        # counted ahead of the kernel and settled here) holds the time the
+        # sample before missed: passed on as measured it read up to twice the
         # threads' time (2.04 cores of a one-thread engine in a 1 ms sample),
         # and time carried once, passed on with the next sample's, twenty.
-        unseen = not (settled or short_before) and used - capacity > SWITCH_SLACK_S
-        if unseen:
-            # Threads the walk did not see (forked since): as measured, up to
-            # the CPUs the group may use; what was carried stays carried.
-            bound = w.cpus * elapsed
-            credit, w.carried = min(used, bound), w.carried + max(0.0, used - bound)
-        else:
-            credit, w.carried = within_capacity(used + w.carried, capacity)
+        credit, w.carried, w.room = credit_sample(used, w.carried, w.room, capacity, w.cpus * elapsed, elapsed,
+                                                  bool(settled) or short_before, short)  # fmt: skip
         credit, w.late = place_late(credit, w.late + late, capacity)
         return credit / elapsed
 
@@ -427,6 +421,7 @@ class KernelShardSampler:
             if plain[i] and not (w.fresh or w.carried or w.late or self._debt.get(w.spec.id) or not w.pids):
                 end = int(stops[np.searchsorted(stops, i)]) if len(stops) and stops[-1] > i else n
                 cores[i:end] = used[i:end] / elapsed[i:end]
+                w.room = max(0.0, float(capacity[end - 1] - used[end - 1]))
                 i = end
                 continue
             if not unheld[i]:

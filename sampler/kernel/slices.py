@@ -13,6 +13,38 @@ import numpy as np
 SWITCH_SLACK_S = 0.0002
 
 
+def credit_sample(used: float, carried: float, room_before: float, threads_time: float, cpus_time: float,
+                  elapsed: float, after_short: bool, short: bool = False) -> tuple[float, float, float]:
+    """One sample of one group: of `used` seconds counted for it (debts
+    settled), what it credits, what is carried into the next samples, and the
+    room it leaves (its threads' time it did not read) for the sample after.
+
+    `threads_time` is what the threads the walk saw could use in `elapsed`,
+    `cpus_time` what the CPUs the group may use could; `after_short`: the
+    reading before was short (a CPU left out mid-switch, or counted ahead and
+    settled here), `short`: this one is (its room then adds to the room
+    before: the readings after a CPU's slice was left out all miss it). A
+    short reading misses at most the threads' time it had room for: that
+    much of this sample's excess is the samples' before, carried. Beyond
+    it, more than SWITCH_SLACK_S over the threads' time is threads the walk
+    did not see (children forked since): they ran, so the sample is credited
+    as measured, and with carried time up to the whole threads its time shows
+    ran at once, never past the CPUs. Carried time
+    that only a sample within the walk's threads could take stayed carried
+    while a forking engine ran at its threads' time: 1.00 cores read of its
+    1.10 in a guest whose vCPUs were preempted mid-switch."""
+    before = min(max(0.0, used - threads_time), room_before) if after_short else 0.0
+    own = used - before
+    room = max(0.0, threads_time - own) + (room_before - before if short and after_short else 0.0)
+    if own - threads_time > SWITCH_SLACK_S:
+        ran = min(cpus_time, math.ceil(own / elapsed - 1e-9) * elapsed)
+        credit = min(own + carried, ran)
+        return credit, own + carried - credit + before, room
+    total = used + carried
+    credit = min(total, threads_time)
+    return credit, total - credit, room
+
+
 def place_late(credit: float, pending: float, capacity: float) -> tuple[float, float]:
     """A sample's credit with time spent in earlier samples (`pending`, seen
     late by the kernel) added as far as its threads had room, and what is
