@@ -29,6 +29,7 @@ from tests.workloads import (
     BURST_THREE,
     HALF_OF_20MS,
     PROC,
+    BurstReports,
     after_each_reading,
     process_cpu_seconds,
     start_group,
@@ -63,10 +64,12 @@ def backend(request: pytest.FixtureRequest) -> Iterator[tuple[str, ShardSampler]
     yield "bpf", groups
 
 
-def window_against_truth(groups: ShardSampler, name: str, pgid: int, hz: float) -> tuple[dict[str, float], float]:
+def window_against_truth(groups: ShardSampler, name: str, pgid: int,
+                         hz: float) -> tuple[dict[str, float], float, tuple[float, float]]:  # fmt: skip
     """One window's cores, and the kernel's account of the group over the same
     interval: read right after the sampler's own readings at the window's
-    two edges (the priming sample, and the sample at or after its last slot)."""
+    two edges (the priming sample, and the sample at or after its last
+    slot), and those two edges' times."""
     edges: list[tuple[float, float]] = []  # (time, the group's CPU seconds)
     final_slot = 0.0
 
@@ -83,7 +86,21 @@ def window_against_truth(groups: ShardSampler, name: str, pgid: int, hz: float) 
     [shard] = summary.shards
     (t0, s0), (t1, s1) = edges[0], edges[-1]
     figures: dict[str, float] = msgspec.to_builtins(cores_of(shard))
-    return figures, (s1 - s0) / (t1 - t0)
+    return figures, (s1 - s0) / (t1 - t0), (t0, t1)
+
+
+def least_level_reached(bursts: BurstReports, t0: float, t1: float, sample_s: float, burst_s: float,
+                        level: float) -> float:  # fmt: skip
+    """The cores that any `sample_s` of every burst between t0 and t1 ran at
+    least, from the CPU its threads say they had in it: a loaded machine
+    (a neighbour on one of two CPUs) gives three threads one core, not the
+    two the burst would take on a quiet one, and CI saw a max of 1.00 with
+    the group's own account at that. Every burst counts: which of them holds
+    a whole sample is not known, only that one does (BURST_PERIOD_S)."""
+    within = bursts.between(t0, t1, burst_s)
+    assert within, f"no burst between {t0} and {t1}"
+    # What falls outside a sample of the burst is at most the level's.
+    return max(0.0, min((cpu - (burst_s - sample_s) * level) / sample_s for cpu in within))
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))
@@ -96,17 +113,19 @@ def test_every_rate_keeps_the_mean_and_the_bursts(
     level = min(level, len(os.sched_getaffinity(0)))
     p = start_group(code)
     group.append(p)
+    bursts = BurstReports(p) if workload == "burst3" else None
     failures = []
     for hz in (r for r in RATES if groups.finest_hz is None or r <= groups.finest_hz):
         if (phase := QUIET_PHASE_S.get(workload)) is not None:
             time.sleep((phase - time.monotonic()) % BURST_PERIOD_S)
-        cores, truth = window_against_truth(groups, name, p.pid, hz)
+        cores, truth, (t0, t1) = window_against_truth(groups, name, p.pid, hz)
         bound = MEAN_BOUND.get(workload, 0.03)
         accuracy.record(f"{workload} mean at {hz} Hz, {name}", cores["mean"], truth, bound)
         checks = [("mean", abs(cores["mean"] - truth) <= bound * truth),
                   ("max above the threads", cores["max"] <= threads * 1.02)]  # fmt: skip
         if 1 / hz < burst_s:  # a sample can fall inside one burst: it must show its level
-            accuracy.record(f"{workload} max at {hz} Hz, {name}", cores["max"], level, 0.10)
-            checks.append(("max against the burst", abs(cores["max"] - level) <= 0.10 * level))
+            reached = level if bursts is None else least_level_reached(bursts, t0, t1, 1 / hz, burst_s, level)
+            accuracy.record(f"{workload} max at {hz} Hz, {name}", cores["max"], reached, 0.10)
+            checks.append(("max against the burst", reached * 0.9 <= cores["max"] <= level * 1.1))
         failures += [f"{hz} Hz {what}: {cores} truth {truth:.3f} level {level}" for what, ok in checks if not ok]
     assert not failures, failures

@@ -3,9 +3,11 @@ kernel's own account of a group's CPU time to measure them against."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,19 +57,58 @@ while True:
 # four bursts one holds a whole sample of any period under 30 ms.
 BURST_PERIOD_S = 0.505
 BURST_THREE = f"""
-import hashlib, math, threading, time
+import hashlib, math, sys, threading, time
 data = bytes(1 << 16)
+said = threading.Lock()
 def burst():
     while True:
         start = math.ceil(time.monotonic() / {BURST_PERIOD_S}) * {BURST_PERIOD_S}
         time.sleep(max(0.0, start - time.monotonic()))
+        used = time.thread_time()
         while time.monotonic() < start + 0.030:
             hashlib.sha256(data).digest()
+        with said:  # the CPU this thread had in the burst: what a loaded machine gave it
+            sys.stdout.write(f"burst {{start:.6f}} {{time.thread_time() - used:.6f}}\\n")
+            sys.stdout.flush()
 for _ in range(3):
     threading.Thread(target=burst, daemon=True).start()
 print("ready", flush=True)
 threading.Event().wait()
 """
+
+
+class BurstReports:
+    """BURST_THREE's account of its bursts, read from its output by a thread
+    (the output would otherwise fill the pipe): each burst's start (monotonic
+    seconds) -> the CPU seconds each of its threads had in it."""
+
+    THREADS = 3
+
+    def __init__(self, p: subprocess.Popen[str]) -> None:
+        self._got: dict[float, list[float]] = {}
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, args=(p,), daemon=True).start()
+
+    def _read(self, p: subprocess.Popen[str]) -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            _, start, seconds = line.split()
+            with self._changed:
+                self._got.setdefault(round(float(start), 3), []).append(float(seconds))
+                self._changed.notify_all()
+
+    def between(self, t0: float, t1: float, burst_s: float) -> list[float]:
+        """The CPU seconds of each burst wholly between t0 and t1, once every
+        thread has said its part."""
+        first = math.ceil(t0 / BURST_PERIOD_S)
+        starts = [round(k * BURST_PERIOD_S, 3) for k in range(first, int(t1 // BURST_PERIOD_S) + 1)
+                  if k * BURST_PERIOD_S + burst_s <= t1]  # fmt: skip
+        with self._changed:
+            told = self._changed.wait_for(
+                lambda: all(len(self._got.get(s, ())) == self.THREADS for s in starts), timeout=60)
+            assert told, f"bursts {starts} not all said: {self._got}"
+            return [sum(self._got[s]) for s in starts]
+
 
 # An idle leader with three workers, each busy a quarter of the time.
 QUARTER_WORKERS = """
