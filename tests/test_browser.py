@@ -242,9 +242,12 @@ def test_a_starved_engine_beside_a_healthy_one(fleet: Fleet, cpu_cgroup: CpuCgro
     the node page marks the first and says why."""
     cpu_cgroup.cap(0.5)
     # Each on a CPU of its own; the healthy one busy a third of the time, as a
-    # fed engine is: a busy browser or a neighbour delays a waking thread little.
+    # fed engine is, and ahead of whatever else runs on its CPU (nice -10): a
+    # CI machine's other work kept both CPUs busy and really starved it (it
+    # waited 2.4 s for a CPU each second), and this test is of the judgment.
     cpus = sorted(os.sched_getaffinity(0))
-    starved, healthy = start_group(busy_threads(3, cpus[0])), start_group(busy_threads(1, cpus[-1], duty=0.3))
+    starved = start_group(busy_threads(3, cpus[0]))
+    healthy = start_group(busy_threads(1, cpus[-1], duty=0.3, nice=-10))
     group += [starved, healthy]
     cpu_cgroup.add(starved.pid)
     config = fleet.tmp / "engines.toml"
@@ -287,10 +290,14 @@ def test_a_starved_engine_beside_a_healthy_one(fleet: Fleet, cpu_cgroup: CpuCgro
     assert shot.stat().st_size > 5_000
 
 
+# Each burst says the cores it had (its CPU time over its wall time): on a
+# machine whose other work took half the CPU it ran at 0.5, and the page is
+# right to draw 0.5.
 BURST = ("import hashlib, sys, time\ndata = bytes(1 << 20)\nprint('ready', flush=True)\n"
-         "for line in sys.stdin:\n    end = time.monotonic() + float(line)\n"
+         "for line in sys.stdin:\n    t, cpu = time.monotonic(), time.thread_time()\n"
+         "    end = t + float(line)\n"
          "    while time.monotonic() < end:\n        hashlib.sha256(data).digest()\n"
-         "    print('done', flush=True)\n")  # fmt: skip
+         "    print('done', (time.thread_time() - cpu) / (time.monotonic() - t), flush=True)\n")  # fmt: skip
 
 
 def test_every_sample_around_a_past_burst(fleet: Fleet, group: list[subprocess.Popen[str]]) -> None:
@@ -313,7 +320,8 @@ def test_every_sample_around_a_past_burst(fleet: Fleet, group: list[subprocess.P
     began = time.time()
     engine.stdin.write("2\n")
     engine.stdin.flush()
-    assert engine.stdout.readline() == "done\n"
+    said, level = engine.stdout.readline().split()
+    assert said == "done" and 0 < float(level) <= 1.0
     ended = time.time()
     at = (began + ended) / 2
     # The span is a minute around the burst: whole once the node's ring has passed its end.
@@ -372,5 +380,5 @@ def test_every_sample_around_a_past_burst(fleet: Fleet, group: list[subprocess.P
     assert len(values) > 50 * held  # every sample held, at 100 a second (a busy CI machine drops some)
     during = values[(ends > began + 0.3) & (ends < ended - 0.3)]
     before = values[ends < began - 1]
-    assert np.nanmean(during) == pytest.approx(1.0, abs=0.2), during
-    assert np.nanpercentile(during, 50) >= 0.8 and np.nanmean(before) < 0.1
+    assert np.nanmean(during) == pytest.approx(float(level), abs=0.2), (level, during)
+    assert np.nanpercentile(during, 50) >= 0.8 * float(level) and np.nanmean(before) < 0.1
