@@ -72,34 +72,41 @@ def shared_bpf_groups() -> Iterator[KernelShardSampler]:
 def bpf_groups(shared_bpf_groups: KernelShardSampler) -> Iterator[KernelShardSampler]:
     """The kernel backend loaded into this kernel, shared by every test that
     asks for it: each starts watching nothing and leaves nothing watched."""
+    yield from _watching_nothing(shared_bpf_groups)
+
+
+def _watching_nothing(sampler: KernelShardSampler) -> Iterator[KernelShardSampler]:
+    """A shared backend for one test: watching nothing before it and after it."""
     from sampler.shards.selectors import ProcessTable
 
-    shared_bpf_groups.discover([], ProcessTable.walk(PROC))
-    yield shared_bpf_groups
-    shared_bpf_groups.discover([], ProcessTable.walk(PROC))
-
-
-@pytest.fixture
-def bpf_groups_alone() -> Iterator[KernelShardSampler]:
-    """A kernel backend of the test's own, for a test that closes it or reads
-    its programs' own statistics; closed after the test."""
-    yield from _bpf_groups(bpf_stats=False)
+    sampler.discover([], ProcessTable.walk(PROC))
+    yield sampler
+    sampler.discover([], ProcessTable.walk(PROC))
 
 
 @pytest.fixture(scope="module")
 def bpf_groups_with_stats() -> Iterator[KernelShardSampler]:
     """A kernel backend with the kernel's BPF statistics on (--bpf-stats),
     for a module's tests that read its programs' statistics: on until the
-    module ends (a test that needs them off comes before the first of those)."""
+    module ends (a test that needs them off comes before the first of those),
+    or until the module's last test that asks for it closes it."""
     yield from _bpf_groups(bpf_stats=True)
 
 
-@pytest.fixture(scope="module")
-def bpf_groups_fallbacks() -> Iterator[KernelShardSampler]:
+@pytest.fixture(scope="session")
+def shared_bpf_groups_fallbacks() -> Iterator[KernelShardSampler]:
     """The fallbacks: sched_switch attached as a raw tracepoint (where tp_btf
     cannot load), and each CPU's run queue found by its tick for the
-    kernel's samples (where a task group's cfs_rq is one per-CPU pointer)."""
+    kernel's samples (where a task group's cfs_rq is one per-CPU pointer).
+    One load for the run, as the shared backend's: two modules read it, and
+    a load of each cost an emulated guest 27 s."""
     yield from _bpf_groups(bpf_stats=False, raw_switch=True, rq_from_tick=True)
+
+
+@pytest.fixture
+def bpf_groups_fallbacks(shared_bpf_groups_fallbacks: KernelShardSampler) -> Iterator[KernelShardSampler]:
+    """The fallbacks' backend, as bpf_groups: each test starts watching nothing and leaves nothing watched."""
+    yield from _watching_nothing(shared_bpf_groups_fallbacks)
 
 
 def _bpf_groups(bpf_stats: bool, raw_switch: bool = False, rq_from_tick: bool = False,

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -182,19 +183,21 @@ def test_a_task_that_never_switches_out_is_credited_at_every_sample(
     assert measured == pytest.approx(real, rel=0.05), readings
 
 
-def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups_alone: sched.KernelShardSampler) -> None:
+def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups: sched.KernelShardSampler) -> None:
     """BPF_ENABLE_STATS times every BPF program on the host: not ours to turn on by default."""
-    # Loaded after any test that held them on; before this module's tests
-    # that ask for them (bpf_groups_with_stats holds them on to its end).
-    bpf_groups = bpf_groups_alone
+    # The run's shared backend (a load of its own costs 12-25 s in a guest);
+    # before this module's tests that ask for statistics (bpf_groups_with_stats
+    # holds them on to its end), and counted over this test's window alone.
     ws = WindowSampler(PROC, BackendChoice("bpf", None), bpf_groups, None, hz=10)
     ws.prime(0)
+    before = program_stats(bpf_groups.programs.programs["on_tick"])
     summary = ws.run_window(0.3)
+    after = program_stats(bpf_groups.programs.programs["on_tick"])
     assert summary.bpf == ProgramCost(dropped_forks=0)
     enabled = Path("/proc/sys/kernel/bpf_stats_enabled")
     if enabled.exists() and enabled.read_text().strip() == "0":  # nobody else holds them on either
         # The kernel counted no run of ours: statistics were off all along.
-        assert program_stats(bpf_groups.programs.programs["on_tick"]) == (0, 0)
+        assert after == before
 
 
 FORK_CHURN = """
@@ -488,7 +491,7 @@ def program_ids(sampler: sched.KernelShardSampler) -> list[int]:
     return ids
 
 
-def test_closing_the_backend_unloads_its_programs(bpf_groups_alone: sched.KernelShardSampler) -> None:
+def test_closing_the_backend_unloads_its_programs(bpf_groups_with_stats: sched.KernelShardSampler) -> None:
     """The agent holds the only references the child handed over (no pins in
     bpffs): once it closes them, the kernel has none of the programs left."""
     import ctypes
@@ -496,7 +499,9 @@ def test_closing_the_backend_unloads_its_programs(bpf_groups_alone: sched.Kernel
 
     from sampler.kernel.libbpf import libbpf
 
-    bpf_groups = bpf_groups_alone
+    # The module's backend with statistics, after the last test that reads
+    # them: a load of its own cost an emulated guest 15-29 s.
+    bpf_groups = bpf_groups_with_stats
     ids = program_ids(bpf_groups)
     assert len(ids) == len(loaded_programs(bpf_groups))
     lib = libbpf()
@@ -618,19 +623,32 @@ def test_kernel_version_code_from_a_release() -> None:
     assert kernel_version_code("6.13-rc1") == (6 << 16) + (13 << 8)
 
 
-def test_program_that_fails_to_compile_does_not_crash_auto(tmp_path: Path) -> None:
+BROKEN_PROGRAMS = {
+    "broken.bpf.c": "int on_tick(struct bpf_perf_event_data *ctx) { return undeclared_thing; }\n",
+    "noattach.bpf.c": "RAW_TRACEPOINT_PROBE(no_such_tracepoint_here) { return 0; }\n",
+}
+
+
+@pytest.fixture(scope="module")
+def broken_programs_loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Why each of BROKEN_PROGRAMS does not load: both loads at once, each in
+    a loader child of its own (each is a compile: 10 s in an emulated guest)."""
     need_root()
-    src = tmp_path / "broken.bpf.c"
-    src.write_text("int on_tick(struct bpf_perf_event_data *ctx) { return undeclared_thing; }\n")
-    reason = loads_or_says_why(source=src)
+    folder = tmp_path_factory.mktemp("broken")
+    for name, text in BROKEN_PROGRAMS.items():
+        (folder / name).write_text(text)
+    with ThreadPoolExecutor(len(BROKEN_PROGRAMS)) as pool:
+        reasons = pool.map(lambda name: loads_or_says_why(source=folder / name), BROKEN_PROGRAMS)
+        return dict(zip(BROKEN_PROGRAMS, reasons, strict=True))
+
+
+def test_program_that_fails_to_compile_does_not_crash_auto(broken_programs_loaded: dict[str, str]) -> None:
+    reason = broken_programs_loaded["broken.bpf.c"]
     assert "compiling or attaching broken.bpf.c failed" in reason and "undeclared" in reason
 
 
-def test_program_that_fails_to_attach_falls_back(tmp_path: Path) -> None:
-    need_root()
-    src = tmp_path / "noattach.bpf.c"
-    src.write_text("RAW_TRACEPOINT_PROBE(no_such_tracepoint_here) { return 0; }\n")
-    assert "compiling or attaching noattach.bpf.c failed" in loads_or_says_why(source=src)
+def test_program_that_fails_to_attach_falls_back(broken_programs_loaded: dict[str, str]) -> None:
+    assert "compiling or attaching noattach.bpf.c failed" in broken_programs_loaded["noattach.bpf.c"]
 
 
 def test_missing_capabilities_fall_back() -> None:
@@ -638,12 +656,15 @@ def test_missing_capabilities_fall_back() -> None:
     need_root()
     base = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-m", "nodesampler", "sample",
             "--duration", "0.1"]  # fmt: skip
-    r = subprocess.run([*base, "--backend", "bpf"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 3, r.stderr
-    assert "missing capabilities" in r.stderr
-    r = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert '"backend": "proc"' in r.stdout and "missing capabilities" in r.stdout
+    # Both at once: each is mostly the agent's imports (15 s in an emulated arm64 guest).
+    asked_bpf = subprocess.Popen([*base, "--backend", "bpf"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    auto = subprocess.Popen([*base, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = asked_bpf.communicate(timeout=60)
+    assert asked_bpf.returncode == 3, err
+    assert "missing capabilities" in err
+    out, err = auto.communicate(timeout=60)
+    assert auto.returncode == 0, err
+    assert '"backend": "proc"' in out and "missing capabilities" in out
 
 
 def test_waits_for_a_cpu_from_the_kernel_histogram(
