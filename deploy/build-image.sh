@@ -60,9 +60,11 @@ echo "build-image: wheels" >&2
 for platform in $platforms; do
     arch=${platform#linux/}
     case $arch in arm64) machine=aarch64 ;; amd64) machine=x86_64 ;; *) echo "build-image: no platform $platform" >&2; exit 2 ;; esac
-    mkdir -p "$ctx/wheels/$arch"
-    cp "$ctx"/wheels/nodesampler-*.whl "$ctx/wheels/$arch/"
-    "$py" -m pip download -q --disable-pip-version-check --only-binary=:all: --no-deps -d "$ctx/wheels/$arch" \
+    # Two folders, two layers (deploy/Dockerfile): the dependencies', kept by
+    # the builder while they do not change, and nodesampler's own.
+    mkdir -p "$ctx/wheels/$arch/deps" "$ctx/wheels/$arch/nodesampler"
+    cp "$ctx"/wheels/nodesampler-*.whl "$ctx/wheels/$arch/nodesampler/"
+    "$py" -m pip download -q --disable-pip-version-check --only-binary=:all: --no-deps -d "$ctx/wheels/$arch/deps" \
         --python-version 3.11 --implementation cp --platform "manylinux_2_28_$machine" \
         --platform "manylinux_2_17_$machine" --platform "manylinux2014_$machine" -r deploy/image-requirements.txt >&2
 done
