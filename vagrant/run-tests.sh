@@ -35,7 +35,18 @@
 # NODESAMPLER_VM_CPU (-cpu, default qemu64), NODESAMPLER_VM_BOOT_SECONDS (a
 # boot's limit, 1200), NODESAMPLER_VM_PARALLEL (guests booted side by side, 1:
 # two halve the time, and load each guest past what its tests allow, below).
+#
+# `run-tests.sh --images` builds the images the lines lack and boots nothing:
+# a machine's cache made ready ahead of its first run (the arm64 image takes
+# 10-26 minutes under qemu-user). Not beside `make test`: both apt and
+# binfmt_misc registration race there, and the builds' CPU starves its tests.
 set -euo pipefail
+images_only=0
+case ${1:-} in
+    --images) images_only=1 ;;
+    "") ;;
+    *) echo "run-tests.sh: unknown argument $1 (--images: build the images only)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 root=$(pwd)
 cache=${NODESAMPLER_VM_CACHE:-$root/.vm-cache}
@@ -65,7 +76,9 @@ for tool in $tools; do
     command -v "${tool%%:*}" >/dev/null || missing="$missing ${tool##*:}"
 done
 if [ -n "$missing" ]; then
-    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
+    # apt waits for another apt rather than fail (a build of the agent's image, `make setup`).
+    apt-get -o DPkg::Lock::Timeout=900 update -q \
+        && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y -q --no-install-recommends $missing
 fi
 
 # An arm64 root is built by running its programs (dpkg's scripts, provision.sh)
@@ -207,6 +220,18 @@ done
 for suite in "${!building[@]}"; do
     wait "${building[$suite]}" || building[$suite]=failed
 done
+if [ "$images_only" = 1 ]; then
+    for suite in $lines; do
+        case ${building[$suite]:-cached} in
+            failed) echo "vm-test: $suite: no image"; sed 's/^/    /' "$cache/$suite.build.log" ;;
+            cached) echo "vm-test: $suite: image cached" ;;
+            *) echo "vm-test: $suite: image built in $(cat "$(image_dir "$suite")/build-seconds") s" ;;
+        esac
+    done
+    echo "vm-test: images in $((SECONDS - started)) s"
+    for suite in "${!building[@]}"; do [ "${building[$suite]}" != failed ] || exit 1; done
+    exit 0
+fi
 
 # One line's guest, booted again where it hung or died: its exit code (or
 # "hung"), the hangs' reasons and its seconds, in $cache/<line>.result.
