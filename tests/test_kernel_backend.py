@@ -200,11 +200,14 @@ def test_bpf_statistics_stay_off_unless_asked_for(bpf_groups: sched.KernelShardS
         assert after == before
 
 
+# Forks enough that a child left in the map would show (each is added at
+# fork and removed at exit); 2,000 rather than 5,000: the churn took 47 s of
+# the arm64 guest's run.
 FORK_CHURN = """
 import os, sys
 print("ready", flush=True)
 sys.stdin.readline()
-for _ in range(5000):
+for _ in range(2000):
     pid = os.fork()
     if pid == 0:
         os._exit(0)
@@ -231,7 +234,7 @@ def test_pid_churn_leaves_the_task_map_bounded(bpf_groups_with_stats: sched.Kern
         assert bpf_groups.members.size() == 1
         assert bpf_groups.dropped_forks() == 0
         forks = bpf_groups.program_stats()["raw_tracepoint__sched_process_fork"][1] - forks_before
-        assert forks >= 5000
+        assert forks >= 2000
     finally:
         p.kill()
         p.wait()
