@@ -13,7 +13,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -583,23 +583,50 @@ def load_without_headers(kernel_headers: str = "") -> subprocess.CompletedProces
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parent.parent)
 
 
+BROKEN_PROGRAMS = {
+    "broken.bpf.c": "int on_tick(struct bpf_perf_event_data *ctx) { return undeclared_thing; }\n",
+    "noattach.bpf.c": "RAW_TRACEPOINT_PROBE(no_such_tracepoint_here) { return 0; }\n",
+}
+
+
+class ChildLoads(NamedTuple):
+    """The module's loads that each end in a child of their own."""
+
+    without_headers: subprocess.CompletedProcess[str]  # an agent's load, no kernel headers in sight
+    installed_without_headers: subprocess.CompletedProcess[str]  # the same, asked for the installed ones
+    broken: dict[str, str]  # why each of BROKEN_PROGRAMS does not load
+
+
 @pytest.fixture(scope="module")
-def agent_loaded_without_headers() -> subprocess.CompletedProcess[str]:
-    """One agent's load with no kernel headers in sight, for the tests that
-    read it (a load is a compile: 12-20 s in an emulated guest)."""
+def loads_in_children(tmp_path_factory: pytest.TempPathFactory) -> ChildLoads:
+    """The module's loads in children, all at once: each is mostly a compile
+    or the compiler's start (10-34 s each in an emulated guest), and one
+    after another they took a minute of the arm64 guest's run."""
     need_root()
-    return load_without_headers()
+    folder = tmp_path_factory.mktemp("broken")
+    for name, text in BROKEN_PROGRAMS.items():
+        (folder / name).write_text(text)
+    with ThreadPoolExecutor(2 + len(BROKEN_PROGRAMS)) as pool:
+        without = pool.submit(load_without_headers)
+        installed = pool.submit(load_without_headers, "installed")
+        broken = {name: pool.submit(loads_or_says_why, source=folder / name) for name in BROKEN_PROGRAMS}
+        return ChildLoads(without.result(), installed.result(), {name: f.result() for name, f in broken.items()})
 
 
-def test_loads_on_a_machine_without_kernel_headers(
-        agent_loaded_without_headers: subprocess.CompletedProcess[str]) -> None:  # fmt: skip
+@pytest.fixture(scope="module")
+def agent_loaded_without_headers(loads_in_children: ChildLoads) -> subprocess.CompletedProcess[str]:
+    """One agent's load with no kernel headers in sight, for the tests that read it."""
+    return loads_in_children.without_headers
+
+
+def test_loads_on_a_machine_without_kernel_headers(loads_in_children: ChildLoads) -> None:
     """The headers bpf/include/ ships are all the programs need: with none of
     the distribution's in sight the backend compiles and attaches; asked for
     the installed ones there, it says they are missing."""
-    r = agent_loaded_without_headers
+    r = loads_in_children.without_headers
     assert r.returncode == 0 and r.stdout.startswith("{"), r.stdout + r.stderr
     assert "kernel backend compiled against bundled headers" in r.stderr
-    r = load_without_headers("installed")
+    r = loads_in_children.installed_without_headers
     assert r.stdout.startswith(f"no kernel headers installed for {os.uname().release}"), r.stdout + r.stderr
 
 
@@ -626,32 +653,13 @@ def test_kernel_version_code_from_a_release() -> None:
     assert kernel_version_code("6.13-rc1") == (6 << 16) + (13 << 8)
 
 
-BROKEN_PROGRAMS = {
-    "broken.bpf.c": "int on_tick(struct bpf_perf_event_data *ctx) { return undeclared_thing; }\n",
-    "noattach.bpf.c": "RAW_TRACEPOINT_PROBE(no_such_tracepoint_here) { return 0; }\n",
-}
-
-
-@pytest.fixture(scope="module")
-def broken_programs_loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Why each of BROKEN_PROGRAMS does not load: both loads at once, each in
-    a loader child of its own (each is a compile: 10 s in an emulated guest)."""
-    need_root()
-    folder = tmp_path_factory.mktemp("broken")
-    for name, text in BROKEN_PROGRAMS.items():
-        (folder / name).write_text(text)
-    with ThreadPoolExecutor(len(BROKEN_PROGRAMS)) as pool:
-        reasons = pool.map(lambda name: loads_or_says_why(source=folder / name), BROKEN_PROGRAMS)
-        return dict(zip(BROKEN_PROGRAMS, reasons, strict=True))
-
-
-def test_program_that_fails_to_compile_does_not_crash_auto(broken_programs_loaded: dict[str, str]) -> None:
-    reason = broken_programs_loaded["broken.bpf.c"]
+def test_program_that_fails_to_compile_does_not_crash_auto(loads_in_children: ChildLoads) -> None:
+    reason = loads_in_children.broken["broken.bpf.c"]
     assert "compiling or attaching broken.bpf.c failed" in reason and "undeclared" in reason
 
 
-def test_program_that_fails_to_attach_falls_back(broken_programs_loaded: dict[str, str]) -> None:
-    assert "compiling or attaching noattach.bpf.c failed" in broken_programs_loaded["noattach.bpf.c"]
+def test_program_that_fails_to_attach_falls_back(loads_in_children: ChildLoads) -> None:
+    assert "compiling or attaching noattach.bpf.c failed" in loads_in_children.broken["noattach.bpf.c"]
 
 
 def test_missing_capabilities_fall_back() -> None:
