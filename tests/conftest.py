@@ -93,13 +93,15 @@ def bpf_groups_with_stats() -> Iterator[KernelShardSampler]:
     yield from _bpf_groups(bpf_stats=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def shared_bpf_groups_fallbacks() -> Iterator[KernelShardSampler]:
     """The fallbacks: sched_switch attached as a raw tracepoint (where tp_btf
     cannot load), and each CPU's run queue found by its tick for the
     kernel's samples (where a task group's cfs_rq is one per-CPU pointer).
-    One load for the run, as the shared backend's: two modules read it, and
-    a load of each cost an emulated guest 27 s."""
+    A module's, not the run's: held for the run, its programs ran beside
+    every later test's, and the one arm64 guest run that held it so was the
+    one whose kernel skipped a sixth of its 1000 Hz periods (a 5 s stall
+    overwrote 55 ms of samples, where a ring of 4.1 s leaves 0.9 s)."""
     yield from _bpf_groups(bpf_stats=False, raw_switch=True, rq_from_tick=True)
 
 
