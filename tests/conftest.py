@@ -72,16 +72,11 @@ def shared_bpf_groups() -> Iterator[KernelShardSampler]:
 def bpf_groups(shared_bpf_groups: KernelShardSampler) -> Iterator[KernelShardSampler]:
     """The kernel backend loaded into this kernel, shared by every test that
     asks for it: each starts watching nothing and leaves nothing watched."""
-    yield from _watching_nothing(shared_bpf_groups)
-
-
-def _watching_nothing(sampler: KernelShardSampler) -> Iterator[KernelShardSampler]:
-    """A shared backend for one test: watching nothing before it and after it."""
     from sampler.shards.selectors import ProcessTable
 
-    sampler.discover([], ProcessTable.walk(PROC))
-    yield sampler
-    sampler.discover([], ProcessTable.walk(PROC))
+    shared_bpf_groups.discover([], ProcessTable.walk(PROC))
+    yield shared_bpf_groups
+    shared_bpf_groups.discover([], ProcessTable.walk(PROC))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +89,7 @@ def bpf_groups_with_stats() -> Iterator[KernelShardSampler]:
 
 
 @pytest.fixture(scope="module")
-def shared_bpf_groups_fallbacks() -> Iterator[KernelShardSampler]:
+def bpf_groups_fallbacks() -> Iterator[KernelShardSampler]:
     """The fallbacks: sched_switch attached as a raw tracepoint (where tp_btf
     cannot load), and each CPU's run queue found by its tick for the
     kernel's samples (where a task group's cfs_rq is one per-CPU pointer).
@@ -103,12 +98,6 @@ def shared_bpf_groups_fallbacks() -> Iterator[KernelShardSampler]:
     one whose kernel skipped a sixth of its 1000 Hz periods (a 5 s stall
     overwrote 55 ms of samples, where a ring of 4.1 s leaves 0.9 s)."""
     yield from _bpf_groups(bpf_stats=False, raw_switch=True, rq_from_tick=True)
-
-
-@pytest.fixture
-def bpf_groups_fallbacks(shared_bpf_groups_fallbacks: KernelShardSampler) -> Iterator[KernelShardSampler]:
-    """The fallbacks' backend, as bpf_groups: each test starts watching nothing and leaves nothing watched."""
-    yield from _watching_nothing(shared_bpf_groups_fallbacks)
 
 
 def _bpf_groups(bpf_stats: bool, raw_switch: bool = False, rq_from_tick: bool = False,

@@ -475,10 +475,10 @@ def loaded_programs(sampler: sched.KernelShardSampler) -> set[str]:
     return set(build.PROGRAMS) - (set() if sampler.ring is not None else {"on_sample"})
 
 
-def test_the_agent_never_holds_the_compiler(agent_loaded_without_headers: subprocess.CompletedProcess[str]) -> None:
+def test_the_agent_never_holds_the_compiler(loads_in_children: ChildLoads) -> None:
     """bcc (and with it LLVM and clang) is loaded by the child that compiles,
     never by the agent, which gets the programs attached all the same."""
-    r = agent_loaded_without_headers
+    r = loads_in_children.without_headers
     assert r.returncode == 0, r.stderr
     loaded = json.loads(r.stdout)
     assert loaded["modules"] == [] and loaded["libraries"] == [], r.stdout
@@ -611,12 +611,6 @@ def loads_in_children(tmp_path_factory: pytest.TempPathFactory) -> ChildLoads:
         installed = pool.submit(load_without_headers, "installed")
         broken = {name: pool.submit(loads_or_says_why, source=folder / name) for name in BROKEN_PROGRAMS}
         return ChildLoads(without.result(), installed.result(), {name: f.result() for name, f in broken.items()})
-
-
-@pytest.fixture(scope="module")
-def agent_loaded_without_headers(loads_in_children: ChildLoads) -> subprocess.CompletedProcess[str]:
-    """One agent's load with no kernel headers in sight, for the tests that read it."""
-    return loads_in_children.without_headers
 
 
 def test_loads_on_a_machine_without_kernel_headers(loads_in_children: ChildLoads) -> None:

@@ -343,8 +343,7 @@ def test_the_machine_s_cpu_is_what_proc_stat_counts(way: str, group: list[subpro
     def truth() -> None:
         if time.monotonic() >= final:
             data = procfs.read_bytes(PROC / "stat")
-            online = sum(1 for line in data.splitlines() if line[:3] == b"cpu" and line[3:4].isdigit())
-            edges.append((time.monotonic(), procfs.parse_cpu_times(data), online))
+            edges.append((time.monotonic(), procfs.parse_cpu_times(data), procfs.count_cpus(data)))
 
     with after_each_reading(ring, truth):
         ws.prime(0)

@@ -31,10 +31,11 @@ def busy_threads(n: int, cpu: int | None = None, duty: float = 1.0, nice: int = 
     (a negative one needs root: where it is refused, the engine runs at its
     own). sha256 of a large buffer releases the GIL: the threads run at
     once, as an engine's do."""
-    pin = f"os.sched_setaffinity(0, {{{cpu}}})\n" if cpu is not None else ""
+    setup = f"os.sched_setaffinity(0, {{{cpu}}})\n" if cpu is not None else ""
     # Set before the threads start: a nice is a thread's own, and new threads take their maker's.
-    pin += f"try:\n    os.setpriority(os.PRIO_PROCESS, 0, {nice})\nexcept PermissionError:\n    pass\n" if nice else ""
-    return (f"import hashlib, os, threading, time\n{pin}data = bytes(1 << 20)\n"
+    if nice:
+        setup += f"try:\n    os.setpriority(os.PRIO_PROCESS, 0, {nice})\nexcept PermissionError:\n    pass\n"
+    return (f"import hashlib, os, threading, time\n{setup}data = bytes(1 << 20)\n"
             "def burn():\n    while True:\n"
             f"        end = time.monotonic() + {0.1 * duty}\n"
             "        while time.monotonic() < end:\n            hashlib.sha256(data).digest()\n"
