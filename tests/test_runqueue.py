@@ -48,7 +48,12 @@ def test_wait_per_window_from_every_thread(tmp_path: Path) -> None:
 
 
 def pinned_burner(cpu: int) -> subprocess.Popen[str]:
-    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nprint('ready', flush=True)\nwhile True:\n    pass\n"
+    """A busy process on `cpu` at nice -20: ahead of whatever else runs there
+    (a CPU hog of `make test-stress`, a neighbour on CI), which then takes
+    about 1% of it (CFS weights 88761 to 1024), so that alone it waits next
+    to nothing (at nice 0 beside the hog it waited 1.0 s of a 2 s window)."""
+    code = (f"import os\nos.setpriority(os.PRIO_PROCESS, 0, -20)\nos.sched_setaffinity(0, {{{cpu}}})\n"
+            "print('ready', flush=True)\nwhile True:\n    pass\n")  # fmt: skip
     return start_group(code)
 
 
@@ -76,8 +81,10 @@ def test_two_busy_groups_on_one_cpu_wait_and_one_alone_does_not(group: list[subp
     assert alone["total"] < 0.1, alone
     for shared in (shared_a, shared_b):
         assert shared["total"] > 0.5, shared  # of a 2 s window
-        # Each wait is of the order of the other's slice (milliseconds), several times the lone one's.
-        assert shared["mean"] > 0.001 and shared["mean"] > 5 * alone.get("mean", 0.0), (shared, alone)
+        # Each wait is of the order of the other's slice (milliseconds). Not
+        # compared with the lone one's mean: a task of anyone's on that CPU
+        # makes each of its rare waits a slice long too (4 ms beside the hog).
+        assert shared["mean"] > 0.001, (shared, alone)
 
 
 @pytest.mark.live
