@@ -7,9 +7,11 @@
  * is written, or read before the count, shows here. Compiled and run by
  * tests/test_kernel_samples.py's publication test.
  *
- *   ring_reader HEAD_FD TIME_FD RING_LEN SECONDS
+ *   ring_reader HEAD_FD TIME_FD RING_LEN SECONDS MIN_READS
  *
  * HEAD_FD and TIME_FD: the sample_head and sample_time maps (inherited).
+ * Reads for SECONDS and until it has made MIN_READS reads of new samples (a
+ * loaded machine gives it fewer a second), for at most a minute more.
  * Prints "read N lost N disorder N reads N": disorder counts the samples
  * whose time is not after the one before, or whose busy time over the same
  * CPUs is less (an entry of the ring's lap before, or torn).
@@ -34,13 +36,14 @@ static double now(void)
 
 int main(int argc, char **argv)
 {
-    if (argc != 5) {
-        fprintf(stderr, "usage: ring_reader HEAD_FD TIME_FD RING_LEN SECONDS\n");
+    if (argc != 6) {
+        fprintf(stderr, "usage: ring_reader HEAD_FD TIME_FD RING_LEN SECONDS MIN_READS\n");
         return 2;
     }
     int head_fd = atoi(argv[1]), time_fd = atoi(argv[2]);
     uint64_t ring_len = strtoull(argv[3], NULL, 10);
     double seconds = atof(argv[4]);
+    uint64_t min_reads = strtoull(argv[5], NULL, 10);
     volatile uint64_t *written = mmap(NULL, 64, PROT_READ, MAP_SHARED, head_fd, 0);
     volatile struct sample_time *ring =
         mmap(NULL, ring_len * sizeof(struct sample_time), PROT_READ, MAP_SHARED, time_fd, 0);
@@ -52,8 +55,8 @@ int main(int argc, char **argv)
     uint64_t read = 0, lost = 0, disorder = 0, reads = 0, last = *written;
     struct sample_time prev = {0};
     int have_prev = 0;
-    double until = now() + seconds;
-    while (now() < until) {
+    double until = now() + seconds, limit = until + 60;
+    for (double t = now(); (t < until || reads < min_reads) && t < limit; t = now()) {
         uint64_t n = *written;
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
         if (n == last)
