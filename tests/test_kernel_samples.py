@@ -27,6 +27,7 @@ import pytest
 from sampler.backend import BackendChoice
 from sampler.kernel import sched
 from sampler.kernel.headers import kernel_version_code
+from sampler.kernel.sample_ring import RingSamples
 from sampler.shards.selectors import ProcessTable, Selector, ShardSpec
 from sampler.sources import procfs
 from sampler.window.sampler import WindowSampler
@@ -595,7 +596,7 @@ def test_the_ring_s_publication_holds_at_its_highest_rate(
         [str(reader), *map(str, fds), str(samples.ring_len), "3", "1001"], pass_fds=fds, stdout=subprocess.PIPE,
         text=True)  # fmt: skip
     samples.start(100_000)
-    reads = []
+    reads: list[RingSamples] = []
     try:
         until, limit = time.monotonic() + 3.0, time.monotonic() + 63.0
         # The kernel writes on till both readers are done: the C reader counts a read only where it found new samples.
