@@ -34,7 +34,7 @@
 # tcg; tcg,thread=single for one host thread for all vCPUs),
 # NODESAMPLER_VM_CPU (-cpu, default qemu64), NODESAMPLER_VM_BOOT_SECONDS (a
 # boot's limit, 1200), NODESAMPLER_VM_PARALLEL (guests booted side by side, 1:
-# two halve the time, and load each guest past what its tests allow, below).
+# two take 85% of the time here, and load each guest past what its tests allow, below).
 #
 # `run-tests.sh --images` builds the images the lines lack and boots nothing:
 # a machine's cache made ready ahead of its first run (the arm64 image takes
@@ -253,8 +253,8 @@ run_line() {
 # The guests, $parallel at a time, the longest first (an emulated arm64 line,
 # then the newest kernels, which run the most tests): a guest keeps about
 # 1.1 of the host's cores busy (TCG, 2 vCPUs; measured on a 2-core machine:
-# 460 s of CPU in a 400 s line), so two side by side finish the four lines
-# in a little over half the time. Each guest's clock is the host's: a test
+# 460 s of CPU in a 400 s line), yet two side by side ran each 1.6 times
+# slower and finished the four lines in 1,492 s against 1,753 one at a time. Each guest's clock is the host's: a test
 # in a guest held off the host's CPUs sees a loaded machine, which every
 # test allows for.
 ordered=$(for suite in $lines; do case $suite in *-arm64) echo "$suite" ;; esac; done
