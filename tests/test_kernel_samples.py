@@ -592,15 +592,16 @@ def test_the_ring_s_publication_holds_at_its_highest_rate(
     samples.stop()
     written_from = samples.written()
     fds = (maps["sample_head"].fd, maps["sample_time"].fd)
+    agent_reads, c_reads = 300, 1_000  # each reader's races with the writer, at least
     fast = None if reader is None else subprocess.Popen(
-        [str(reader), *map(str, fds), str(samples.ring_len), "3", "1001"], pass_fds=fds, stdout=subprocess.PIPE,
-        text=True)  # fmt: skip
+        [str(reader), *map(str, fds), str(samples.ring_len), "3", str(c_reads + 1)], pass_fds=fds,
+        stdout=subprocess.PIPE, text=True)  # fmt: skip
     samples.start(100_000)
     reads: list[RingSamples] = []
     try:
         until, limit = time.monotonic() + 3.0, time.monotonic() + 63.0
         # The kernel writes on till both readers are done: the C reader counts a read only where it found new samples.
-        while time.monotonic() < until or len(reads) <= 300 or (fast is not None and fast.poll() is None):
+        while time.monotonic() < until or len(reads) <= agent_reads or (fast is not None and fast.poll() is None):
             assert time.monotonic() < limit, f"{len(reads)} reads in a minute"
             reads.append(samples.take(ring._slots))
     finally:
@@ -617,9 +618,9 @@ def test_the_ring_s_publication_holds_at_its_highest_rate(
     assert out_of_order(at, busy, cpus) == 0
     assert read + lost == written
     # The writer and the readers raced, many times (the emulated arm64 guest: 32,608 samples, 1,235 and 7,179 reads).
-    assert read > 10_000 and len(reads) > 300
+    assert read > 10_000 and len(reads) > agent_reads
     if fast is None:
         return  # the C reader said why it did not run, above
     fast_read, fast_lost, disorder, fast_reads = map(int, fast_out.split()[1::2])
     assert disorder == 0
-    assert fast_read > 10_000 and fast_reads > 1_000
+    assert fast_read > 10_000 and fast_reads > c_reads

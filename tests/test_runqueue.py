@@ -17,7 +17,7 @@ from sampler.shards.selectors import Selector, ShardSpec
 from sampler.sources import procfs
 from sampler.sources.runqueue import RunQueueWaitSampler, parse_schedstat
 from sampler.window.sampler import WindowSampler
-from tests.workloads import PROC, start_group
+from tests.workloads import PROC, busy_threads, start_group
 
 
 def write_threads(root: Path, pid: int, threads: dict[int, tuple[int, int, int]]) -> None:
@@ -52,9 +52,7 @@ def pinned_burner(cpu: int) -> subprocess.Popen[str]:
     (a CPU hog of `make test-stress`, a neighbour on CI), which then takes
     about 1% of it (CFS weights 88761 to 1024), so that alone it waits next
     to nothing (at nice 0 beside the hog it waited 1.0 s of a 2 s window)."""
-    code = (f"import os\nos.setpriority(os.PRIO_PROCESS, 0, -20)\nos.sched_setaffinity(0, {{{cpu}}})\n"
-            "print('ready', flush=True)\nwhile True:\n    pass\n")  # fmt: skip
-    return start_group(code)
+    return start_group(busy_threads(1, cpu=cpu, nice=-20))
 
 
 def wait_of(p: subprocess.Popen[str]) -> dict[str, float]:
